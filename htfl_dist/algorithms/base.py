@@ -1,0 +1,252 @@
+"""The algorithm interface: maths only, no processes, no files.
+
+An algorithm is a (``ServerAlgorithm``, ``ClientAlgorithm``) pair registered by name with an
+options dataclass (its ``algo.*`` config keys). The runtime owns the round loop:
+
+    server.download()  --broadcast-->  client.train(...) on each participant
+    client upload      --gather----->  server.update(uploads ordered by client id)
+    server.download()  --broadcast-->  client.predict(...) on every client's test split
+
+Payloads are declared (``download_spec`` / ``upload_spec``) so they travel as tensors.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from htfl_dist.config import TrainConfig, build_section
+from htfl_dist.errors import ConfigError, ProtocolError
+from htfl_dist.runtime.wire import Payload, PayloadSpec
+
+
+@dataclass(frozen=True)
+class AlgorithmContext:
+    """What an algorithm may know about the run."""
+
+    num_classes: int
+    feature_dim: int
+    seed: int
+    train: TrainConfig
+    options: Any  # the algorithm's options dataclass instance
+
+
+@dataclass
+class ClientState:
+    """One logical client's private state; lives on the rank that hosts it."""
+
+    client_id: int
+    architecture: str
+    model: nn.Module  # htfl_dist.models.SplitModel
+    optimizer: torch.optim.Optimizer
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    device: torch.device
+
+    @property
+    def classes(self) -> torch.Tensor:
+        """Classes present in the training split (the C_i of the papers), sorted."""
+        return torch.unique(self.train_y)
+
+
+@dataclass
+class TrainResult:
+    upload: Payload
+    loss_sum: float
+    samples: int
+
+
+class ClientAlgorithm:
+    """Client half: local training and inference."""
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        self.context = context
+        self.options = context.options
+
+    @classmethod
+    def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        """Declared upload payload (client → server); empty for algorithms that share nothing."""
+        return ()
+
+    def train(self, client: ClientState, knowledge: Payload, round_index: int,
+              generator: torch.Generator) -> TrainResult:
+        """Train one participating client for the round; ``generator`` (seeded from
+        seed, client id and round by the runtime) orders its batches."""
+        raise NotImplementedError
+
+    def theory_upload_floats(self, client: ClientState) -> int:
+        """The paper's count of floats this client uploads per round (for bytes_theory_up)."""
+        return 0
+
+    def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor:
+        """The algorithm's own inference rule (default: the head's argmax)."""
+        return logits.argmax(dim=1)
+
+
+class ServerAlgorithm:
+    """Server half: turns the round's uploads into global knowledge."""
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        self.context = context
+        self.options = context.options
+
+    @classmethod
+    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        """Declared download payload (server → clients); known to clients without a server."""
+        return ()
+
+    def download(self) -> Payload:
+        """Global knowledge sent to every client (empty for algorithms that share nothing)."""
+        return {}
+
+    def theory_download_floats(self) -> int:
+        """The paper's count of floats each participating client downloads per round."""
+        return 0
+
+    def update(self, uploads: dict[int, Payload], round_index: int) -> dict[str, float]:
+        """Consume the uploads (keyed and ordered by client id); return diagnostics."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class AlgorithmEntry:
+    name: str
+    server: type[ServerAlgorithm]
+    client: type[ClientAlgorithm]
+    options: type
+    summary: str
+
+
+_REGISTRY: dict[str, AlgorithmEntry] = {}
+
+
+def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type[ClientAlgorithm],
+                       options: type, summary: str) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"algorithm {name!r} registered twice")
+    _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary)
+
+
+def algorithm_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_algorithm(name: str) -> AlgorithmEntry:
+    key = name.lower()
+    if key not in _REGISTRY:
+        raise ConfigError(f"unknown algorithm {name!r}; allowed: {', '.join(algorithm_names())}")
+    return _REGISTRY[key]
+
+
+def parse_options(entry: AlgorithmEntry, raw: dict[str, Any]) -> Any:
+    """Validate ``algo.*`` against the algorithm's options dataclass."""
+    options = build_section(entry.options, raw, "algo.")
+    check = getattr(options, "validate", None)
+    if check is not None:
+        check()
+    return options
+
+
+def options_dict(options: Any) -> dict[str, Any]:
+    return dataclasses.asdict(options)
+
+
+# ----------------------------------------------------------------------------- shared maths
+
+
+def run_local_training(client: ClientState, context: AlgorithmContext, round_index: int,
+                       loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+                       generator: torch.Generator,
+                       on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                       ) -> tuple[float, int]:
+    """SGD over the client's training split for ``train.local_epochs`` epochs.
+
+    ``loss_fn(features, logits, labels)`` is the algorithm's objective. Batches are drawn with
+    ``generator`` (derived from seed, client id and round by the runtime), so the sample order
+    does not depend on where the client runs. Returns (sum of batch losses × batch size, samples).
+    """
+    model, optimizer = client.model, client.optimizer
+    batch_size = context.train.batch_size
+    count = client.train_y.shape[0]
+    model.train()
+    loss_sum, seen = 0.0, 0
+    for _ in range(context.train.local_epochs):
+        order = torch.randperm(count, generator=generator).to(client.device)
+        for start in range(0, count, batch_size):
+            index = order[start : start + batch_size]
+            x, y = client.train_x[index], client.train_y[index]
+            features, logits = model.forward_with_features(x)
+            loss = loss_fn(features, logits, y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if on_batch is not None:
+                on_batch(features.detach(), y)
+            loss_sum += float(loss.detach()) * y.shape[0]
+            seen += y.shape[0]
+    return loss_sum, seen
+
+
+@torch.no_grad()
+def class_prototypes(client: ClientState, num_classes: int,
+                     batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """P_i^c = mean of f_i(x) over the client's training samples of class c (eval mode).
+
+    Returns (class ids int64 [m], prototypes float32 [m, K]) for the m classes it holds.
+    """
+    model = client.model
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(num_classes, model.feature_dim, device=client.device)
+    for start in range(0, client.train_y.shape[0], batch_size):
+        features = model.features(client.train_x[start : start + batch_size])
+        sums.index_add_(0, client.train_y[start : start + batch_size], features)
+    model.train(was_training)
+    counts = torch.bincount(client.train_y, minlength=num_classes)
+    present = torch.nonzero(counts > 0).flatten()
+    protos = sums[present] / counts[present].unsqueeze(1).to(sums.dtype)
+    return present.to(torch.int64).cpu(), protos.float().cpu()
+
+
+class PrototypeAccumulator:
+    """Running per-class feature sums, for prototypes 'during training' (HtFLlib FedProto)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[int, torch.Tensor] = {}
+        self.counts: dict[int, int] = {}
+
+    def add(self, features: torch.Tensor, labels: torch.Tensor) -> None:
+        for label in torch.unique(labels).tolist():
+            mask = labels == label
+            batch_sum = features[mask].sum(dim=0)
+            self.sums[label] = self.sums.get(label, 0) + batch_sum
+            self.counts[label] = self.counts.get(label, 0) + int(mask.sum())
+
+    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
+        labels = sorted(self.sums)
+        protos = torch.stack([self.sums[c] / self.counts[c] for c in labels])
+        return torch.tensor(labels, dtype=torch.int64), protos.float().cpu()
+
+
+def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:
+    """Semantic checks on an upload of class-indexed rows (the runtime already checked dtype/shape)."""
+    if class_ids.shape[0] != rows.shape[0]:
+        raise ProtocolError(f"client {client_id} sent {class_ids.shape[0]} class ids for {rows.shape[0]} rows")
+    if class_ids.numel() and (class_ids.min() < 0 or class_ids.max() >= num_classes):
+        raise ProtocolError(f"client {client_id} sent a class id outside [0, {num_classes})")
+    if torch.unique(class_ids).numel() != class_ids.numel():
+        raise ProtocolError(f"client {client_id} sent a class id twice")
+    if not torch.isfinite(rows).all():
+        raise ProtocolError(f"client {client_id} sent NaN/Inf values")

@@ -1,0 +1,201 @@
+"""FedProto (Tan et al., AAAI 2022) as specified in shared/specs/fedtgp.md §2–4, 6.
+
+Clients upload one prototype per class they hold; the server averages them per class;
+clients regularise their features towards the global prototypes and classify by the
+nearest global prototype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from htfl_dist.algorithms.base import (
+    AlgorithmContext, ClientAlgorithm, ClientState, PrototypeAccumulator, ServerAlgorithm, TrainResult,
+    check_class_rows, class_prototypes, register_algorithm, run_local_training,
+)
+from htfl_dist.errors import ConfigError, ProtocolError
+from htfl_dist.runtime.wire import Field, Payload, PayloadSpec
+
+CLIENT_REGULARISERS = ("paper", "htfllib")
+PROTO_SOURCES = ("post_update", "pre_update", "during_training")
+DEFAULT_REG_WEIGHT = {"paper": 0.1, "htfllib": 10.0}
+
+
+@dataclass
+class PrototypeOptions:
+    """Client-side options shared by the prototype methods (FedProto, FedTGP)."""
+
+    client_reg: str = "paper"
+    """paper: λ·mean_c ‖P_i^c − P̂^c‖₂ over the batch's class means (Eq. 4/11);
+    htfllib: λ·MSE(f(x), P̂^y) per sample, as the reference code does."""
+    reg_weight: float | None = None
+    """λ; default 0.1 for client_reg=paper, 10 for client_reg=htfllib."""
+    proto_from: str = "post_update"
+    """post_update (paper) | pre_update (HtFLlib FedTGP) | during_training (HtFLlib FedProto)."""
+
+    def validate(self) -> None:
+        if self.client_reg not in CLIENT_REGULARISERS:
+            raise ConfigError(f"config key 'algo.client_reg' is {self.client_reg!r}; allowed: "
+                              f"{', '.join(CLIENT_REGULARISERS)}")
+        if self.proto_from not in PROTO_SOURCES:
+            raise ConfigError(f"config key 'algo.proto_from' is {self.proto_from!r}; allowed: "
+                              f"{', '.join(PROTO_SOURCES)}")
+        if self.reg_weight is None:
+            self.reg_weight = DEFAULT_REG_WEIGHT[self.client_reg]
+        if self.reg_weight < 0:
+            raise ConfigError(f"config key 'algo.reg_weight' must be >= 0, got {self.reg_weight}")
+
+
+@dataclass
+class FedProtoOptions(PrototypeOptions):
+    weighted: bool = False
+    """Weight the server mean by class counts (paper Eq. 3; puts counts on the wire)."""
+
+
+def prototype_fields(feature_dim: int) -> PayloadSpec:
+    """Class-indexed prototype rows: only the classes the sender has travel."""
+    return (Field("class_ids", torch.int64), Field("protos", torch.float32, (feature_dim,)))
+
+
+def dense_prototypes(knowledge: Payload, num_classes: int, device: torch.device
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table [C, K], available mask [C]) from the downloaded (class_ids, protos) rows."""
+    class_ids, protos = knowledge["class_ids"], knowledge["protos"]
+    table = torch.zeros(num_classes, protos.shape[1], device=device)
+    available = torch.zeros(num_classes, dtype=torch.bool, device=device)
+    table[class_ids.to(device)] = protos.to(device)
+    available[class_ids.to(device)] = True
+    return table, available
+
+
+def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, labels: torch.Tensor,
+                          table: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+    """λ·φ between this batch's features and the global prototypes (0 where none exists)."""
+    if options.client_reg == "htfllib":
+        target = torch.where(available[labels].unsqueeze(1), table[labels], features.detach())
+        return options.reg_weight * F.mse_loss(features, target)
+    keep = available[labels]
+    if not bool(keep.any()):
+        return features.sum() * 0.0
+    labels_kept, features_kept = labels[keep], features[keep]
+    classes, inverse = torch.unique(labels_kept, return_inverse=True)
+    sums = torch.zeros(classes.shape[0], features.shape[1], device=features.device, dtype=features.dtype)
+    sums.index_add_(0, inverse, features_kept)
+    counts = torch.bincount(inverse, minlength=classes.shape[0]).unsqueeze(1).to(features.dtype)
+    batch_protos = sums / counts
+    return options.reg_weight * (batch_protos - table[classes]).norm(dim=1).mean()
+
+
+class PrototypeClient(ClientAlgorithm):
+    """Client of the prototype methods: CE + λ·φ(P_i, P̂), upload P_i^c for c ∈ C_i,
+    classify by the nearest global prototype."""
+
+    @classmethod
+    def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        return prototype_fields(context.feature_dim)
+
+    def train(self, client: ClientState, knowledge: Payload, round_index: int,
+              generator: torch.Generator) -> TrainResult:
+        num_classes = self.context.num_classes
+        has_global = knowledge["class_ids"].numel() > 0
+        table, available = dense_prototypes(knowledge, num_classes, client.device)
+
+        def loss_fn(features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss = F.cross_entropy(logits, labels)
+            if has_global:
+                loss = loss + prototype_regulariser(self.options, features, labels, table, available)
+            return loss
+
+        source = self.options.proto_from
+        pre_update = class_prototypes(client, num_classes) if source == "pre_update" else None
+        accumulator = PrototypeAccumulator() if source == "during_training" else None
+        loss_sum, seen = run_local_training(client, self.context, round_index, loss_fn, generator,
+                                            on_batch=accumulator.add if accumulator else None)
+        if pre_update is not None:
+            class_ids, protos = pre_update
+        elif accumulator is not None:
+            class_ids, protos = accumulator.result()
+        else:
+            class_ids, protos = class_prototypes(client, num_classes)
+        return TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
+
+    def make_upload(self, client: ClientState, class_ids: torch.Tensor, protos: torch.Tensor) -> Payload:
+        return {"class_ids": class_ids, "protos": protos}
+
+    def theory_upload_floats(self, client: ClientState) -> int:
+        """K·|C_i| (paper Table 5)."""
+        return self.context.feature_dim * int(client.classes.numel())
+
+    def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor:
+        class_ids, protos = knowledge["class_ids"], knowledge["protos"]
+        if class_ids.numel() == 0:
+            return torch.full((features.shape[0],), -1, dtype=torch.int64, device=features.device)
+        distances = torch.cdist(features, protos.to(features.device))
+        return class_ids.to(features.device)[distances.argmin(dim=1)]
+
+
+class FedProtoClient(PrototypeClient):
+    @classmethod
+    def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        counts = (Field("counts", torch.int64),) if context.options.weighted else ()
+        return prototype_fields(context.feature_dim) + counts
+
+    def make_upload(self, client: ClientState, class_ids: torch.Tensor, protos: torch.Tensor) -> Payload:
+        upload = super().make_upload(client, class_ids, protos)
+        if self.options.weighted:
+            counts = torch.bincount(client.train_y.cpu(), minlength=self.context.num_classes)
+            upload["counts"] = counts[class_ids]
+        return upload
+
+
+class FedProtoServer(ServerAlgorithm):
+    """P̄^c = (weighted) mean of the uploaded P_i^c; classes nobody uploaded are absent."""
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        super().__init__(context)
+        self.class_ids = torch.empty(0, dtype=torch.int64)
+        self.protos = torch.empty(0, context.feature_dim)
+
+    @classmethod
+    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        return prototype_fields(context.feature_dim)
+
+    def download(self) -> Payload:
+        return {"class_ids": self.class_ids, "protos": self.protos}
+
+    def theory_download_floats(self) -> int:
+        """K·C (paper Table 5: every class's global prototype)."""
+        return self.context.feature_dim * self.context.num_classes
+
+    def update(self, uploads: dict[int, Payload], round_index: int) -> dict[str, float]:
+        num_classes, dim = self.context.num_classes, self.context.feature_dim
+        sums = torch.zeros(num_classes, dim, dtype=torch.float64)
+        weights = torch.zeros(num_classes, dtype=torch.float64)
+        for client_id in sorted(uploads):
+            payload = uploads[client_id]
+            check_class_rows(client_id, payload["class_ids"], payload["protos"], num_classes)
+            if self.options.weighted:
+                weight = payload["counts"].to(torch.float64)
+                if weight.shape[0] != payload["class_ids"].shape[0] or bool((weight <= 0).any()):
+                    raise ProtocolError(f"client {client_id} sent invalid class counts")
+            else:
+                weight = torch.ones(payload["class_ids"].shape[0], dtype=torch.float64)
+            sums.index_add_(0, payload["class_ids"], payload["protos"].to(torch.float64) * weight.unsqueeze(1))
+            weights.index_add_(0, payload["class_ids"], weight)
+        present = torch.nonzero(weights > 0).flatten()
+        self.class_ids = present.to(torch.int64)
+        self.protos = (sums[present] / weights[present].unsqueeze(1)).float()
+        return {"global_classes": float(present.numel())}
+
+    def state_dict(self) -> dict:
+        return {"class_ids": self.class_ids, "protos": self.protos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.class_ids, self.protos = state["class_ids"], state["protos"]
+
+
+register_algorithm("fedproto", server=FedProtoServer, client=FedProtoClient, options=FedProtoOptions,
+                   summary="per-class mean of client prototypes (Tan et al. 2022)")

@@ -1,0 +1,343 @@
+"""Typed run configuration: YAML file + dotted ``key=value`` overrides, validated once.
+
+The schema is a tree of dataclasses. Every field has a type, a default and (where the
+set of values is closed) an allowed list, so a mistake is reported as one line naming
+the dotted key and what it accepts. Algorithm-specific options live under ``algo`` and
+are validated by the chosen algorithm's own options dataclass (see ``algorithms``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from htfl_dist.errors import ConfigError
+
+DEFAULT_FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
+
+
+def default_cache_dir() -> str:
+    """Partition caches live outside the run directory so runs share them."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "htfl_dist", "partitions")
+
+
+@dataclass
+class DataConfig:
+    """Which data, and how it is split across logical clients."""
+
+    dataset: str = "fmnist"
+    """fmnist | cifar10 | cifar100"""
+    root: str | None = None
+    """Directory holding the dataset files (fmnist default: the OS package's directory)."""
+    partition: str = "dirichlet"
+    """pathological | dirichlet | pfllib"""
+    beta: float = 0.1
+    """Dirichlet concentration (practical setting); must be > 0."""
+    classes_per_client: int = 2
+    """Pathological setting: classes held by each client."""
+    train_ratio: float = 0.75
+    """Per-client train share; the rest is that client's test split."""
+    subsample: float = 1.0
+    """Fraction of the dataset used (stratified by class), for fast tests."""
+    min_samples_per_client: int = 10
+    """Dirichlet: re-draw until every client holds at least this many samples."""
+    max_partition_tries: int = 1000
+    """Dirichlet: give up (with a clear error) after this many re-draws."""
+    cache_dir: str | None = None
+    """Where partition caches (HDF5) are written; default ~/.cache/htfl_dist/partitions."""
+    pfllib_dir: str | None = None
+    """partition=pfllib: a PFLlib/HtFLlib dataset directory (config.json, train/, test/)."""
+    allow_pickle: bool = False
+    """partition=pfllib: PFLlib's .npz files hold pickled arrays; loading them needs consent."""
+
+    ALLOWED = {
+        "dataset": ("fmnist", "cifar10", "cifar100"),
+        "partition": ("pathological", "dirichlet", "pfllib"),
+    }
+
+
+@dataclass
+class ModelConfig:
+    """Heterogeneous model group: client i gets group[i mod len(group)]."""
+
+    group: str = "HtCNN8"
+    feature_dim: int = 512
+
+
+@dataclass
+class TrainConfig:
+    """Client-side optimisation (the papers' defaults)."""
+
+    batch_size: int = 10
+    lr: float = 0.01
+    local_epochs: int = 1
+
+
+@dataclass
+class RuntimeConfig:
+    """Process and device plumbing; never changes the maths."""
+
+    backend: str = "auto"
+    """auto | gloo | nccl | mpi  (auto: mpi under mpirun, nccl if every rank owns a GPU, else gloo)"""
+    device: str = "auto"
+    """auto | cpu | cuda"""
+    threads: int = 0
+    """torch intra-op threads per rank (0 = torch default). Equal thread counts give bitwise
+    equal results across world sizes on CPU."""
+    timeout_s: float = 600.0
+    """A collective that waits longer than this aborts the job."""
+
+
+@dataclass
+class Config:
+    """One federated run."""
+
+    algorithm: str = "fedproto"
+    rounds: int = 100
+    seed: int = 0
+    num_clients: int = 20
+    join_ratio: float = 1.0
+    eval_every: int = 1
+    checkpoint_every: int = 0
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    algo: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen algorithm (validated by the algorithm)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def config_hash(self) -> str:
+        """Hash of the maths-relevant config (runtime plumbing excluded), for summaries and
+        checkpoints: two runs with equal hashes must give equal metrics."""
+        data = self.to_dict()
+        data.pop("runtime")
+        text = json.dumps(data, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Convert a YAML/CLI value to the field's type, or raise a one-line ConfigError."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        try:
+            as_float = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}") from None
+        if not as_float.is_integer():
+            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+        return int(as_float)
+    if annotation is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
+    if annotation is str:
+        if value is None or isinstance(value, (dict, list)):
+            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _resolved_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.')}' must be a mapping, got {raw!r}")
+    hints = _resolved_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(
+                f"unknown config key '{dotted}'; allowed keys here: {', '.join(names)}"
+            )
+        annotation = hints[key]
+        if dataclasses.is_dataclass(annotation):
+            kwargs[key] = build_section(annotation, value or {}, f"{dotted}.")
+        elif key == "algo":
+            if value is None:
+                value = {}
+            if not isinstance(value, dict):
+                raise ConfigError(f"config key 'algo' must be a mapping of algorithm options")
+            kwargs[key] = dict(value)
+        else:
+            kwargs[key] = _coerce(value, annotation, dotted)
+    instance = cls(**kwargs)
+    allowed = getattr(cls, "ALLOWED", {})
+    for key, choices in allowed.items():
+        value = getattr(instance, key)
+        if value not in choices:
+            raise ConfigError(
+                f"config key '{prefix}{key}' is {value!r}; allowed: {', '.join(choices)}"
+            )
+    return instance
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """``key=value`` strings to (key, YAML-parsed value) pairs."""
+    pairs = []
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. rounds=3")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text != "" else ""
+        except yaml.YAMLError:
+            value = text
+        pairs.append((key.strip(), value))
+    return pairs
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
+    """Read a YAML config (or defaults when ``path`` is None), apply overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {str(file)!r} does not exist; pass --config PATH")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise ConfigError(f"config file {str(file)!r} is not valid YAML{where}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(file)!r} must hold a mapping of keys")
+        raw = loaded
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(raw, key, value)
+    config = build_section(Config, raw, "")
+    validate(config)
+    return config
+
+
+def config_from_dict(raw: dict[str, Any]) -> Config:
+    """Build and validate a config from a nested dict (used for resolved configs and tests)."""
+    config = build_section(Config, raw, "")
+    validate(config)
+    return config
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def validate(config: Config) -> None:
+    """Range checks that do not need the dataset or the registries."""
+    _require(config.rounds >= 1, f"config key 'rounds' must be >= 1, got {config.rounds}")
+    _require(config.num_clients >= 1, f"config key 'num_clients' must be >= 1, got {config.num_clients}")
+    _require(
+        0.0 < config.join_ratio <= 1.0,
+        f"config key 'join_ratio' must be in (0, 1], got {config.join_ratio}",
+    )
+    _require(config.eval_every >= 1, f"config key 'eval_every' must be >= 1, got {config.eval_every}")
+    _require(
+        config.checkpoint_every >= 0,
+        f"config key 'checkpoint_every' must be >= 0 (0 = never), got {config.checkpoint_every}",
+    )
+    data = config.data
+    _require(data.beta > 0, f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {data.beta}")
+    _require(
+        data.classes_per_client >= 1,
+        f"config key 'data.classes_per_client' must be >= 1, got {data.classes_per_client}",
+    )
+    _require(
+        0.0 < data.train_ratio < 1.0,
+        f"config key 'data.train_ratio' must be in (0, 1), got {data.train_ratio}",
+    )
+    _require(
+        0.0 < data.subsample <= 1.0,
+        f"config key 'data.subsample' must be in (0, 1], got {data.subsample}",
+    )
+    _require(
+        data.max_partition_tries >= 1,
+        f"config key 'data.max_partition_tries' must be >= 1, got {data.max_partition_tries}",
+    )
+    if data.partition == "pfllib":
+        _require(
+            bool(data.pfllib_dir),
+            "data.partition=pfllib needs data.pfllib_dir=DIR (a PFLlib dataset directory)",
+        )
+    _require(
+        config.model.feature_dim >= 1,
+        f"config key 'model.feature_dim' must be >= 1, got {config.model.feature_dim}",
+    )
+    train = config.train
+    _require(train.batch_size >= 1, f"config key 'train.batch_size' must be >= 1, got {train.batch_size}")
+    _require(train.lr > 0, f"config key 'train.lr' must be > 0, got {train.lr}")
+    _require(
+        train.local_epochs >= 1,
+        f"config key 'train.local_epochs' must be >= 1, got {train.local_epochs}",
+    )
+    runtime = config.runtime
+    _require(
+        runtime.backend in ("auto", "gloo", "nccl", "mpi"),
+        f"config key 'runtime.backend' is {runtime.backend!r}; allowed: auto, gloo, nccl, mpi",
+    )
+    _require(
+        runtime.device in ("auto", "cpu", "cuda"),
+        f"config key 'runtime.device' is {runtime.device!r}; allowed: auto, cpu, cuda",
+    )
+    _require(runtime.threads >= 0, f"config key 'runtime.threads' must be >= 0, got {runtime.threads}")
+    _require(runtime.timeout_s > 0, f"config key 'runtime.timeout_s' must be > 0, got {runtime.timeout_s}")
+
+
+def dataset_root(data: DataConfig) -> str | None:
+    """The directory the dataset is read from (fmnist falls back to the OS package)."""
+    if data.root:
+        return data.root
+    if data.dataset == "fmnist":
+        return DEFAULT_FMNIST_ROOT
+    return None
+
+
+def partition_cache_dir(data: DataConfig) -> str:
+    return data.cache_dir or default_cache_dir()

@@ -1,0 +1,41 @@
+"""Data layer: dataset sources, partitioners, per-client splits and the HDF5 partition cache.
+
+The runtime uses ``prepare_partition`` once (any rank; concurrent calls are safe), then each
+rank calls ``load_client_split`` for its own logical clients only.
+"""
+from .cache import (
+    FORMAT_VERSION,
+    ClientSplit,
+    PartitionInfo,
+    load_client_split,
+    prepare_partition,
+    read_partition_info,
+)
+from .datasets import DatasetArrays, load_dataset, parse_idx
+from .partition import (
+    partition_dirichlet,
+    partition_pathological,
+    split_train_test,
+    subsample_indices,
+    train_count,
+)
+from .pfllib import read_pfllib_config, read_pfllib_file
+
+__all__ = [
+    "FORMAT_VERSION",
+    "ClientSplit",
+    "DatasetArrays",
+    "PartitionInfo",
+    "load_client_split",
+    "load_dataset",
+    "parse_idx",
+    "partition_dirichlet",
+    "partition_pathological",
+    "prepare_partition",
+    "read_partition_info",
+    "read_pfllib_config",
+    "read_pfllib_file",
+    "split_train_test",
+    "subsample_indices",
+    "train_count",
+]

@@ -1,0 +1,386 @@
+"""The on-disk partition cache (HDF5 via h5py) and the per-client reader.
+
+File ``<cache_dir>/<dataset>-<partition>-<hash>.h5``; ``hash`` covers every input that
+changes the split (format version, dataset, a fingerprint of the source files, partition
+parameters, subsample, train_ratio, seed, num_clients). Layout::
+
+    /                       attrs: format_version, dataset, partition, num_classes,
+                                   in_channels, image_size, num_clients, x_format, key_json,
+                                   complete
+    /class_counts           int64 num_clients x num_classes (train split), for reports
+    /client_<id>/train_x    uint8 N x C x H x W  (x_format "uint8")  or float32 already
+    /client_<id>/train_y    int64 N               normalised (x_format "float32", PFLlib)
+    /client_<id>/test_x
+    /client_<id>/test_y
+
+A cache is written to a private temp file in the same directory, then moved into place with
+``os.replace``: a reader never sees a half-written file, and concurrent builders (several ranks
+starting at once) each write their own temp file and the last rename wins, with equal content.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from typing import Callable
+
+import h5py
+import numpy as np
+import torch
+
+from htfl_dist.config import DataConfig, dataset_root, partition_cache_dir
+from htfl_dist.errors import ConfigError, DataError
+from htfl_dist.seeding import numpy_rng
+
+from .datasets import NUM_CLASSES, dataset_fingerprint, load_dataset
+from .partition import (
+    partition_dirichlet,
+    partition_pathological,
+    split_train_test,
+    subsample_indices,
+)
+from .pfllib import pfllib_fingerprint, pickle_refusal, read_pfllib_config, read_pfllib_file
+
+FORMAT_VERSION = 1
+"""Bump when the partition algorithms or the file layout change: old caches are then ignored."""
+
+
+@dataclass
+class PartitionInfo:
+    """What the runtime needs to know about a partition without reading any client's data."""
+
+    path: str
+    num_classes: int
+    in_channels: int
+    image_size: int
+    num_clients: int
+    class_counts: np.ndarray
+
+
+@dataclass
+class ClientSplit:
+    """One logical client's data, ready for training: x float32 normalised, y int64."""
+
+    client_id: int
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+ClientArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+# --------------------------------------------------------------------------- HDF5 helpers
+
+
+def _open_read(path: str) -> h5py.File:
+    """Open read-only without HDF5 file locking (caches are immutable once renamed into
+    place, and locking fails on some cluster filesystems)."""
+    try:
+        return h5py.File(path, "r", locking=False)
+    except TypeError:  # very old h5py without the keyword
+        return h5py.File(path, "r")
+
+
+def _is_complete(path: str, key_json: str) -> bool:
+    try:
+        with _open_read(path) as f:
+            return (
+                bool(f.attrs.get("complete", False))
+                and int(f.attrs.get("format_version", -1)) == FORMAT_VERSION
+                and str(f.attrs.get("key_json", "")) == key_json
+            )
+    except (OSError, KeyError, ValueError):
+        return False
+
+
+def _write_cache(
+    path: str,
+    attrs: dict,
+    num_clients: int,
+    num_classes: int,
+    client_arrays: Callable[[int], ClientArrays],
+) -> None:
+    """Write every client's arrays to a temp file beside ``path``, then rename atomically."""
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
+                                   suffix=".tmp")
+        os.close(fd)
+    except OSError as exc:
+        raise DataError(
+            f"cannot write the partition cache under {directory} ({exc.strerror or exc}); "
+            f"set data.cache_dir=DIR to a writable directory"
+        ) from None
+    try:
+        counts = np.zeros((num_clients, num_classes), dtype=np.int64)
+        try:
+            handle = h5py.File(tmp, "w", locking=False)
+        except TypeError:
+            handle = h5py.File(tmp, "w")
+        with handle as f:
+            for key, value in attrs.items():
+                f.attrs[key] = value
+            for cid in range(num_clients):
+                train_x, train_y, test_x, test_y = client_arrays(cid)
+                group = f.create_group(f"client_{cid}")
+                group.create_dataset("train_x", data=train_x)
+                group.create_dataset("train_y", data=train_y.astype(np.int64))
+                group.create_dataset("test_x", data=test_x)
+                group.create_dataset("test_y", data=test_y.astype(np.int64))
+                if train_y.size and (train_y.min() < 0 or train_y.max() >= num_classes):
+                    raise DataError(
+                        f"client {cid} has label {int(train_y.max())} outside 0..{num_classes - 1}"
+                    )
+                counts[cid] = np.bincount(train_y, minlength=num_classes)[:num_classes]
+            f.create_dataset("class_counts", data=counts)
+            f.attrs["complete"] = True
+        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a shared cache should be readable
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise DataError(
+            f"cannot write the partition cache {path} ({exc}); set data.cache_dir=DIR to a "
+            f"writable directory with free space"
+        ) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def _safe_label(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("._") or "dataset"
+
+
+def _key_json(key: dict) -> str:
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | None) -> dict:
+    key = {
+        "format_version": FORMAT_VERSION,
+        "dataset": data.dataset,
+        "source": dataset_fingerprint(data.dataset, root),
+        "partition": data.partition,
+        "subsample": float(data.subsample),
+        "train_ratio": float(data.train_ratio),
+        "seed": int(seed),
+        "num_clients": int(num_clients),
+    }
+    if data.partition == "pathological":
+        key["classes_per_client"] = int(data.classes_per_client)
+    elif data.partition == "dirichlet":
+        key["beta"] = float(data.beta)
+        key["min_samples_per_client"] = int(data.min_samples_per_client)
+    return key
+
+
+def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_clients: int,
+                   seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per client (train indices, test indices) into the full dataset."""
+    subset = subsample_indices(labels, data.subsample, numpy_rng(seed, "subsample"))
+    sub_labels = labels[subset]
+    rng = numpy_rng(seed, "partition")
+    if data.partition == "pathological":
+        parts = partition_pathological(
+            sub_labels, num_clients, data.classes_per_client, num_classes, rng
+        )
+    else:
+        parts = partition_dirichlet(
+            sub_labels, num_clients, data.beta, num_classes, rng,
+            min_samples=data.min_samples_per_client, max_tries=data.max_partition_tries,
+        )
+    out = []
+    for cid, part in enumerate(parts):
+        train, test = split_train_test(subset[part], data.train_ratio, numpy_rng(seed, "split", cid))
+        out.append((train, test))
+    return out
+
+
+def _prepare_generated(data: DataConfig, num_clients: int, seed: int) -> PartitionInfo:
+    known_classes = NUM_CLASSES.get(data.dataset)
+    if data.partition == "pathological" and known_classes and data.classes_per_client > known_classes:
+        # Fail before the dataset is read.
+        raise ConfigError(
+            f"config key 'data.classes_per_client' is {data.classes_per_client} but the dataset "
+            f"has only {known_classes} classes; use a value in 1..{known_classes}"
+        )
+    root = dataset_root(data)
+    key = _partition_key(data, num_clients, seed, root)
+    key_json = _key_json(key)
+    digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
+    path = os.path.join(partition_cache_dir(data), f"{data.dataset}-{data.partition}-{digest}.h5")
+    if _is_complete(path, key_json):
+        return read_partition_info(path)
+
+    arrays = load_dataset(data.dataset, root)
+    splits = _build_indices(data, arrays.labels, arrays.num_classes, num_clients, seed)
+    images, labels = arrays.images, arrays.labels
+
+    def client_arrays(cid: int) -> ClientArrays:
+        train, test = splits[cid]
+        return images[train], labels[train], images[test], labels[test]
+
+    attrs = {
+        "format_version": FORMAT_VERSION,
+        "dataset": data.dataset,
+        "partition": data.partition,
+        "num_classes": int(arrays.num_classes),
+        "in_channels": int(images.shape[1]),
+        "image_size": int(images.shape[2]),
+        "num_clients": int(num_clients),
+        "x_format": "uint8",
+        "key_json": key_json,
+    }
+    _write_cache(path, attrs, num_clients, arrays.num_classes, client_arrays)
+    return read_partition_info(path)
+
+
+def _prepare_pfllib(data: DataConfig, num_clients: int) -> PartitionInfo:
+    directory = os.path.abspath(data.pfllib_dir or "")
+    if not data.pfllib_dir:
+        raise ConfigError("data.partition=pfllib needs data.pfllib_dir=DIR (a PFLlib dataset directory)")
+    if data.subsample != 1.0:
+        raise ConfigError(
+            f"config key 'data.subsample' is {data.subsample} but data.partition=pfllib reads a "
+            f"finished PFLlib split; leave data.subsample at 1"
+        )
+    config = read_pfllib_config(directory, num_clients)
+    if not data.allow_pickle:
+        # Refuse before anything is read, whether or not a converted cache already exists.
+        raise pickle_refusal(directory)
+    num_classes = int(config["num_classes"])
+    label = _safe_label(os.path.basename(directory))
+    key = {
+        "format_version": FORMAT_VERSION,
+        "partition": "pfllib",
+        "directory": directory,
+        "source": pfllib_fingerprint(directory, num_clients),
+        "num_clients": int(num_clients),
+    }
+    key_json = _key_json(key)
+    digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
+    path = os.path.join(partition_cache_dir(data), f"{label}-pfllib-{digest}.h5")
+    if _is_complete(path, key_json):
+        return read_partition_info(path)
+
+    first_x, _ = read_pfllib_file(os.path.join(directory, "train", "0.npz"), True, directory)
+    shape = first_x.shape[1:]
+    x_dtype = first_x.dtype
+    del first_x
+
+    def client_arrays(cid: int) -> ClientArrays:
+        out = []
+        for part in ("train", "test"):
+            path_ = os.path.join(directory, part, f"{cid}.npz")
+            x, y = read_pfllib_file(path_, True, directory)
+            if x.shape[0] == 0:
+                x = np.zeros((0, *shape), dtype=x_dtype)
+            if x.shape[1:] != shape or x.dtype != x_dtype:
+                raise DataError(
+                    f"{path_}: x is {x.dtype} {x.shape[1:]} but train/0.npz is {x_dtype} {shape}; "
+                    f"all clients must hold the same image format"
+                )
+            if y.size and (y.min() < 0 or y.max() >= num_classes):
+                raise DataError(
+                    f"{path_}: label {int(y.max())} outside 0..{num_classes - 1} "
+                    f"(config.json says num_classes={num_classes})"
+                )
+            out.extend([x, y])
+        return out[0], out[1], out[2], out[3]
+
+    attrs = {
+        "format_version": FORMAT_VERSION,
+        "dataset": label,
+        "partition": "pfllib",
+        "num_classes": num_classes,
+        "in_channels": int(shape[0]),
+        "image_size": int(shape[1]),
+        "num_clients": int(num_clients),
+        "x_format": "uint8" if x_dtype == np.uint8 else "float32",
+        "key_json": key_json,
+    }
+    _write_cache(path, attrs, num_clients, num_classes, client_arrays)
+    return read_partition_info(path)
+
+
+def prepare_partition(data: DataConfig, num_clients: int, seed: int) -> PartitionInfo:
+    """Build the partition cache for this config if it is missing; return its summary.
+
+    Safe to call from every rank at once: the cache is written atomically and reused
+    when it already exists with the same key.
+    """
+    if num_clients < 1:
+        raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
+    if data.partition == "pfllib":
+        return _prepare_pfllib(data, num_clients)
+    if data.partition not in ("pathological", "dirichlet"):
+        raise ConfigError(
+            f"config key 'data.partition' is {data.partition!r}; allowed: pathological, "
+            f"dirichlet, pfllib"
+        )
+    return _prepare_generated(data, num_clients, seed)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def read_partition_info(path: str) -> PartitionInfo:
+    """The summary of an existing cache file (no client data is read)."""
+    try:
+        with _open_read(path) as f:
+            version = int(f.attrs.get("format_version", -1))
+            if version != FORMAT_VERSION:
+                raise DataError(
+                    f"partition cache {path} has format version {version}, expected "
+                    f"{FORMAT_VERSION}; delete it so it is rebuilt"
+                )
+            return PartitionInfo(
+                path=path,
+                num_classes=int(f.attrs["num_classes"]),
+                in_channels=int(f.attrs["in_channels"]),
+                image_size=int(f.attrs["image_size"]),
+                num_clients=int(f.attrs["num_clients"]),
+                class_counts=np.asarray(f["class_counts"][()], dtype=np.int64),
+            )
+    except (OSError, KeyError) as exc:
+        raise DataError(f"cannot read partition cache {path} ({exc}); delete it so it is rebuilt") from None
+
+
+def _to_tensor(x: np.ndarray, x_format: str) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(x))
+    if x_format == "uint8":
+        # PFLlib: ToTensor (x / 255) then Normalize(mean 0.5, std 0.5) on every channel.
+        return tensor.float().div(255.0).sub(0.5).div(0.5)
+    return tensor.float()
+
+
+def load_client_split(path: str, client_id: int) -> ClientSplit:
+    """Read only ``client_<client_id>`` from the cache and return normalised tensors."""
+    try:
+        with _open_read(path) as f:
+            num_clients = int(f.attrs["num_clients"])
+            if not 0 <= client_id < num_clients:
+                raise DataError(
+                    f"partition cache {path} holds clients 0..{num_clients - 1}, not {client_id}"
+                )
+            x_format = str(f.attrs.get("x_format", "uint8"))
+            group = f[f"client_{client_id}"]
+            arrays = {name: group[name][()] for name in ("train_x", "train_y", "test_x", "test_y")}
+    except (OSError, KeyError) as exc:
+        raise DataError(f"cannot read client {client_id} from partition cache {path} ({exc}); "
+                        f"delete the file so it is rebuilt") from None
+    return ClientSplit(
+        client_id=client_id,
+        train_x=_to_tensor(arrays["train_x"], x_format),
+        train_y=torch.from_numpy(arrays["train_y"].astype(np.int64)),
+        test_x=_to_tensor(arrays["test_x"], x_format),
+        test_y=torch.from_numpy(arrays["test_y"].astype(np.int64)),
+    )

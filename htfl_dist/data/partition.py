@@ -1,0 +1,197 @@
+"""Partitioners: which sample indices each logical client holds.
+
+All functions are pure given their ``rng`` (a ``numpy.random.Generator``), so a split is
+deterministic by seed when the caller derives the generator with ``seeding.numpy_rng``.
+Every returned index array is sorted ascending, int64.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from htfl_dist.errors import ConfigError, DataError
+
+
+def _check_common(labels: np.ndarray, num_clients: int, num_classes: int) -> np.ndarray:
+    labels = np.asarray(labels)
+    if labels.ndim != 1:
+        raise DataError(f"labels must be a 1-D array, got shape {labels.shape}")
+    if num_clients < 1:
+        raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
+    if num_classes < 1:
+        raise DataError(f"num_classes must be >= 1, got {num_classes}")
+    if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
+        raise DataError(
+            f"labels span [{int(labels.min())}, {int(labels.max())}] but num_classes={num_classes}"
+        )
+    return labels.astype(np.int64, copy=False)
+
+
+def pathological_classes(num_clients: int, classes_per_client: int, num_classes: int) -> list[list[int]]:
+    """Client i holds classes (i*k + j) mod C, j < k: every class used as evenly as possible."""
+    k = classes_per_client
+    return [[(i * k + j) % num_classes for j in range(k)] for i in range(num_clients)]
+
+
+def partition_pathological(
+    labels: np.ndarray,
+    num_clients: int,
+    classes_per_client: int,
+    num_classes: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:
+    """Pathological non-IID split: each client holds exactly ``classes_per_client`` classes.
+
+    Non-redundant: all samples of a class are shared out among the clients that hold it, each
+    sample to exactly one of them. Unbalanced: a class of ``n`` samples held by ``m`` clients
+    gives each holder ``max(1, n // (10 m))`` samples (the floor; PFLlib's ``num_per / 10``)
+    plus a multinomial share of the rest under Dirichlet(1) weights.
+    """
+    labels = _check_common(labels, num_clients, num_classes)
+    if classes_per_client < 1:
+        raise ConfigError(
+            f"config key 'data.classes_per_client' must be >= 1, got {classes_per_client}"
+        )
+    if classes_per_client > num_classes:
+        raise ConfigError(
+            f"config key 'data.classes_per_client' is {classes_per_client} but the dataset has "
+            f"only {num_classes} classes; use a value in 1..{num_classes}"
+        )
+    assignment = pathological_classes(num_clients, classes_per_client, num_classes)
+    holders: list[list[int]] = [[] for _ in range(num_classes)]
+    for client, classes in enumerate(assignment):
+        for c in classes:
+            holders[c].append(client)
+
+    parts: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    for c in range(num_classes):
+        clients = holders[c]
+        if not clients:
+            continue
+        idx = np.flatnonzero(labels == c)
+        n, m = idx.size, len(clients)
+        if n < m:
+            raise DataError(
+                f"pathological partition: class {c} has {n} samples but {m} clients hold it; "
+                f"lower num_clients or data.classes_per_client, or raise data.subsample"
+            )
+        rng.shuffle(idx)
+        floor = max(1, n // (10 * m))
+        weights = rng.dirichlet(np.ones(m))
+        shares = floor + rng.multinomial(n - floor * m, weights)
+        bounds = np.cumsum(shares)[:-1]
+        for client, piece in zip(clients, np.split(idx, bounds)):
+            parts[client].append(piece)
+    return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
+
+
+def _dirichlet_error(beta: float, min_samples: int, tries: int) -> DataError:
+    return DataError(
+        f"Dirichlet partition (beta={beta}) left a client with fewer than {min_samples} samples "
+        f"after {tries} tries; raise data.beta, lower num_clients or data.min_samples_per_client"
+    )
+
+
+def partition_dirichlet(
+    labels: np.ndarray,
+    num_clients: int,
+    beta: float,
+    num_classes: int,
+    rng: np.random.Generator,
+    min_samples: int = 10,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """Practical non-IID split (PFLlib's ``dir``): per class, shares ~ Dir(beta) over clients.
+
+    PFLlib's balancing trick applies: a client already holding >= N / num_clients samples gets
+    no share of the next class. The whole draw is repeated until every client holds at least
+    ``min_samples``; after ``max_tries`` draws a DataError says what to change. A request that
+    cannot be met at all (num_clients * min_samples > N) fails at once.
+    """
+    labels = _check_common(labels, num_clients, num_classes)
+    if not beta > 0:
+        raise ConfigError(
+            f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {beta}"
+        )
+    if max_tries < 1:
+        raise ConfigError(f"config key 'data.max_partition_tries' must be >= 1, got {max_tries}")
+    n_total = labels.size
+    if num_clients * min_samples > n_total:
+        raise DataError(
+            f"Dirichlet partition (beta={beta}) cannot give {num_clients} clients at least "
+            f"{min_samples} samples each from {n_total} samples; lower num_clients or "
+            f"data.min_samples_per_client, or raise data.subsample"
+        )
+    per_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
+    cap = n_total / num_clients
+    alpha = np.full(num_clients, float(beta))
+    for _ in range(max_tries):
+        pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        for idx_c in per_class:
+            if idx_c.size == 0:
+                continue
+            idx_c = idx_c.copy()
+            rng.shuffle(idx_c)
+            proportions = rng.dirichlet(alpha)
+            masked = proportions * (sizes < cap)
+            total = masked.sum()
+            # Tiny beta can put all mass on already-full clients; fall back to the raw draw.
+            if not np.isfinite(total) or total <= 0:
+                masked, total = proportions, proportions.sum()
+            cuts = (np.cumsum(masked / total) * idx_c.size).astype(np.int64)[:-1]
+            for client, piece in enumerate(np.split(idx_c, cuts)):
+                if piece.size:
+                    pieces[client].append(piece)
+                    sizes[client] += piece.size
+        if sizes.min() >= min_samples:
+            return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in pieces]
+    raise _dirichlet_error(beta, min_samples, max_tries)
+
+
+def train_count(n: int, train_ratio: float) -> int:
+    """Train size for ``n`` samples: floor(train_ratio * n), clamped to [1, n - 1] when n >= 2.
+
+    So every client with >= 2 samples has a non-empty train and test split (sklearn's
+    ``train_test_split(train_size=r)`` as PFLlib uses it also floors the train size); a client
+    with 1 sample keeps it for training.
+    """
+    if n <= 0:
+        return 0
+    if n == 1:
+        return 1
+    k = int(math.floor(train_ratio * n + 1e-9))
+    return min(max(k, 1), n - 1)
+
+
+def split_train_test(
+    indices: np.ndarray, train_ratio: float, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffle one client's indices, then cut ``train_count(n, train_ratio)`` for training."""
+    if not 0.0 < train_ratio < 1.0:
+        raise ConfigError(f"config key 'data.train_ratio' must be in (0, 1), got {train_ratio}")
+    shuffled = np.asarray(indices, dtype=np.int64).copy()
+    rng.shuffle(shuffled)
+    k = train_count(shuffled.size, train_ratio)
+    return shuffled[:k], shuffled[k:]
+
+
+def subsample_indices(labels: np.ndarray, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """A class-stratified random subset: round(fraction * n_c) of each class (>= 1 if n_c > 0).
+
+    Returns sorted indices; ``fraction == 1`` returns every index without drawing.
+    """
+    labels = np.asarray(labels)
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"config key 'data.subsample' must be in (0, 1], got {fraction}")
+    if fraction == 1.0:
+        return np.arange(labels.size, dtype=np.int64)
+    chosen = []
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        take = max(1, int(round(fraction * idx.size)))
+        chosen.append(rng.choice(idx, size=take, replace=False))
+    if not chosen:
+        return np.zeros(0, np.int64)
+    return np.sort(np.concatenate(chosen)).astype(np.int64)

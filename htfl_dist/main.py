@@ -1,0 +1,131 @@
+"""Entry point: ``python -m htfl_dist.main --config FILE [--out DIR] [--resume auto] [key=value ...]``.
+
+The same program runs under torchrun, srun and mpirun, or alone (world size 1).
+User mistakes end the job with one line and exit code 2; any other failure prints the
+traceback of the failing rank, names the rank and its clients, and brings every rank down.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import traceback
+from pathlib import Path
+
+from htfl_dist.errors import HtflError
+
+EXIT_USER_ERROR = 2
+EXIT_FAILURE = 1
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m htfl_dist.main",
+        description="Prototype-based heterogeneous federated learning, one SPMD program.",
+    )
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    parser.add_argument("--out", help="run directory (default: runs/<algorithm>-<config hash>)")
+    parser.add_argument("--resume", choices=("auto", "never"), default="never",
+                        help="auto: continue from the newest complete checkpoint in --out")
+    parser.add_argument("overrides", nargs="*", metavar="key=value",
+                        help="dotted overrides, e.g. rounds=3 data.partition=pathological")
+    return parser.parse_args(argv)
+
+
+def _versions() -> dict[str, str]:
+    import h5py
+    import numpy
+    import torch
+    import torchvision
+
+    from htfl_dist import __version__
+
+    return {"htfl_dist": __version__, "python": platform.python_version(), "torch": torch.__version__,
+            "torchvision": torchvision.__version__, "numpy": numpy.__version__, "h5py": h5py.__version__}
+
+
+def _prepare_out_dir(out: Path, resume: bool) -> None:
+    if (out / "metrics.jsonl").exists() and not resume:
+        raise HtflError(f"run directory {out} already holds a run; pass a new --out or --resume auto")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def run(argv: list[str] | None = None) -> int:
+    import torch
+    import yaml
+
+    from htfl_dist.algorithms import get_algorithm, parse_options
+    from htfl_dist.config import load_config
+    from htfl_dist.metrics.writer import write_atomic
+    from htfl_dist.models import architecture_for_client
+    from htfl_dist.runtime.bootstrap import detect_launch, open_transport, pick_device
+    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.placement import check_world_size
+
+    args = parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    # Checks every rank makes identically, before any communication (errors print once).
+    parse_options(get_algorithm(config.algorithm), config.algo)
+    architecture_for_client(config.model.group, 0)
+    launch = detect_launch()
+    check_world_size(launch.world_size, config.num_clients)
+    if config.runtime.threads:
+        torch.set_num_threads(config.runtime.threads)
+    out = Path(args.out or Path("runs") / f"{config.algorithm}-{config.config_hash()}").resolve()
+    resume = args.resume == "auto"
+    if launch.rank == 0:
+        _prepare_out_dir(out, resume)
+        write_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+    device = pick_device(config.runtime, launch)
+    transport = open_transport(config.runtime, launch, device)
+    context = RunContext(config, transport, device, out, resume,
+                         extra_summary={"versions": _versions(), "launcher": launch.launcher})
+    try:
+        federation = Federation(context)
+        summary = federation.run()
+        if summary is not None:
+            print(f"done: best test_acc {summary['best_test_acc'] * 100:.2f}% at round {summary['best_round']}, "
+                  f"last {summary['last_test_acc'] * 100:.2f}%; outputs in {out}", flush=True)
+    except BaseException as exc:
+        if transport.world_size > 1 and not isinstance(exc, KeyboardInterrupt):
+            _fail(exc, launch.rank, transport, config)  # does not return
+        raise
+    transport.close()
+    return 0
+
+
+def _fail(exc: BaseException, rank: int, transport, config) -> None:
+    """Name the failing rank and its clients, then take the whole job down."""
+    from htfl_dist.runtime.placement import clients_of_rank
+
+    hosted = clients_of_rank(rank, transport.world_size, config.num_clients)
+    where = f"rank {rank}" + (f" (clients {hosted[:8]}{'...' if len(hosted) > 8 else ''})" if hosted else " (server)")
+    if isinstance(exc, HtflError):
+        print(f"htfl_dist: error on {where}: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_USER_ERROR
+    else:
+        traceback.print_exc()
+        print(f"htfl_dist: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        code = EXIT_FAILURE
+    sys.stdout.flush()
+    transport.abort(code)
+    os._exit(code)  # peers blocked in a collective are ended by the launcher (torchrun, srun, mpirun)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from htfl_dist.runtime.bootstrap import launch_rank_hint
+
+    try:
+        return run(argv)
+    except HtflError as exc:
+        if launch_rank_hint() == 0:
+            print(f"htfl_dist: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("htfl_dist: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

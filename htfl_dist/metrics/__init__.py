@@ -1,0 +1,1 @@
+"""Run outputs: metrics rows, summaries, progress lines."""

@@ -1,0 +1,81 @@
+"""Run outputs: metrics.jsonl (one row per evaluated round), summary.json, progress lines.
+
+Files are written so that an interrupted run never leaves a half-written file: JSON
+documents go through a temp file and ``os.replace``; metrics rows are whole lines.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory + rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: Path, data: Any) -> None:
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+class MetricsLog:
+    """Append-only JSONL of evaluated rounds."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+
+    def load_existing(self, up_to_round: int) -> None:
+        """On resume: keep rows of completed rounds, drop any written after the checkpoint."""
+        if not self.path.exists():
+            return
+        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        self.rows = [row for row in rows if row["round"] <= up_to_round]
+        write_atomic(self.path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
+
+    def append(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(row, sort_keys=True) + "\n")
+            handle.flush()
+
+    def best(self) -> dict[str, Any] | None:
+        if not self.rows:
+            return None
+        return max(self.rows, key=lambda row: (row["test_acc"], -row["round"]))
+
+
+def format_progress(round_number: int, rounds: int, row: dict[str, Any] | None, seconds: float,
+                    eta_s: float) -> str:
+    parts = [f"round {round_number}/{rounds}"]
+    if row is not None:
+        parts.append(f"acc {row['test_acc'] * 100:6.2f}%  head {row['test_acc_head'] * 100:6.2f}%")
+    parts.append(f"{seconds:6.2f}s")
+    parts.append(f"ETA {_clock(eta_s)}")
+    return "  ".join(parts)
+
+
+def _clock(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours:d}:{minutes:02d}:{secs:02d}"
+
+
+def progress(line: str) -> None:
+    print(line, file=sys.stdout, flush=True)

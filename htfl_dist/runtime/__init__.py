@@ -1,0 +1,1 @@
+"""Plumbing: launch detection, transport, placement, the round loop, checkpoints."""

@@ -1,0 +1,142 @@
+"""Find out who we are (rank, world, local rank), pin a device, open the transport.
+
+Launchers, in the order they are recognised:
+
+1. torchrun (``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``);
+2. ``mpirun``/``mpiexec`` (``PMI_RANK``/``PMI_SIZE`` of MPICH's Hydra, ``OMPI_COMM_WORLD_*``
+   of Open MPI, ``PMIX_RANK``): mpi4py provides rank and world;
+3. SLURM ``srun`` without torchrun (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``; the
+   sbatch script exports ``MASTER_ADDR``/``MASTER_PORT``);
+4. nothing: world size 1, server and every client in this process.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from htfl_dist.config import RuntimeConfig
+from htfl_dist.errors import ConfigError, HtflError
+from htfl_dist.runtime.transport import LocalTransport, MPITransport, TorchTransport, Transport
+
+_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    launcher: str  # torchrun | mpi | slurm | single
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+
+
+def _int_env(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None:
+        if default is None:
+            raise HtflError(f"environment variable {name} is not set; launch with torchrun, srun or mpirun")
+        return default
+    return int(value)
+
+
+def detect_launch() -> LaunchInfo:
+    """Rank and world from the launcher's environment (no communication yet)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = _int_env("WORLD_SIZE")
+        return LaunchInfo("torchrun", _int_env("RANK"), world, _int_env("LOCAL_RANK", 0),
+                          _int_env("LOCAL_WORLD_SIZE", world))
+    if any(name in env for name in _MPI_RANK_VARS):
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        return LaunchInfo("mpi", comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size())
+    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        return LaunchInfo("slurm", _int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"),
+                          _int_env("SLURM_LOCALID", 0), _int_env("SLURM_NTASKS_PER_NODE", 1))
+    return LaunchInfo("single", 0, 1, 0, 1)
+
+
+def launch_rank_hint() -> int:
+    """Best guess of this process's rank before any communication (to print errors once)."""
+    for name in ("RANK", *_MPI_RANK_VARS, "SLURM_PROCID"):
+        if name in os.environ:
+            try:
+                return int(os.environ[name])
+            except ValueError:
+                return 0
+    return 0
+
+
+def pick_device(runtime: RuntimeConfig, launch: LaunchInfo) -> torch.device:
+    """``cuda:LOCAL_RANK`` (modulo the GPUs present) when GPUs exist, else CPU."""
+    if runtime.device == "cpu":
+        return torch.device("cpu")
+    available = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    if runtime.device == "cuda" and not available:
+        raise ConfigError("runtime.device=cuda but no GPU is visible; use runtime.device=auto or cpu")
+    if not available:
+        return torch.device("cpu")
+    index = launch.local_rank % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def pick_backend(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.device) -> str:
+    """NCCL only when every rank on the node owns a GPU; MPI under mpirun; Gloo otherwise."""
+    if launch.world_size == 1:
+        return "local"
+    if runtime.backend != "auto":
+        backend = runtime.backend
+    elif launch.launcher == "mpi":
+        backend = "mpi"
+    elif device.type == "cuda" and torch.cuda.device_count() >= launch.local_world_size:
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if backend == "nccl" and (device.type != "cuda" or torch.cuda.device_count() < launch.local_world_size):
+        raise ConfigError(
+            f"runtime.backend=nccl needs one GPU per rank ({launch.local_world_size} ranks on this node, "
+            f"{torch.cuda.device_count()} GPUs); use runtime.backend=gloo"
+        )
+    if backend == "mpi" and launch.launcher != "mpi":
+        raise ConfigError("runtime.backend=mpi needs the job to be started by mpirun/mpiexec")
+    return backend
+
+
+def _mpi_rendezvous_for_torch() -> str:
+    """Under mpirun with backend gloo/nccl: use MPI once to agree on a TCP rendezvous."""
+    import socket
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    address = None
+    if comm.Get_rank() == 0:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        address = f"tcp://{socket.gethostbyname(socket.gethostname())}:{port}"
+    return comm.bcast(address, root=0)  # start-up only, never in the round loop
+
+
+def open_transport(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.device) -> Transport:
+    backend = pick_backend(runtime, launch, device)
+    if backend == "local":
+        return LocalTransport()
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        return MPITransport(MPI.COMM_WORLD)
+    comm_device = device if backend == "nccl" else torch.device("cpu")
+    init_method = "env://"
+    if launch.launcher == "mpi":
+        init_method = _mpi_rendezvous_for_torch()
+    elif launch.launcher == "slurm":
+        if "MASTER_ADDR" not in os.environ:
+            raise HtflError("under srun without torchrun, export MASTER_ADDR (the first node's host name)")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    return TorchTransport(backend, launch.rank, launch.world_size, comm_device, runtime.timeout_s, init_method)

@@ -1,0 +1,334 @@
+"""The one round loop (DESIGN.md contract 5), shared by every algorithm and every launcher.
+
+Per round t (0-based; metrics call it round t+1):
+
+1. every rank derives the participants from (seed, t);
+2. rank 0 broadcasts the server's global knowledge (skipped when the evaluation of the
+   previous round already delivered exactly this knowledge);
+3. each client rank trains its participating logical clients and sends one message with
+   their uploads (ordered by client id) to rank 0;
+4. rank 0 decodes and validates the uploads and updates the global knowledge;
+5. on evaluation rounds, the new knowledge is broadcast and every client evaluates on its
+   own test split; per-client counts travel back in a small report message;
+6. rank 0 writes the metrics row and the progress line; every rank checkpoints its part.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
+from htfl_dist.config import Config
+from htfl_dist.data import load_client_split, prepare_partition, read_partition_info
+from htfl_dist.errors import ConfigError, HtflError
+from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_json
+from htfl_dist.models import architecture_for_client, build_model
+from htfl_dist.runtime import checkpoint
+from htfl_dist.runtime.placement import (
+    client_ranks, clients_of_rank, hosting_rank, sample_participants,
+)
+from htfl_dist.runtime.transport import Transport
+from htfl_dist.runtime.wire import BROADCAST_ENTRY, Encoded, Field, Payload, decode, encode
+from htfl_dist.seeding import seed_global_torch, torch_generator
+
+RANK_ENTRY = -1
+"""Report entry that carries rank-level figures (compute seconds) rather than a client's."""
+
+REPORT_SPEC = (
+    Field("train", torch.float64, (2,)),  # [loss_sum, samples]
+    Field("eval", torch.float64, (3,)),  # [correct (algorithm's rule), correct (head), samples]
+    Field("rank", torch.float64, (2,)),  # rank entry only: [client compute seconds, theory upload bytes]
+)
+
+HANDSHAKE_SPEC = (Field("facts", torch.int64, (4,)),)  # [config hash, C, K, num_clients]
+
+
+def _rows(values: list[float] | None, width: int) -> torch.Tensor:
+    if values is None:
+        return torch.empty(0, width, dtype=torch.float64)
+    return torch.tensor([values], dtype=torch.float64)
+
+
+@dataclass
+class RoundTraffic:
+    """Bytes that crossed the server/client boundary in one round."""
+
+    up: int = 0
+    down: int = 0
+    theory_up: int = 0
+    theory_down: int = 0
+
+
+@dataclass
+class RunContext:
+    config: Config
+    transport: Transport
+    device: torch.device
+    out_dir: Path
+    resume: bool = False
+    extra_summary: dict[str, Any] = field(default_factory=dict)
+
+
+class Federation:
+    """Server and/or client role of this rank, built once, then ``run()``."""
+
+    def __init__(self, run: RunContext) -> None:
+        self.run_context = run
+        self.config = config = run.config
+        self.transport = transport = run.transport
+        self.device = run.device
+        self.rank, self.world_size = transport.rank, transport.world_size
+        self.is_server = self.rank == 0
+        self.entry = get_algorithm(config.algorithm)
+        options = parse_options(self.entry, config.algo)
+        self.partition = self._prepare_data()
+        self.context = AlgorithmContext(
+            num_classes=self.partition.num_classes, feature_dim=config.model.feature_dim,
+            seed=config.seed, train=config.train, options=options,
+        )
+        self.client_algorithm = self.entry.client(self.context)
+        self.server = self.entry.server(self.context) if self.is_server else None
+        self.download_spec = self.entry.server.download_fields(self.context)
+        self.upload_spec = self.entry.client.upload_fields(self.context)
+        self.my_client_ids = clients_of_rank(self.rank, self.world_size, config.num_clients)
+        self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
+        self._handshake()
+        self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
+
+    # ------------------------------------------------------------------ set-up
+
+    def _prepare_data(self):
+        """Local rank 0 of each node builds the partition cache; the others wait, then read it."""
+        config = self.config
+        if self.rank == 0 or self.world_size == 1:
+            info = prepare_partition(config.data, config.num_clients, config.seed)
+        self.transport.barrier()
+        if not (self.rank == 0 or self.world_size == 1):
+            info = prepare_partition(config.data, config.num_clients, config.seed)  # cache hit
+        return info
+
+    def _build_client(self, client_id: int) -> ClientState:
+        config, info = self.config, self.partition
+        split = load_client_split(info.path, client_id)
+        architecture = architecture_for_client(config.model.group, client_id)
+        seed_global_torch(config.seed, "init", client_id)
+        model = build_model(
+            architecture, num_classes=info.num_classes, feature_dim=config.model.feature_dim,
+            in_channels=info.in_channels, image_size=info.image_size,
+        ).to(self.device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
+        return ClientState(
+            client_id=client_id, architecture=architecture, model=model, optimizer=optimizer,
+            train_x=split.train_x.to(self.device), train_y=split.train_y.to(self.device),
+            test_x=split.test_x.to(self.device), test_y=split.test_y.to(self.device), device=self.device,
+        )
+
+    def _handshake(self) -> None:
+        """Start-up check that every rank runs the same maths (config, classes, feature width)."""
+        config_hash = int(self.config.config_hash()[:15], 16)
+        facts = torch.tensor([[config_hash, self.partition.num_classes, self.config.model.feature_dim,
+                               self.config.num_clients]], dtype=torch.int64)
+        gathered = self.transport.gather(encode(HANDSHAKE_SPEC, {self.rank: {"facts": facts}}))
+        if gathered is None:
+            return
+        mine = facts[0].tolist()
+        for message in gathered:
+            for rank, payload in decode(HANDSHAKE_SPEC, message).items():
+                theirs = payload["facts"][0].tolist()
+                if theirs != mine:
+                    raise HtflError(
+                        f"rank {rank} disagrees with rank 0 on (config hash, classes, K, clients): "
+                        f"{theirs} vs {mine}; start every rank with the same config and data"
+                    )
+
+    # ------------------------------------------------------------------ one round
+
+    def _broadcast_knowledge(self, traffic: RoundTraffic) -> Payload:
+        message = encode(self.download_spec, {BROADCAST_ENTRY: self.server.download()}) if self.is_server else None
+        received = self.transport.broadcast(message)
+        traffic.down += received.nbytes * len(client_ranks(self.world_size))
+        return decode(self.download_spec, received, self.device)[BROADCAST_ENTRY]
+
+    def _train_participants(self, participants: list[int], knowledge: Payload, round_index: int
+                            ) -> tuple[dict[int, Payload], dict[int, list[float]], int]:
+        uploads, train_rows, theory = {}, {}, 0
+        for client_id in participants:
+            client = self.clients.get(client_id)
+            if client is None:
+                continue
+            seed_global_torch(self.config.seed, "train", client_id, round_index)
+            generator = torch_generator(self.config.seed, "batches", client_id, round_index)
+            result = self.client_algorithm.train(client, knowledge, round_index, generator)
+            uploads[client_id] = result.upload
+            train_rows[client_id] = [result.loss_sum, float(result.samples)]
+            theory += self.client_algorithm.theory_upload_floats(client) * 4
+        return uploads, train_rows, theory
+
+    @torch.no_grad()
+    def _evaluate_clients(self, knowledge: Payload) -> dict[int, list[float]]:
+        rows = {}
+        for client_id, client in self.clients.items():
+            client.model.eval()
+            correct = correct_head = 0
+            for start in range(0, client.test_y.shape[0], 1000):
+                x, y = client.test_x[start : start + 1000], client.test_y[start : start + 1000]
+                features, logits = client.model.forward_with_features(x)
+                predicted = self.client_algorithm.predict(client, knowledge, features, logits)
+                correct += int((predicted == y).sum())
+                correct_head += int((logits.argmax(dim=1) == y).sum())
+            rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0])]
+        return rows
+
+    def _gather_uploads(self, uploads: dict[int, Payload], traffic: RoundTraffic) -> dict[int, Payload] | None:
+        spec = self.upload_spec
+        gathered = self.transport.gather(encode(spec, uploads))
+        if gathered is None:
+            return None
+        merged: dict[int, Payload] = {}
+        for message in gathered:
+            if int(message.header[0]) > 0:
+                traffic.up += message.nbytes
+            merged.update(decode(spec, message))
+        return dict(sorted(merged.items()))
+
+    def _gather_reports(self, train_rows, eval_rows, seconds: float, theory_up: int):
+        entries: dict[int, Payload] = {}
+        for client_id in sorted(set(train_rows) | set(eval_rows)):
+            entries[client_id] = {
+                "train": _rows(train_rows.get(client_id), 2),
+                "eval": _rows(eval_rows.get(client_id), 3),
+                "rank": _rows(None, 2),
+            }
+        entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 3),
+                               "rank": _rows([seconds, float(theory_up)], 2)}
+        gathered = self.transport.gather(encode(REPORT_SPEC, entries))
+        if gathered is None:
+            return None
+        reports, rank_rows = {}, []
+        for message in gathered:
+            decoded = decode(REPORT_SPEC, message)
+            rank_rows.append(decoded.pop(RANK_ENTRY)["rank"][0].tolist())
+            reports.update(decoded)
+        return dict(sorted(reports.items())), rank_rows
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> dict[str, Any] | None:
+        config = self.config
+        start_round = self._maybe_resume()
+        knowledge: Payload | None = None  # what the clients of this rank last received
+        round_seconds: list[float] = []
+        for round_index in range(start_round, config.rounds):
+            began = time.perf_counter()
+            traffic = RoundTraffic()
+            participants = sample_participants(config.seed, round_index, config.num_clients, config.join_ratio)
+            if knowledge is None:
+                knowledge = self._broadcast_knowledge(traffic)
+            if self.is_server:
+                traffic.theory_down = self.server.theory_download_floats() * 4 * len(participants)
+
+            compute_began = time.perf_counter()
+            uploads, train_rows, theory_up = self._train_participants(participants, knowledge, round_index)
+            client_seconds = time.perf_counter() - compute_began
+
+            gathered = self._gather_uploads(uploads, traffic)
+            server_seconds = 0.0
+            diagnostics: dict[str, float] = {}
+            if self.is_server:
+                server_began = time.perf_counter()
+                diagnostics = self.server.update(gathered, round_index)
+                server_seconds = time.perf_counter() - server_began
+            knowledge = None
+
+            evaluate = (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds
+            eval_rows: dict[int, list[float]] = {}
+            if evaluate:
+                knowledge = self._broadcast_knowledge(traffic)
+                eval_began = time.perf_counter()
+                eval_rows = self._evaluate_clients(knowledge)
+                client_seconds += time.perf_counter() - eval_began
+            report = self._gather_reports(train_rows, eval_rows, client_seconds, theory_up)
+
+            if self.is_server:
+                reports, rank_rows = report
+                traffic.theory_up = int(sum(r[1] for r in rank_rows))
+                rank_seconds = [r[0] for r in rank_rows]
+                seconds = time.perf_counter() - began
+                round_seconds.append(seconds)
+                row = None
+                if evaluate:
+                    row = self._metrics_row(round_index, reports, traffic, diagnostics, seconds,
+                                            max(rank_seconds), server_seconds)
+                    self.metrics.append(row)
+                eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
+                progress(format_progress(round_index + 1, config.rounds, row, seconds, eta))
+            if config.checkpoint_every and (round_index + 1) % config.checkpoint_every == 0:
+                self._save_checkpoint(round_index + 1)
+        return self._finish(round_seconds) if self.is_server else None
+
+    def _metrics_row(self, round_index, reports, traffic, diagnostics, seconds, client_s, server_s) -> dict:
+        evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])
+        trains = np.array([r["train"][0].tolist() for r in reports.values() if r["train"].shape[0]])
+        per_client = evals[:, 0] / np.maximum(evals[:, 2], 1)
+        samples = evals[:, 2].sum()
+        row = {
+            "round": round_index + 1,
+            "test_acc": float(evals[:, 0].sum() / samples),
+            "test_acc_head": float(evals[:, 1].sum() / samples),
+            "test_acc_std": float(per_client.std()),
+            "train_loss": float(trains[:, 0].sum() / max(trains[:, 1].sum(), 1)) if len(trains) else None,
+            "bytes_up": traffic.up,
+            "bytes_down": traffic.down,
+            "bytes_theory_up": traffic.theory_up,
+            "bytes_theory_down": traffic.theory_down,
+            "seconds": seconds,
+            "client_s": client_s,
+            "server_s": server_s,
+            "comm_s": max(0.0, seconds - client_s - server_s),
+        }
+        row.update({key: float(value) for key, value in diagnostics.items()})
+        return row
+
+    # ------------------------------------------------------------------ checkpoints and summary
+
+    def _save_checkpoint(self, completed_rounds: int) -> None:
+        checkpoint.save(
+            self.run_context.out_dir, completed_rounds, self.config.config_hash(), self.transport,
+            clients=self.clients, server=self.server,
+            expected_clients=list(range(self.config.num_clients)),
+        )
+
+    def _maybe_resume(self) -> int:
+        if not self.run_context.resume:
+            return 0
+        state = checkpoint.load_latest(self.run_context.out_dir, self.config.config_hash(),
+                                       clients=self.clients, server=self.server, device=self.device)
+        if state is None:
+            return 0
+        if self.metrics is not None:
+            self.metrics.load_existing(state)
+        return state
+
+    def _finish(self, round_seconds: list[float]) -> dict[str, Any]:
+        best = self.metrics.best()
+        last = self.metrics.rows[-1] if self.metrics.rows else None
+        summary = {
+            "best_test_acc": best["test_acc"] if best else None,
+            "best_round": best["round"] if best else None,
+            "last_test_acc": last["test_acc"] if last else None,
+            "last_test_acc_head": last["test_acc_head"] if last else None,
+            "rounds": self.config.rounds,
+            "config_hash": self.config.config_hash(),
+            "world_size": self.world_size,
+            "transport": self.transport.name,
+            "device": str(self.device),
+            "seconds_per_round": float(np.mean(round_seconds)) if round_seconds else None,
+            **self.run_context.extra_summary,
+        }
+        write_json(self.run_context.out_dir / "summary.json", summary)
+        return summary

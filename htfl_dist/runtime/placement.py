@@ -1,0 +1,42 @@
+"""Which rank hosts which logical client, and who takes part in a round.
+
+Both are pure functions of the config, so every rank computes the same answer without
+talking to the others.
+"""
+from __future__ import annotations
+
+from htfl_dist.errors import HtflError
+from htfl_dist.seeding import numpy_rng
+
+
+def check_world_size(world_size: int, num_clients: int) -> None:
+    client_ranks = world_size - 1
+    if client_ranks > num_clients:
+        raise HtflError(
+            f"{world_size} ranks give {client_ranks} client ranks but there are only {num_clients} "
+            f"logical clients; start at most {num_clients + 1} ranks or raise num_clients"
+        )
+
+
+def hosting_rank(client_id: int, world_size: int) -> int:
+    """Round-robin over ranks 1..W-1; world size 1 hosts everything on rank 0."""
+    if world_size == 1:
+        return 0
+    return 1 + client_id % (world_size - 1)
+
+
+def clients_of_rank(rank: int, world_size: int, num_clients: int) -> list[int]:
+    return [cid for cid in range(num_clients) if hosting_rank(cid, world_size) == rank]
+
+
+def client_ranks(world_size: int) -> list[int]:
+    return [0] if world_size == 1 else list(range(1, world_size))
+
+
+def sample_participants(seed: int, round_index: int, num_clients: int, join_ratio: float) -> list[int]:
+    """int(N·ρ) clients (at least one), drawn without replacement from the (seed, round) stream."""
+    count = max(1, int(num_clients * join_ratio))
+    if count >= num_clients:
+        return list(range(num_clients))
+    chosen = numpy_rng(seed, "participants", round_index).choice(num_clients, size=count, replace=False)
+    return sorted(int(c) for c in chosen)

@@ -1,0 +1,185 @@
+"""Moving encoded messages between the server (rank 0) and the client ranks.
+
+One interface, three implementations:
+
+* ``LocalTransport``: world size 1, server and clients share the process (the reference path).
+* ``TorchTransport``: torch.distributed point-to-point + broadcast (Gloo or NCCL).
+* ``MPITransport``: mpi4py buffer operations (no pickle: ``Send``/``Recv``/``Bcast`` on arrays).
+
+Every operation moves an :class:`~htfl_dist.runtime.wire.Encoded` message: first a 2-value
+size tensor, then the header and the body, so variable-size payloads need no padding.
+Algorithms never see this module.
+"""
+from __future__ import annotations
+
+import abc
+import datetime
+
+import numpy as np
+import torch
+
+from htfl_dist.runtime.wire import Encoded
+
+
+class Transport(abc.ABC):
+    """Rank 0 broadcasts to and gathers from ranks 1..W-1 (and itself)."""
+
+    rank: int
+    world_size: int
+    name: str
+
+    @abc.abstractmethod
+    def broadcast(self, message: Encoded | None) -> Encoded:
+        """Rank 0 passes the message; every rank returns it."""
+
+    @abc.abstractmethod
+    def gather(self, message: Encoded) -> list[Encoded] | None:
+        """Every rank passes its message; rank 0 returns all of them ordered by rank."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None: ...
+
+    def abort(self, exit_code: int) -> None:
+        """Bring the whole job down quickly (other ranks may be blocked in a collective)."""
+
+    def close(self) -> None: ...
+
+
+class LocalTransport(Transport):
+    """World size 1: messages go through encode/decode but never leave the process."""
+
+    rank = 0
+    world_size = 1
+    name = "local"
+
+    def broadcast(self, message: Encoded | None) -> Encoded:
+        assert message is not None
+        return message
+
+    def gather(self, message: Encoded) -> list[Encoded]:
+        return [message]
+
+    def barrier(self) -> None:
+        return None
+
+
+def _sizes(message: Encoded) -> torch.Tensor:
+    return torch.tensor([message.header.numel(), message.body.numel()], dtype=torch.int64)
+
+
+class TorchTransport(Transport):
+    """torch.distributed; tensors travel on ``comm_device`` (a GPU for NCCL, CPU for Gloo)."""
+
+    def __init__(self, backend: str, rank: int, world_size: int, comm_device: torch.device,
+                 timeout_s: float, init_method: str = "env://") -> None:
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.rank, self.world_size, self.name = rank, world_size, backend
+        self.comm_device = comm_device
+        kwargs = {}
+        if backend == "nccl":
+            kwargs["device_id"] = comm_device
+        dist.init_process_group(
+            backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s), **kwargs,
+        )
+
+    def _to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.comm_device)
+
+    def broadcast(self, message: Encoded | None) -> Encoded:
+        dist = self._dist
+        sizes = self._to_comm(_sizes(message) if self.rank == 0 else torch.zeros(2, dtype=torch.int64))
+        dist.broadcast(sizes, src=0)
+        header_len, body_len = (int(v) for v in sizes.tolist())
+        if self.rank == 0:
+            header, body = self._to_comm(message.header), self._to_comm(message.body)
+        else:
+            header = torch.empty(header_len, dtype=torch.int64, device=self.comm_device)
+            body = torch.empty(body_len, dtype=torch.uint8, device=self.comm_device)
+        dist.broadcast(header, src=0)
+        if body_len:
+            dist.broadcast(body, src=0)
+        return Encoded(header.cpu(), body.cpu())
+
+    def gather(self, message: Encoded) -> list[Encoded] | None:
+        dist = self._dist
+        if self.rank != 0:
+            dist.send(self._to_comm(_sizes(message)), dst=0)
+            dist.send(self._to_comm(message.header), dst=0)
+            if message.body.numel():
+                dist.send(self._to_comm(message.body), dst=0)
+            return None
+        received = [message]
+        for source in range(1, self.world_size):
+            sizes = torch.empty(2, dtype=torch.int64, device=self.comm_device)
+            dist.recv(sizes, src=source)
+            header_len, body_len = (int(v) for v in sizes.tolist())
+            header = torch.empty(header_len, dtype=torch.int64, device=self.comm_device)
+            dist.recv(header, src=source)
+            body = torch.empty(body_len, dtype=torch.uint8, device=self.comm_device)
+            if body_len:
+                dist.recv(body, src=source)
+            received.append(Encoded(header.cpu(), body.cpu()))
+        return received
+
+    def barrier(self) -> None:
+        if self.name == "nccl":
+            self._dist.barrier(device_ids=[self.comm_device.index])
+        else:
+            self._dist.barrier()
+
+    def close(self) -> None:
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group()
+
+
+class MPITransport(Transport):
+    """mpi4py buffer operations on numpy views of CPU tensors."""
+
+    name = "mpi"
+
+    def __init__(self, comm) -> None:  # comm: mpi4py.MPI.Comm
+        self._comm = comm
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+
+    def broadcast(self, message: Encoded | None) -> Encoded:
+        comm = self._comm
+        sizes = _sizes(message).numpy() if self.rank == 0 else np.zeros(2, dtype=np.int64)
+        comm.Bcast(sizes, root=0)
+        if self.rank == 0:
+            header, body = message.header.numpy(), message.body.numpy()
+        else:
+            header = np.empty(int(sizes[0]), dtype=np.int64)
+            body = np.empty(int(sizes[1]), dtype=np.uint8)
+        comm.Bcast(header, root=0)
+        if body.size:
+            comm.Bcast(body, root=0)
+        return Encoded(torch.from_numpy(header), torch.from_numpy(body))
+
+    def gather(self, message: Encoded) -> list[Encoded] | None:
+        comm = self._comm
+        if self.rank != 0:
+            comm.Send(_sizes(message).numpy(), dest=0, tag=1)
+            comm.Send(message.header.numpy(), dest=0, tag=2)
+            if message.body.numel():
+                comm.Send(message.body.numpy(), dest=0, tag=3)
+            return None
+        received = [message]
+        for source in range(1, self.world_size):
+            sizes = np.empty(2, dtype=np.int64)
+            comm.Recv(sizes, source=source, tag=1)
+            header = np.empty(int(sizes[0]), dtype=np.int64)
+            comm.Recv(header, source=source, tag=2)
+            body = np.empty(int(sizes[1]), dtype=np.uint8)
+            if body.size:
+                comm.Recv(body, source=source, tag=3)
+            received.append(Encoded(torch.from_numpy(header), torch.from_numpy(body)))
+        return received
+
+    def barrier(self) -> None:
+        self._comm.Barrier()
+
+    def abort(self, exit_code: int) -> None:
+        self._comm.Abort(exit_code)

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Multi-process run on one machine over Gloo (CPU), e.g.
+#   launch/local_cpu.sh 3 configs/smoke.yaml --out runs/smoke
+# NPROC ranks: rank 0 is the server, ranks 1..NPROC-1 host the clients.
+set -euo pipefail
+nproc="${1:?usage: local_cpu.sh NPROC CONFIG [--out DIR] [key=value ...]}"
+config="${2:?usage: local_cpu.sh NPROC CONFIG [--out DIR] [key=value ...]}"
+shift 2
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec torchrun --standalone --nproc_per_node="$nproc" -m htfl_dist.main --config "$config" runtime.backend=gloo runtime.device=cpu "$@"

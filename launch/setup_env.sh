@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment and install htfl_dist with its test and MPI extras.
+# Idempotent and quiet when everything is present, so CI and users can run it every time.
+#   HTFL_VENV      where the venv lives (default: ~/.cache/htfl_dist/venv, outside the clone)
+#   HTFL_TORCH     pip spec for torch/torchvision (default: the pinned pair this project tests)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${HTFL_VENV:-$HOME/.cache/htfl_dist/venv}"
+torch_spec="${HTFL_TORCH:-torch==2.14.1 torchvision==0.29.1}"
+
+# Fashion-MNIST, the embedded default dataset, comes from the OS package.
+if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
+  echo "setup: installing dataset-fashion-mnist (Debian package)"
+  sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq dataset-fashion-mnist >/dev/null
+fi
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "setup: creating $venv"
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
+  echo "setup: installing $torch_spec"
+  "$py" -m pip install -q $torch_spec
+fi
+if ! "$py" -c "import htfl_dist, mpi4py, h5py, yaml, pytest" 2>/dev/null \
+   || [ "$("$py" -c 'import htfl_dist, os; print(os.path.dirname(os.path.dirname(htfl_dist.__file__)))')" != "$repo" ] \
+   || [ ! -x "$venv/bin/mpirun" ]; then
+  echo "setup: installing htfl_dist (editable) with test and MPI extras"
+  "$py" -m pip install -q -e "$repo[test,mpi]"
+fi
+echo "setup: ready ($venv)"

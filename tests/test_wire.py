@@ -1,0 +1,45 @@
+"""The tensor-only wire format: round trips, declared shapes, corrupt messages."""
+import pytest
+import torch
+
+from htfl_dist.errors import ProtocolError
+from htfl_dist.runtime.wire import Encoded, Field, decode, encode
+
+SPEC = (Field("class_ids", torch.int64), Field("protos", torch.float32, (4,)))
+
+
+def test_round_trip_variable_rows_in_client_order():
+    entries = {
+        7: {"class_ids": torch.tensor([1, 3]), "protos": torch.randn(2, 4)},
+        2: {"class_ids": torch.tensor([0]), "protos": torch.randn(1, 4)},
+        5: {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 4)},
+    }
+    message = encode(SPEC, entries)
+    assert message.header.dtype == torch.int64 and message.body.dtype == torch.uint8
+    decoded = decode(SPEC, message)
+    assert list(decoded) == [2, 5, 7]
+    for cid, payload in entries.items():
+        assert torch.equal(decoded[cid]["class_ids"], payload["class_ids"])
+        assert torch.equal(decoded[cid]["protos"], payload["protos"])
+    # exact size: 3 int64 ids + 3 rows of 4 float32, plus the header
+    assert message.body.numel() == 3 * 8 + 3 * 16
+    assert message.nbytes == message.body.numel() + 8 * (1 + 3 * 3)
+
+
+def test_encode_rejects_undeclared_dtype_and_shape():
+    with pytest.raises(ProtocolError, match="dtype"):
+        encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 4, dtype=torch.float64)}})
+    with pytest.raises(ProtocolError, match="shape"):
+        encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 5)}})
+    with pytest.raises(ProtocolError, match="undeclared"):
+        encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 4), "x": torch.ones(1)}})
+
+
+def test_decode_rejects_truncated_or_padded_body():
+    message = encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 4)}})
+    with pytest.raises(ProtocolError, match="too short"):
+        decode(SPEC, Encoded(message.header, message.body[:-1]))
+    with pytest.raises(ProtocolError, match="trailing"):
+        decode(SPEC, Encoded(message.header, torch.cat([message.body, torch.zeros(3, dtype=torch.uint8)])))
+    with pytest.raises(ProtocolError, match="header"):
+        decode(SPEC, Encoded(message.header[:-1], message.body))
