@@ -118,10 +118,11 @@ class Config:
         return dataclasses.asdict(self)
 
     def config_hash(self) -> str:
-        """Hash of the maths-relevant config (runtime plumbing excluded), for summaries and
-        checkpoints: two runs with equal hashes must give equal metrics."""
+        """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal
+        hashes compute the same rounds (runtime plumbing and the run length are excluded)."""
         data = self.to_dict()
-        data.pop("runtime")
+        for key in ("runtime", "rounds", "eval_every", "checkpoint_every"):
+            data.pop(key)  # plumbing and run length: a resumed run may extend `rounds`
         text = json.dumps(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

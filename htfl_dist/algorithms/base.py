@@ -175,7 +175,9 @@ def run_local_training(client: ClientState, context: AlgorithmContext, round_ind
 
     ``loss_fn(features, logits, labels)`` is the algorithm's objective. Batches are drawn with
     ``generator`` (derived from seed, client id and round by the runtime), so the sample order
-    does not depend on where the client runs. Returns (sum of batch losses × batch size, samples).
+    does not depend on where the client runs. A trailing batch of a single sample is skipped
+    (BatchNorm in the torchvision models cannot train on it; HtFLlib drops every partial batch).
+    Returns (sum of batch losses × batch size, samples).
     """
     model, optimizer = client.model, client.optimizer
     batch_size = context.train.batch_size
@@ -185,6 +187,8 @@ def run_local_training(client: ClientState, context: AlgorithmContext, round_ind
     for _ in range(context.train.local_epochs):
         order = torch.randperm(count, generator=generator).to(client.device)
         for start in range(0, count, batch_size):
+            if count - start == 1 and start > 0:
+                break  # a final batch of one sample breaks BatchNorm on 1×1 maps; skip it
             index = order[start : start + batch_size]
             x, y = client.train_x[index], client.train_y[index]
             features, logits = model.forward_with_features(x)

@@ -149,6 +149,8 @@ class Federation:
     # ------------------------------------------------------------------ one round
 
     def _broadcast_knowledge(self, traffic: RoundTraffic) -> Payload:
+        if not self.download_spec:
+            return {}  # the algorithm shares nothing server → clients: nothing travels
         message = encode(self.download_spec, {BROADCAST_ENTRY: self.server.download()}) if self.is_server else None
         received = self.transport.broadcast(message)
         traffic.down += received.nbytes * len(client_ranks(self.world_size))
@@ -186,6 +188,8 @@ class Federation:
 
     def _gather_uploads(self, uploads: dict[int, Payload], traffic: RoundTraffic) -> dict[int, Payload] | None:
         spec = self.upload_spec
+        if not spec:
+            return {} if self.is_server else None  # nothing declared, nothing travels
         gathered = self.transport.gather(encode(spec, uploads))
         if gathered is None:
             return None

@@ -1,0 +1,56 @@
+"""The one model shape every algorithm sees: a feature extractor followed by a head.
+
+Prototype-based HtFL methods (FedProto, FedTGP, FedOC, ...) exchange knowledge in the
+K-dimensional feature space that every client's model shares, whatever its architecture.
+So each client model is split into ``feature_extractor`` (input -> R^K, private and
+architecture-specific) and ``head`` (R^K -> R^C, the same shape on every client).
+"""
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+
+class SplitModel(nn.Module):
+    """A client model ``head(feature_extractor(x))`` with a K-dimensional feature interface.
+
+    Attributes:
+        feature_extractor: maps a batch of images ``(B, C_in, H, W)`` to features ``(B, K)``.
+        head: maps features ``(B, K)`` to logits ``(B, num_classes)``.
+        feature_dim: K, the width every client shares (prototypes live in R^K).
+        arch: the registered architecture name this model was built from ("" if built by hand).
+    """
+
+    def __init__(self, feature_extractor: nn.Module, head: nn.Module, feature_dim: int, arch: str = "") -> None:
+        super().__init__()
+        self.feature_extractor = feature_extractor
+        self.head = head
+        self.feature_dim = int(feature_dim)
+        self.arch = arch
+
+    def features(self, x: Tensor) -> Tensor:
+        """Features ``(B, K)``: what prototypes are computed from."""
+        return self.feature_extractor(x)
+
+    def forward_with_features(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``(features, logits)`` from one pass, for losses that need both (CE + prototype term)."""
+        feats = self.feature_extractor(x)
+        return feats, self.head(feats)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Logits ``(B, num_classes)``."""
+        return self.head(self.feature_extractor(x))
+
+    def extra_repr(self) -> str:
+        return f"arch={self.arch!r}, feature_dim={self.feature_dim}"
+
+
+def linear_head(feature_dim: int, num_classes: int) -> nn.Linear:
+    """The fresh classifier every architecture gets: ``Linear(K, C)``, PyTorch's default init.
+
+    Kept in one place so all architectures (torchvision, CNN, HtCNN) share the same head shape,
+    which is what lets head-sharing baselines (LG-FedAvg, FedGH) aggregate heads across clients.
+    """
+    return nn.Linear(feature_dim, num_classes)
+
+
+__all__ = ["SplitModel", "linear_head"]

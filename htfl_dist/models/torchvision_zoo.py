@@ -1,0 +1,145 @@
+"""torchvision architectures (randomly initialised, never downloaded) as split models.
+
+Each builder constructs the torchvision model with ``weights=None``, adapts the stem to
+``in_channels`` (see :func:`adapt_input_channels`), and splits off the classifier with the
+generic :func:`split_classifier` (penultimate vector average-pooled to K, fresh ``Linear(K, C)``).
+The stems are the ImageNet ones, unchanged, as in the FedTGP/HtFLlib experiments; they still
+run on 28x28 and 32x32 inputs (ResNets and MobileNetV2 end at 1x1 spatial maps; GoogLeNet
+needs at least 15x15).
+
+Caveat for training loops: at 28x28/32x32 the last BatchNorm layers of GoogLeNet, MobileNetV2
+and ResNet10/18+ see 1x1 maps, so a *training-mode* batch of one sample raises PyTorch's
+"Expected more than 1 value per channel when training". Drop (or skip) size-1 last batches.
+
+ResNet4/6/8/10 are BasicBlock ResNets with one block per stage: ResNet10 has the four usual
+stages ([1, 1, 1, 1]); ResNet8/6/4 keep only the first 3/2/1 stages (later stages become
+``nn.Identity``), so their penultimate widths are 256/128/64 and get repeated up to K.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torchvision
+from torch import nn
+from torchvision.models.resnet import BasicBlock, ResNet
+
+from htfl_dist.errors import ConfigError
+
+from .base import SplitModel
+from .head_split import adapt_input_channels, split_classifier
+from .registry import register_architecture
+
+# Smallest square input each family accepts (GoogLeNet's ceil-mode pools reach a 1x1 map at
+# maxpool3 and the 2x2 maxpool4 then has nothing left below 15x15; measured with torchvision 0.29).
+MIN_IMAGE_SIZE: dict[str, int] = {"googlenet": 15}
+
+
+def _kaiming_fan_out(conv: nn.Conv2d) -> None:
+    """ResNet / MobileNetV2 conv init (as torchvision does it)."""
+    nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
+    if conv.bias is not None:
+        nn.init.zeros_(conv.bias)
+
+
+def _googlenet_init(conv: nn.Conv2d) -> None:
+    """GoogLeNet conv init with ``init_weights=True`` (truncated normal, no scipy needed)."""
+    nn.init.trunc_normal_(conv.weight, mean=0.0, std=0.01, a=-2, b=2)
+    if conv.bias is not None:
+        nn.init.zeros_(conv.bias)
+
+
+def _check_image_size(arch: str, image_size: int) -> None:
+    minimum = MIN_IMAGE_SIZE.get(arch, 1)
+    if image_size < minimum:
+        raise ConfigError(f"image_size {image_size} is too small for architecture {arch!r} (needs >= {minimum})")
+
+
+def _finish(
+    arch: str,
+    model: nn.Module,
+    stem_init: Callable[[nn.Conv2d], None],
+    *,
+    num_classes: int,
+    feature_dim: int,
+    in_channels: int,
+    penultimate_dim: int | None = None,
+) -> SplitModel:
+    """Adapt the stem to ``in_channels`` and split off the classifier (shared by all builders)."""
+    adapt_input_channels(model, in_channels, stem_init)
+    return split_classifier(
+        model, feature_dim=feature_dim, num_classes=num_classes, penultimate_dim=penultimate_dim, arch=arch
+    )
+
+
+@register_architecture("googlenet")
+def build_googlenet(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+    """GoogLeNet without auxiliary classifiers; 1024-d penultimate vector -> K (pairs averaged)."""
+    _check_image_size("googlenet", image_size)
+    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True, num_classes=num_classes)
+    return _finish(
+        "googlenet", model, _googlenet_init,
+        num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
+    )
+
+
+@register_architecture("mobilenet_v2")
+def build_mobilenet_v2(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+    """MobileNetV2; its whole ``classifier`` (dropout + linear) is replaced, 1280-d -> K."""
+    model = torchvision.models.mobilenet_v2(weights=None, num_classes=num_classes)
+    return _finish(
+        "mobilenet_v2", model, _kaiming_fan_out,
+        num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
+    )
+
+
+# Standard torchvision ResNets: penultimate 512 (18/34) or 2048 (50/101/152, groups of 4 -> 512).
+_TORCHVISION_RESNETS: dict[str, Callable[..., ResNet]] = {
+    "resnet18": torchvision.models.resnet18,
+    "resnet34": torchvision.models.resnet34,
+    "resnet50": torchvision.models.resnet50,
+    "resnet101": torchvision.models.resnet101,
+    "resnet152": torchvision.models.resnet152,
+}
+
+
+def _register_torchvision_resnet(arch: str, factory: Callable[..., ResNet]) -> None:
+    @register_architecture(arch)
+    def build(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+        model = factory(weights=None, num_classes=num_classes)
+        return _finish(
+            arch, model, _kaiming_fan_out,
+            num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
+        )
+
+    build.__name__ = f"build_{arch}"
+    build.__doc__ = f"torchvision {arch} (weights=None), fc replaced by the K-pool."
+
+
+for _arch, _factory in _TORCHVISION_RESNETS.items():
+    _register_torchvision_resnet(_arch, _factory)
+
+
+# One-block-per-stage ResNets: architecture name -> number of stages kept.
+_SHALLOW_RESNET_STAGES: dict[str, int] = {"resnet4": 1, "resnet6": 2, "resnet8": 3, "resnet10": 4}
+
+
+def _register_shallow_resnet(arch: str, stages: int) -> None:
+    @register_architecture(arch)
+    def build(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+        model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+        # Drop the stages after ``stages``; ResNet's forward calls layer1..layer4 in turn, so an
+        # Identity passes the last kept stage's output straight to the global average pool.
+        for index in range(stages + 1, 5):
+            setattr(model, f"layer{index}", nn.Identity())
+        return _finish(
+            arch, model, _kaiming_fan_out,
+            num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
+            penultimate_dim=64 * 2 ** (stages - 1),
+        )
+
+    build.__name__ = f"build_{arch}"
+    build.__doc__ = f"BasicBlock ResNet with {stages} stage(s) of one block; penultimate width {64 * 2 ** (stages - 1)}."
+
+
+for _arch, _stages in _SHALLOW_RESNET_STAGES.items():
+    _register_shallow_resnet(_arch, _stages)

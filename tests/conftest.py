@@ -1,0 +1,50 @@
+"""Helpers to launch the real program the way users do: python -m, torchrun, mpirun."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+SMOKE = REPO / "configs" / "smoke.yaml"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(REPO)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def launch(launcher: str, nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``htfl_dist.main`` under ``launcher`` (single | torchrun | mpirun) with ``nproc`` ranks."""
+    program = ["-m", "htfl_dist.main", *args]
+    if launcher == "single":
+        command = [sys.executable, *program]
+    elif launcher == "torchrun":
+        command = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", *program]
+    elif launcher == "mpirun":
+        mpirun = shutil.which("mpirun", path=str(BIN)) or shutil.which("mpirun")
+        command = [mpirun, "-n", str(nproc), sys.executable, *program]
+    else:
+        raise ValueError(launcher)
+    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One partition cache for the whole session (the first run builds it)."""
+    return tmp_path_factory.mktemp("partition-cache")

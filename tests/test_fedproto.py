@@ -1,0 +1,118 @@
+"""FedProto maths: client prototypes, server aggregation (missing classes), regulariser, inference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
+from htfl_dist.algorithms.base import class_prototypes
+from htfl_dist.algorithms.fedproto import dense_prototypes, prototype_regulariser
+from htfl_dist.config import TrainConfig
+from htfl_dist.errors import ConfigError, ProtocolError
+from htfl_dist.models import build_model
+from htfl_dist.seeding import torch_generator
+
+C, K = 5, 8
+
+
+def _context(**options):
+    entry = get_algorithm("fedproto")
+    return entry, AlgorithmContext(num_classes=C, feature_dim=K, seed=0, train=TrainConfig(),
+                                   options=parse_options(entry, options))
+
+
+def _client(labels: list[int]) -> ClientState:
+    torch.manual_seed(0)
+    model = build_model("htcnn1", num_classes=C, feature_dim=K, in_channels=1, image_size=28)
+    y = torch.tensor(labels)
+    x = torch.randn(len(labels), 1, 28, 28)
+    return ClientState(0, "htcnn1", model, torch.optim.SGD(model.parameters(), lr=0.01),
+                       x, y, x[:2], y[:2], torch.device("cpu"))
+
+
+def test_client_prototypes_are_class_means_of_features():
+    client = _client([0, 0, 3, 3, 3, 1])
+    class_ids, protos = class_prototypes(client, C, batch_size=4)  # batches straddle classes
+    assert class_ids.tolist() == [0, 1, 3]  # only the classes held, no rows for 2 and 4
+    client.model.eval()
+    with torch.no_grad():
+        features = client.model.features(client.train_x)
+    for row, c in enumerate(class_ids.tolist()):
+        torch.testing.assert_close(protos[row], features[client.train_y == c].mean(0))
+
+
+def test_server_mean_with_missing_classes():
+    entry, context = _context()
+    server = entry.server(context)
+    uploads = {
+        4: {"class_ids": torch.tensor([0, 2]), "protos": torch.tensor([[2.0] * K, [4.0] * K])},
+        1: {"class_ids": torch.tensor([2]), "protos": torch.tensor([[8.0] * K])},
+    }
+    server.update(uploads, round_index=0)
+    download = server.download()
+    assert download["class_ids"].tolist() == [0, 2]  # 1, 3, 4: nobody holds them -> absent
+    torch.testing.assert_close(download["protos"][0], torch.full((K,), 2.0))
+    torch.testing.assert_close(download["protos"][1], torch.full((K,), 6.0))  # unweighted mean
+
+
+def test_server_weighted_mean_uses_counts():
+    entry, context = _context(weighted=True)
+    assert [f.name for f in entry.client.upload_fields(context)] == ["class_ids", "protos", "counts"]
+    server = entry.server(context)
+    server.update({
+        0: {"class_ids": torch.tensor([1]), "protos": torch.ones(1, K), "counts": torch.tensor([3])},
+        1: {"class_ids": torch.tensor([1]), "protos": torch.full((1, K), 5.0), "counts": torch.tensor([1])},
+    }, round_index=0)
+    torch.testing.assert_close(server.download()["protos"][0], torch.full((K,), 2.0))
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"class_ids": torch.tensor([7]), "protos": torch.ones(1, K)}, "outside"),
+    ({"class_ids": torch.tensor([1, 1]), "protos": torch.ones(2, K)}, "twice"),
+    ({"class_ids": torch.tensor([1]), "protos": torch.full((1, K), float("nan"))}, "NaN"),
+])
+def test_server_rejects_bad_uploads(bad, match):
+    entry, context = _context()
+    with pytest.raises(ProtocolError, match=match):
+        entry.server(context).update({3: bad}, round_index=0)
+
+
+def test_regulariser_forms():
+    _, paper = _context()
+    _, reference = _context(client_reg="htfllib")
+    assert paper.options.reg_weight == 0.1 and reference.options.reg_weight == 10.0
+    table, available = dense_prototypes(
+        {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, K)}, C, torch.device("cpu"))
+    features = torch.tensor([[3.0, 4.0] + [0.0] * (K - 2), [1.0, 0.0] + [0.0] * (K - 2), [9.0] * K])
+    labels = torch.tensor([0, 0, 2])  # class 2 has no global prototype: contributes nothing
+    # paper: distance of the batch's class-0 mean (2, 2, 0...) to the zero prototype
+    expected = 0.1 * torch.tensor([2.0, 2.0]).norm()
+    torch.testing.assert_close(prototype_regulariser(paper.options, features, labels, table, available), expected)
+    # HtFLlib: MSE over batch × K against P̂^y, the class-2 row compared with itself
+    expected_mse = 10.0 * (9 + 16 + 1) / (3 * K)
+    torch.testing.assert_close(
+        prototype_regulariser(reference.options, features, labels, table, available), torch.tensor(expected_mse))
+
+
+def test_prototype_inference_is_nearest_global_prototype():
+    entry, context = _context()
+    client_algorithm = entry.client(context)
+    knowledge = {"class_ids": torch.tensor([1, 4]), "protos": torch.stack([torch.zeros(K), torch.ones(K)])}
+    features = torch.stack([torch.full((K,), 0.2), torch.full((K,), 0.9)])
+    predicted = client_algorithm.predict(None, knowledge, features, torch.zeros(2, C))
+    assert predicted.tolist() == [1, 4]
+
+
+def test_training_round_uploads_rows_only_for_held_classes():
+    entry, context = _context()
+    client = _client([0, 0, 3, 3, 3, 1, 1, 0, 3, 1, 0, 0])
+    result = entry.client(context).train(client, {"class_ids": torch.empty(0, dtype=torch.int64),
+                                                  "protos": torch.empty(0, K)}, 0, torch_generator(0, "t"))
+    assert result.upload["class_ids"].tolist() == [0, 1, 3]
+    assert result.upload["protos"].shape == (3, K)
+    assert result.samples == 12 and result.loss_sum > 0
+
+
+def test_unknown_option_is_a_config_error():
+    with pytest.raises(ConfigError, match="algo.lamda"):
+        _context(lamda=1.0)

@@ -1,0 +1,297 @@
+"""Tests for htfl_dist.models: shapes, head-split pooling, determinism, registry errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from htfl_dist.errors import ConfigError
+from htfl_dist.models import (
+    FeaturePool,
+    SplitModel,
+    architecture_for_client,
+    architectures,
+    build_model,
+    model_groups,
+    register_architecture,
+    resolve_group,
+)
+
+ALL_ARCHS = (
+    ["cnn", "googlenet", "mobilenet_v2"]
+    + [f"htcnn{i}" for i in range(1, 9)]
+    + [f"resnet{d}" for d in (4, 6, 8, 10, 18, 34, 50, 101, 152)]
+)
+
+INPUTS = [(1, 28), (3, 32)]  # (in_channels, image_size): Fashion-MNIST and CIFAR shapes
+
+
+def _build(arch: str, seed: int = 0, **kwargs: int) -> SplitModel:
+    torch.manual_seed(seed)
+    return build_model(arch, **kwargs)
+
+
+def _first_conv(model: nn.Module) -> nn.Conv2d:
+    return next(m for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_registry_lists_exactly_the_expected_architectures() -> None:
+    assert sorted(architectures()) == sorted(ALL_ARCHS)
+    # natural order: resnet4 before resnet10 before resnet18
+    names = architectures()
+    assert names.index("resnet4") < names.index("resnet10") < names.index("resnet18") < names.index("resnet101")
+
+
+@pytest.mark.parametrize("arch", ALL_ARCHS)
+def test_feature_and_logit_widths(arch: str) -> None:
+    for in_channels, size in INPUTS:
+        model = _build(arch, num_classes=7, in_channels=in_channels, image_size=size).eval()
+        assert isinstance(model, SplitModel)
+        assert model.arch == arch
+        assert model.feature_dim == 512
+        assert isinstance(model.head, nn.Linear)
+        assert (model.head.in_features, model.head.out_features) == (512, 7)
+        x = torch.randn(2, in_channels, size, size)
+        with torch.no_grad():
+            feats, logits = model.forward_with_features(x)
+            assert feats.shape == (2, 512)
+            assert logits.shape == (2, 7)
+            # the three entry points agree (eval mode: no dropout, BN uses running stats)
+            assert torch.equal(model.features(x), feats)
+            assert torch.equal(model(x), logits)
+            assert torch.equal(model.head(feats), logits)
+        assert torch.isfinite(feats).all() and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("arch", ["cnn", "htcnn8", "htcnn1", "resnet4", "googlenet"])
+def test_other_feature_dim(arch: str) -> None:
+    model = _build(arch, num_classes=3, feature_dim=256, in_channels=1, image_size=28).eval()
+    assert model.feature_dim == 256
+    assert (model.head.in_features, model.head.out_features) == (256, 3)
+    with torch.no_grad():
+        feats, logits = model.forward_with_features(torch.randn(2, 1, 28, 28))
+    assert feats.shape == (2, 256) and logits.shape == (2, 3)
+
+
+def test_htcnn_layers_follow_table_9() -> None:
+    def layout(arch: str, feature_dim: int = 512) -> tuple[list[int], list[int]]:
+        model = _build(arch, num_classes=10, feature_dim=feature_dim, in_channels=1, image_size=28)
+        convs = [m for m in model.feature_extractor.modules() if isinstance(m, nn.Conv2d)]
+        fcs = [m for m in model.feature_extractor.modules() if isinstance(m, nn.Linear)]
+        for conv in convs:
+            assert conv.kernel_size == (5, 5) and conv.padding == (0, 0)
+        return [c.out_channels for c in convs], [f.out_features for f in fcs]
+
+    assert layout("htcnn1") == ([32], [512])
+    assert layout("htcnn2") == ([32, 64], [512])
+    assert layout("htcnn3") == ([32], [512, 512])
+    assert layout("htcnn4") == ([32, 64], [512, 512])
+    assert layout("htcnn5") == ([32], [1024, 512])
+    assert layout("htcnn6") == ([32, 64], [1024, 512])
+    assert layout("htcnn7") == ([32], [1024, 512, 512])
+    assert layout("htcnn8") == ([32, 64], [1024, 512, 512])
+    assert layout("cnn") == ([32, 64], [512])
+    # only the last extractor fc follows K
+    assert layout("htcnn8", feature_dim=128) == ([32, 64], [1024, 512, 128])
+    # flatten width computed from the input: 28 -> 24 -> 12 -> 8 -> 4 ; 32 -> 28 -> 14 -> 10 -> 5
+    cnn28 = _build("cnn", num_classes=10, in_channels=1, image_size=28)
+    cnn32 = _build("cnn", num_classes=10, in_channels=3, image_size=32)
+    assert [m for m in cnn28.feature_extractor if isinstance(m, nn.Linear)][0].in_features == 64 * 4 * 4
+    assert [m for m in cnn32.feature_extractor if isinstance(m, nn.Linear)][0].in_features == 64 * 5 * 5
+
+
+def test_features_end_in_relu_for_cnns() -> None:
+    model = _build("htcnn3", num_classes=10, in_channels=1, image_size=28).eval()
+    with torch.no_grad():
+        assert (model.features(torch.randn(4, 1, 28, 28)) >= 0).all()
+
+
+@pytest.mark.parametrize("arch", ["googlenet", "mobilenet_v2", "resnet10"])
+def test_one_channel_stem_keeps_geometry(arch: str) -> None:
+    rgb = _first_conv(_build(arch, num_classes=10, in_channels=3).feature_extractor)
+    gray = _first_conv(_build(arch, num_classes=10, in_channels=1).feature_extractor)
+    assert (rgb.in_channels, gray.in_channels) == (3, 1)
+    for attr in ("out_channels", "kernel_size", "stride", "padding", "dilation", "groups"):
+        assert getattr(rgb, attr) == getattr(gray, attr), attr
+    assert (rgb.bias is None) == (gray.bias is None)
+    # initialised by the architecture's scheme, not left empty
+    assert torch.isfinite(gray.weight).all() and gray.weight.std() > 0
+
+
+def test_shallow_resnets_truncate_stages() -> None:
+    widths = {}
+    for arch in ("resnet4", "resnet6", "resnet8", "resnet10"):
+        model = _build(arch, num_classes=10)
+        widths[arch] = model.feature_extractor.fc.in_features
+        blocks = [m for m in model.feature_extractor.modules() if type(m).__name__ == "BasicBlock"]
+        assert len(blocks) == {"resnet4": 1, "resnet6": 2, "resnet8": 3, "resnet10": 4}[arch]
+    assert widths == {"resnet4": 64, "resnet6": 128, "resnet8": 256, "resnet10": 512}
+
+
+def test_training_step_runs_and_backpropagates() -> None:
+    # mobilenet_v2 exercises the general (1280 -> 512) pooling path, resnet4 the repeat path.
+    for arch in ("mobilenet_v2", "resnet4", "htcnn1"):
+        model = _build(arch, num_classes=10, in_channels=1, image_size=28).train()
+        feats, logits = model.forward_with_features(torch.randn(4, 1, 28, 28))
+        (F.cross_entropy(logits, torch.tensor([0, 1, 2, 3])) + feats.pow(2).mean()).backward()
+        first = _first_conv(model)
+        assert first.weight.grad is not None and torch.isfinite(first.weight.grad).all()
+
+
+def test_too_small_images_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="image_size 14 is too small for architecture 'googlenet'"):
+        build_model("googlenet", num_classes=10, image_size=14)
+    # two (conv5, pool2) blocks: 16 -> 12 -> 6 -> 2 -> 1, while 15 -> 11 -> 5 -> 1 -> pool fails
+    with pytest.raises(ConfigError, match=r"image_size 15 .*'cnn' \(needs >= 16\)"):
+        build_model("cnn", num_classes=10, image_size=15)
+    build_model("cnn", num_classes=10, image_size=16)
+    build_model("googlenet", num_classes=10, image_size=15)
+    with pytest.raises(ConfigError, match="needs >= 6"):
+        build_model("htcnn1", num_classes=10, image_size=5)
+
+
+def test_bad_sizes_are_config_errors() -> None:
+    for key in ("num_classes", "feature_dim", "in_channels", "image_size"):
+        kwargs = {"num_classes": 10, key: 0}
+        with pytest.raises(ConfigError, match=key):
+            build_model("cnn", **kwargs)
+
+
+# ---------------------------------------------------------------- head-split pooling
+
+
+def test_pool_2048_to_512_is_mean_of_groups_of_four() -> None:
+    x = torch.randn(3, 2048)
+    out = FeaturePool(2048, 512)(x)
+    assert out.shape == (3, 512)
+    assert torch.equal(out, x.reshape(3, 512, 4).mean(dim=2))
+    assert torch.allclose(out[:, 5], x[:, 20:24].mean(dim=1))
+    assert torch.allclose(out, F.adaptive_avg_pool1d(x.unsqueeze(1), 512).squeeze(1), atol=1e-6)
+
+
+def test_pool_1024_to_512_averages_pairs() -> None:
+    x = torch.randn(2, 1024)
+    assert torch.allclose(FeaturePool(1024, 512)(x), (x[:, 0::2] + x[:, 1::2]) / 2, atol=1e-6)
+
+
+@pytest.mark.parametrize("width", [64, 128, 256])
+def test_pool_narrow_vectors_are_repeated(width: int) -> None:
+    x = torch.randn(2, width)
+    out = FeaturePool(width, 512)(x)
+    assert out.shape == (2, 512)
+    assert torch.equal(out, x.repeat_interleave(512 // width, dim=1))
+    assert torch.equal(out, F.adaptive_avg_pool1d(x.unsqueeze(1), 512).squeeze(1))
+
+
+@pytest.mark.parametrize("width,k", [(1280, 512), (512, 512), (100, 512), (1280, 256), (7, 3), (3, 7)])
+def test_pool_matches_adaptive_avg_pool1d(width: int, k: int) -> None:
+    x = torch.randn(4, width, dtype=torch.float64)
+    out = FeaturePool(width, k)(x)
+    assert out.shape == (4, k)
+    assert torch.allclose(out, F.adaptive_avg_pool1d(x.unsqueeze(1), k).squeeze(1))
+
+
+def test_pool_has_no_parameters_or_state() -> None:
+    pool = FeaturePool(1280, 512)
+    assert list(pool.parameters()) == []
+    assert pool.state_dict() == {}
+    with pytest.raises(ValueError, match=r"\(B, 1280\)"):
+        pool(torch.randn(2, 1024))
+
+
+@pytest.mark.parametrize("arch,penultimate", [("googlenet", 1024), ("mobilenet_v2", 1280), ("resnet50", 2048)])
+def test_torchvision_classifier_replaced_by_pool(arch: str, penultimate: int) -> None:
+    model = _build(arch, num_classes=10, in_channels=1, image_size=28)
+    pools = [m for m in model.feature_extractor.modules() if isinstance(m, FeaturePool)]
+    assert len(pools) == 1 and (pools[0].in_features, pools[0].out_features) == (penultimate, 512)
+    # the head is the only Linear left outside the extractor; the extractor has none (ResNet/GoogLeNet)
+    assert not any(isinstance(m, nn.Linear) for m in model.feature_extractor.modules())
+
+
+# ---------------------------------------------------------------- determinism
+
+
+@pytest.mark.parametrize("arch", ["cnn", "htcnn8", "resnet10", "mobilenet_v2"])
+def test_same_seed_same_parameters(arch: str) -> None:
+    a = _build(arch, seed=123, num_classes=10, in_channels=1, image_size=28).state_dict()
+    b = _build(arch, seed=123, num_classes=10, in_channels=1, image_size=28).state_dict()
+    c = _build(arch, seed=124, num_classes=10, in_channels=1, image_size=28).state_dict()
+    assert a.keys() == b.keys() == c.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    weights = [k for k in a if k.endswith("weight") and a[k].dtype.is_floating_point and a[k].std() > 0]
+    assert weights and all(not torch.equal(a[k], c[k]) for k in weights)
+
+
+def test_build_model_does_not_seed_the_global_rng() -> None:
+    # If the builder re-seeded torch, the RNG state afterwards would not depend on the caller's seed.
+    after = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        build_model("resnet4", num_classes=10, in_channels=1, image_size=28)
+        after.append(torch.rand(4))
+    assert not torch.equal(after[0], after[1])
+
+
+# ---------------------------------------------------------------- registry / groups
+
+
+def test_model_groups() -> None:
+    groups = model_groups()
+    assert groups["HtCNN8"] == tuple(f"htcnn{i}" for i in range(1, 9))
+    assert groups["HtFE8"] == (
+        "cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    )
+    assert groups["HtFE2"] == ("cnn", "resnet18")
+    assert groups["HtFE3"] == ("resnet10", "resnet18", "resnet34")
+    assert groups["HtFE4"] == ("cnn", "googlenet", "mobilenet_v2", "resnet18")
+    assert groups["HtFE9"] == (
+        "resnet4", "resnet6", "resnet8", "resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+    )
+    registered = set(architectures())
+    assert all(set(members) <= registered for members in groups.values())
+    groups["HtFE2"] = ("x",)  # a copy: callers cannot corrupt the table
+    assert model_groups()["HtFE2"] == ("cnn", "resnet18")
+
+
+def test_architecture_for_client_round_robin() -> None:
+    group = model_groups()["HtFE8"]
+    assert [architecture_for_client("HtFE8", i) for i in range(20)] == [group[i % 8] for i in range(20)]
+    assert [architecture_for_client("HtFE3", i) for i in range(5)] == [
+        "resnet10", "resnet18", "resnet34", "resnet10", "resnet18",
+    ]
+    # a single architecture name is a homogeneous group of one
+    assert resolve_group("resnet18") == ("resnet18",)
+    assert {architecture_for_client("resnet18", i) for i in range(10)} == {"resnet18"}
+    with pytest.raises(ValueError):
+        architecture_for_client("HtFE8", -1)
+
+
+def test_unknown_group_is_config_error_listing_allowed() -> None:
+    with pytest.raises(ConfigError) as info:
+        architecture_for_client("HtFE7", 0)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE8, HtFE9")
+    assert all(name in message for name in ALL_ARCHS)
+
+
+def test_unknown_architecture_is_config_error_listing_allowed() -> None:
+    with pytest.raises(ConfigError) as info:
+        build_model("resnet19", num_classes=10)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("unknown architecture 'resnet19'; allowed: ")
+    assert all(name in message for name in ALL_ARCHS)
+    with pytest.raises(ConfigError, match="unknown architecture 'HtFE8'"):
+        build_model("HtFE8", num_classes=10)  # a group is not an architecture
+
+
+def test_register_architecture_rejects_duplicates() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        @register_architecture("cnn")
+        def _again(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+            raise AssertionError("never called")
