@@ -51,6 +51,15 @@ def _prepare_out_dir(out: Path, resume: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def _make_deterministic(torch) -> None:
+    """Bitwise-repeatable runs on GPU too: deterministic cuDNN/cuBLAS kernels (a few percent
+    slower, and the price of comparing world sizes and resumed runs exactly)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def run(argv: list[str] | None = None) -> int:
     import torch
     import yaml
@@ -72,6 +81,7 @@ def run(argv: list[str] | None = None) -> int:
     check_world_size(launch.world_size, config.num_clients)
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
+    _make_deterministic(torch)
     out = Path(args.out or Path("runs") / f"{config.algorithm}-{config.config_hash()}").resolve()
     resume = args.resume == "auto"
     if launch.rank == 0:

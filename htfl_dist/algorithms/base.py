@@ -183,7 +183,7 @@ def run_local_training(client: ClientState, context: AlgorithmContext, round_ind
     batch_size = context.train.batch_size
     count = client.train_y.shape[0]
     model.train()
-    loss_sum, seen = 0.0, 0
+    loss_total, seen = torch.zeros((), device=client.device), 0  # summed on device: no per-step sync
     for _ in range(context.train.local_epochs):
         order = torch.randperm(count, generator=generator).to(client.device)
         for start in range(0, count, batch_size):
@@ -198,9 +198,9 @@ def run_local_training(client: ClientState, context: AlgorithmContext, round_ind
             optimizer.step()
             if on_batch is not None:
                 on_batch(features.detach(), y)
-            loss_sum += float(loss.detach()) * y.shape[0]
+            loss_total += loss.detach() * y.shape[0]
             seen += y.shape[0]
-    return loss_sum, seen
+    return float(loss_total), seen
 
 
 @torch.no_grad()

@@ -76,16 +76,16 @@ def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, lab
     if options.client_reg == "htfllib":
         target = torch.where(available[labels].unsqueeze(1), table[labels], features.detach())
         return options.reg_weight * F.mse_loss(features, target)
-    keep = available[labels]
-    if not bool(keep.any()):
-        return features.sum() * 0.0
-    labels_kept, features_kept = labels[keep], features[keep]
-    classes, inverse = torch.unique(labels_kept, return_inverse=True)
-    sums = torch.zeros(classes.shape[0], features.shape[1], device=features.device, dtype=features.dtype)
-    sums.index_add_(0, inverse, features_kept)
-    counts = torch.bincount(inverse, minlength=classes.shape[0]).unsqueeze(1).to(features.dtype)
-    batch_protos = sums / counts
-    return options.reg_weight * (batch_protos - table[classes]).norm(dim=1).mean()
+    # Batch class means via a one-hot product: no data-dependent shapes, so no host syncs
+    # in the training step (this runs once per batch on every client).
+    classes = torch.arange(table.shape[0], device=labels.device)
+    onehot = ((labels.unsqueeze(1) == classes) & available).to(features.dtype)
+    counts = onehot.sum(dim=0)
+    present = counts > 0
+    batch_protos = (onehot.t() @ features) / counts.clamp(min=1).unsqueeze(1)
+    squared = ((batch_protos - table) ** 2).sum(dim=1)
+    distances = torch.sqrt(torch.where(present, squared, torch.ones_like(squared))) * present
+    return options.reg_weight * distances.sum() / present.sum().clamp(min=1)
 
 
 class PrototypeClient(ClientAlgorithm):
