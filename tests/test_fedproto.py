@@ -48,7 +48,7 @@ def test_server_mean_with_missing_classes():
         4: {"class_ids": torch.tensor([0, 2]), "protos": torch.tensor([[2.0] * K, [4.0] * K])},
         1: {"class_ids": torch.tensor([2]), "protos": torch.tensor([[8.0] * K])},
     }
-    server.update(uploads, round_index=0)
+    server.update(uploads, round_index=0, generator=torch_generator(0, "s"))
     download = server.download()
     assert download["class_ids"].tolist() == [0, 2]  # 1, 3, 4: nobody holds them -> absent
     torch.testing.assert_close(download["protos"][0], torch.full((K,), 2.0))
@@ -62,7 +62,7 @@ def test_server_weighted_mean_uses_counts():
     server.update({
         0: {"class_ids": torch.tensor([1]), "protos": torch.ones(1, K), "counts": torch.tensor([3])},
         1: {"class_ids": torch.tensor([1]), "protos": torch.full((1, K), 5.0), "counts": torch.tensor([1])},
-    }, round_index=0)
+    }, round_index=0, generator=torch_generator(0, "s"))
     torch.testing.assert_close(server.download()["protos"][0], torch.full((K,), 2.0))
 
 
@@ -74,7 +74,7 @@ def test_server_weighted_mean_uses_counts():
 def test_server_rejects_bad_uploads(bad, match):
     entry, context = _context()
     with pytest.raises(ProtocolError, match=match):
-        entry.server(context).update({3: bad}, round_index=0)
+        entry.server(context).update({3: bad}, round_index=0, generator=torch_generator(0, "s"))
 
 
 def test_regulariser_forms():

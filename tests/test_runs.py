@@ -82,3 +82,28 @@ def test_existing_run_directory_is_not_overwritten(reference, tmp_path, cache_di
     assert result.returncode == 2
     assert "already holds a run" in result.stderr
     assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_fedtgp_partial_participation_world_size_invariant(tmp_path, cache_dir):
+    """FedTGP with ρ = 0.5: 1 rank and 4 ranks agree, and the server trains on exactly the
+    participants' (prototype, class) pairs each round."""
+    import numpy as np
+
+    from htfl_dist.config import load_config
+    from htfl_dist.data import prepare_partition
+    from htfl_dist.runtime.placement import sample_participants
+
+    overrides = ("algorithm=fedtgp", "join_ratio=0.5", "algo.server_epochs=20")
+    single = _run("single", 1, tmp_path / "ws1", cache_dir, *overrides)
+    spread = _run("torchrun", 4, tmp_path / "ws4", cache_dir, *overrides)
+    assert [r["test_acc"] for r in spread] == [r["test_acc"] for r in single]
+    assert [r["margin"] for r in spread] == [r["margin"] for r in single]
+    config = load_config(SMOKE, [f"data.cache_dir={cache_dir}", *overrides])
+    counts = prepare_partition(config.data, config.num_clients, config.seed).class_counts
+    for row in single:
+        participants = sample_participants(config.seed, row["round"] - 1, config.num_clients, 0.5)
+        assert len(participants) == 3
+        assert row["server_pairs"] == int(np.count_nonzero(counts[participants]))
+        assert row["bytes_theory_up"] == row["server_pairs"] * 512 * 4
+        assert row["margin"] > 0 and row["server_loss"] > 0
+        assert len(row["class_margin_global"]) == 10

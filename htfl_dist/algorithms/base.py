@@ -32,6 +32,7 @@ class AlgorithmContext:
     seed: int
     train: TrainConfig
     options: Any  # the algorithm's options dataclass instance
+    device: torch.device = torch.device("cpu")  # where this rank computes
 
 
 @dataclass
@@ -109,8 +110,11 @@ class ServerAlgorithm:
         """The paper's count of floats each participating client downloads per round."""
         return 0
 
-    def update(self, uploads: dict[int, Payload], round_index: int) -> dict[str, float]:
-        """Consume the uploads (keyed and ordered by client id); return diagnostics."""
+    def update(self, uploads: dict[int, Payload], round_index: int,
+               generator: torch.Generator) -> dict[str, Any]:
+        """Consume the uploads (keyed and ordered by client id); return diagnostics (numbers
+        or lists of numbers, logged in metrics.jsonl). ``generator`` is the server's random
+        stream for this round, derived from (seed, round) by the runtime."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

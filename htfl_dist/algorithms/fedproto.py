@@ -170,7 +170,8 @@ class FedProtoServer(ServerAlgorithm):
         """K·C (paper Table 5: every class's global prototype)."""
         return self.context.feature_dim * self.context.num_classes
 
-    def update(self, uploads: dict[int, Payload], round_index: int) -> dict[str, float]:
+    def update(self, uploads: dict[int, Payload], round_index: int,
+               generator: torch.Generator) -> dict[str, float]:
         num_classes, dim = self.context.num_classes, self.context.feature_dim
         sums = torch.zeros(num_classes, dim, dtype=torch.float64)
         weights = torch.zeros(num_classes, dtype=torch.float64)

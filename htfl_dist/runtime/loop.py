@@ -89,10 +89,13 @@ class Federation:
         self.partition = self._prepare_data()
         self.context = AlgorithmContext(
             num_classes=self.partition.num_classes, feature_dim=config.model.feature_dim,
-            seed=config.seed, train=config.train, options=options,
+            seed=config.seed, train=config.train, options=options, device=self.device,
         )
         self.client_algorithm = self.entry.client(self.context)
-        self.server = self.entry.server(self.context) if self.is_server else None
+        self.server = None
+        if self.is_server:
+            seed_global_torch(config.seed, "server-init")  # server parameters, if any
+            self.server = self.entry.server(self.context)
         self.download_spec = self.entry.server.download_fields(self.context)
         self.upload_spec = self.entry.client.upload_fields(self.context)
         self.my_client_ids = clients_of_rank(self.rank, self.world_size, config.num_clients)
@@ -242,10 +245,11 @@ class Federation:
 
             gathered = self._gather_uploads(uploads, traffic)
             server_seconds = 0.0
-            diagnostics: dict[str, float] = {}
+            diagnostics: dict[str, Any] = {}
             if self.is_server:
                 server_began = time.perf_counter()
-                diagnostics = self.server.update(gathered, round_index)
+                generator = torch_generator(config.seed, "server", round_index)
+                diagnostics = self.server.update(gathered, round_index, generator)
                 server_seconds = time.perf_counter() - server_began
             knowledge = None
 
@@ -295,7 +299,7 @@ class Federation:
             "server_s": server_s,
             "comm_s": max(0.0, seconds - client_s - server_s),
         }
-        row.update({key: float(value) for key, value in diagnostics.items()})
+        row.update(diagnostics)
         return row
 
     # ------------------------------------------------------------------ checkpoints and summary

@@ -1,0 +1,226 @@
+"""FedTGP (Zhang et al., AAAI 2024): trainable global prototypes with adaptive-margin-enhanced
+contrastive learning, as specified in shared/specs/fedtgp.md §5.
+
+Clients are FedProto's (upload P_i^c for the classes they hold, regularise towards P̂, classify
+by the nearest global prototype). The server keeps one trainable vector per class and a shared
+two-layer network F; P̂^c = F(vector_c). Each round it trains them for S epochs on the uploaded
+(P_i^c, c) pairs with the margin contrastive loss
+
+    d_k = ‖p − P̂^k‖₂,   d_c += δ(t),   loss = CE(−d, c)                      (Eq. 10)
+
+where δ(t) = min(max_c gap_c, τ) and gap_c is the distance from class c's cluster centre (the
+mean of the uploaded P_i^c) to the nearest other centre (Eq. 9, as the reference code reads it).
+All C global prototypes are downloaded; no class counts travel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from htfl_dist.algorithms.base import AlgorithmContext, ServerAlgorithm, check_class_rows, register_algorithm
+from htfl_dist.algorithms.fedproto import PrototypeClient, PrototypeOptions, prototype_fields
+from htfl_dist.errors import ConfigError
+from htfl_dist.runtime.wire import Payload, PayloadSpec
+
+MARGINS = ("adaptive", "fixed", "none")
+GAP_UNSET = float("inf")
+
+
+@dataclass
+class FedTGPOptions(PrototypeOptions):
+    margin: str = "adaptive"
+    """adaptive: δ(t) = min(max_c gap_c, τ) (FedTGP); fixed: δ = fixed_margin (Table 6 "FM");
+    none: δ = 0, the standard contrastive loss (Table 6 "SCL")."""
+    tau: float = 100.0
+    """Margin threshold τ."""
+    fixed_margin: float | None = None
+    """δ for margin=fixed (the paper gives no value, so it must be set)."""
+    use_mapping: bool = True
+    """False trains the per-class vectors only, without F (Table 6 "w/o F")."""
+    hidden_dim: int | None = None
+    """Width of F's hidden layer (default K)."""
+    server_epochs: int = 100
+    """S: epochs over the round's pairs."""
+    server_lr: float = 0.01
+    server_batch_size: int | None = None
+    """Mini-batch of pairs (default: the client batch size, as the reference code does)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if self.margin not in MARGINS:
+            raise ConfigError(f"config key 'algo.margin' is {self.margin!r}; allowed: {', '.join(MARGINS)}")
+        if self.margin == "fixed" and (self.fixed_margin is None or self.fixed_margin < 0):
+            raise ConfigError("algo.margin=fixed needs algo.fixed_margin=VALUE (>= 0); the paper gives no default")
+        if self.tau < 0:
+            raise ConfigError(f"config key 'algo.tau' must be >= 0, got {self.tau}")
+        for key in ("server_epochs",):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config key 'algo.{key}' must be >= 1, got {getattr(self, key)}")
+        if self.server_lr <= 0:
+            raise ConfigError(f"config key 'algo.server_lr' must be > 0, got {self.server_lr}")
+        for key in ("hidden_dim", "server_batch_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"config key 'algo.{key}' must be >= 1, got {value}")
+
+
+class TrainableGlobalPrototypes(nn.Module):
+    """P̂^c = F(vector_c) with F = Linear(K, H) → ReLU → Linear(H, K), or the vectors alone."""
+
+    def __init__(self, num_classes: int, feature_dim: int, hidden_dim: int, use_mapping: bool) -> None:
+        super().__init__()
+        self.vectors = nn.Embedding(num_classes, feature_dim)
+        self.mapping = (
+            nn.Sequential(nn.Linear(feature_dim, hidden_dim), nn.ReLU(), nn.Linear(hidden_dim, feature_dim))
+            if use_mapping else nn.Identity()
+        )
+
+    def forward(self) -> torch.Tensor:
+        """All C global prototypes, [C, K]."""
+        return self.mapping(self.vectors.weight)
+
+
+def cluster_gaps(centres: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """gap_c = min_{c'≠c, both present} ‖Q^c − Q^{c'}‖₂ for present classes; absent classes and
+    classes with no present neighbour get the smallest gap (the reference code's rule), so
+    they never raise max_c gap_c. Returns [C]."""
+    distances = torch.cdist(centres, centres)
+    valid = present.unsqueeze(0) & present.unsqueeze(1)
+    valid.fill_diagonal_(False)
+    gaps = torch.where(valid, distances, torch.full_like(distances, GAP_UNSET)).min(dim=1).values
+    finite = torch.isfinite(gaps)
+    fill = gaps[finite].min() if bool(finite.any()) else torch.zeros((), dtype=gaps.dtype)
+    return torch.where(finite, gaps, fill)
+
+
+def adaptive_margin(centres: torch.Tensor, present: torch.Tensor, tau: float) -> float:
+    """δ(t) = min(max_c gap_c, τ)."""
+    return float(min(float(cluster_gaps(centres, present).max()), tau))
+
+
+def margin_contrastive_loss(pairs: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor,
+                            margin: float) -> torch.Tensor:
+    """Eq. 10: CE over −(‖p − P̂^k‖ + δ·[k = c]); Euclidean, not squared."""
+    distances = torch.cdist(pairs, global_protos)
+    classes = torch.arange(global_protos.shape[0], device=labels.device)
+    distances = distances + margin * (labels.unsqueeze(1) == classes).to(distances.dtype)  # no host sync
+    return F.cross_entropy(-distances, labels)
+
+
+def class_margins(protos: torch.Tensor) -> torch.Tensor:
+    """Per row: distance to the nearest other row (the 'prototype margin' of FedTGP Fig. 1)."""
+    if protos.shape[0] < 2:
+        return torch.full((protos.shape[0],), float("nan"))
+    distances = torch.cdist(protos, protos)
+    distances.fill_diagonal_(float("inf"))
+    return distances.min(dim=1).values
+
+
+class FedTGPServer(ServerAlgorithm):
+    def __init__(self, context: AlgorithmContext) -> None:
+        super().__init__(context)
+        options, dim = self.options, context.feature_dim
+        self.device = context.device
+        self.tgp = TrainableGlobalPrototypes(
+            context.num_classes, dim, options.hidden_dim or dim, options.use_mapping).to(self.device)
+        self.trained = False  # round 0 clients get no global knowledge (CE only)
+
+    @classmethod
+    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        return prototype_fields(context.feature_dim)
+
+    def theory_download_floats(self) -> int:
+        return self.context.feature_dim * self.context.num_classes
+
+    @torch.no_grad()
+    def global_prototypes(self) -> torch.Tensor:
+        self.tgp.eval()
+        return self.tgp().float()
+
+    def download(self) -> Payload:
+        num_classes, dim = self.context.num_classes, self.context.feature_dim
+        if not self.trained:
+            return {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, dim)}
+        return {"class_ids": torch.arange(num_classes), "protos": self.global_prototypes().cpu()}
+
+    def _pairs(self, uploads: dict[int, Payload]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The round's (P_i^c, c) pairs in client-id order (so the shuffle is world-size free)."""
+        protos, labels = [], []
+        for client_id in sorted(uploads):
+            payload = uploads[client_id]
+            check_class_rows(client_id, payload["class_ids"], payload["protos"], self.context.num_classes)
+            protos.append(payload["protos"])
+            labels.append(payload["class_ids"])
+        return torch.cat(protos).to(self.device), torch.cat(labels).to(self.device)
+
+    def _margin(self, pairs: torch.Tensor, labels: torch.Tensor) -> float:
+        options = self.options
+        if options.margin == "none":
+            return 0.0
+        if options.margin == "fixed":
+            return float(options.fixed_margin)
+        num_classes = self.context.num_classes
+        sums = torch.zeros(num_classes, pairs.shape[1], device=pairs.device).index_add_(0, labels, pairs)
+        counts = torch.bincount(labels, minlength=num_classes)
+        centres = sums / counts.clamp(min=1).unsqueeze(1)
+        return adaptive_margin(centres, counts > 0, options.tau)
+
+    def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict:
+        pairs, labels = self._pairs(uploads)
+        if pairs.shape[0] == 0:
+            return {}
+        margin = self._margin(pairs, labels)
+        server_loss = self._train(pairs, labels, margin, generator)
+        self.trained = True
+        return {"margin": margin, "server_loss": server_loss, "server_pairs": int(pairs.shape[0]),
+                **self._diagnostics(uploads)}
+
+    def _train(self, pairs: torch.Tensor, labels: torch.Tensor, margin: float, generator: torch.Generator) -> float:
+        """S epochs of shuffled mini-batch SGD on the pairs; returns the last epoch's mean loss."""
+        options = self.options
+        batch_size = options.server_batch_size or self.context.train.batch_size
+        optimizer = torch.optim.SGD(self.tgp.parameters(), lr=options.server_lr)  # re-created each round
+        self.tgp.train()
+        count = pairs.shape[0]
+        for _ in range(options.server_epochs):
+            order = torch.randperm(count, generator=generator).to(self.device)
+            epoch_loss = torch.zeros((), device=self.device)
+            for start in range(0, count, batch_size):
+                index = order[start : start + batch_size]
+                loss = margin_contrastive_loss(pairs[index], labels[index], self.tgp(), margin)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                epoch_loss += loss.detach() * index.shape[0]
+        return float(epoch_loss) / count
+
+    @torch.no_grad()
+    def _diagnostics(self, uploads: dict[int, Payload]) -> dict:
+        """Separation of the global prototypes and FedTGP Fig. 1: per class, the global prototype
+        margin vs the largest margin any client's own prototypes have."""
+        global_margin = class_margins(self.global_prototypes().cpu())
+        class_ids = torch.cat([p["class_ids"] for p in uploads.values()])
+        margins = torch.cat([class_margins(p["protos"].float()) for p in uploads.values()])
+        known = ~torch.isnan(margins)  # a client holding one class has no margin
+        client_best = torch.full((self.context.num_classes,), float("nan"))
+        client_best.scatter_reduce_(0, class_ids[known], margins[known], "amax", include_self=False)
+        as_list = lambda t: [None if v != v else round(v, 6) for v in t.tolist()]  # noqa: E731
+        return {
+            "proto_min_dist": float(global_margin.min()),
+            "class_margin_global": as_list(global_margin),
+            "class_margin_client_max": as_list(client_best),
+        }
+
+    def state_dict(self) -> dict:
+        return {"tgp": self.tgp.state_dict(), "trained": torch.tensor(self.trained)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tgp.load_state_dict(state["tgp"])
+        self.trained = bool(state["trained"])
+
+
+register_algorithm("fedtgp", server=FedTGPServer, client=PrototypeClient, options=FedTGPOptions,
+                   summary="trainable global prototypes, adaptive-margin contrastive learning (Zhang et al. 2024)")

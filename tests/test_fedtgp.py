@@ -1,0 +1,137 @@
+"""FedTGP server maths: adaptive margin, margin contrastive training, diagnostics."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from htfl_dist.algorithms import AlgorithmContext, get_algorithm, parse_options
+from htfl_dist.algorithms.fedtgp import adaptive_margin, cluster_gaps, margin_contrastive_loss
+from htfl_dist.config import TrainConfig
+from htfl_dist.errors import ConfigError
+from htfl_dist.seeding import torch_generator
+
+
+def _server(num_classes=4, feature_dim=2, seed=0, **options):
+    entry = get_algorithm("fedtgp")
+    context = AlgorithmContext(num_classes=num_classes, feature_dim=feature_dim, seed=0, train=TrainConfig(),
+                               options=parse_options(entry, options))
+    torch.manual_seed(seed)
+    return entry.server(context)
+
+
+def _upload(class_ids, protos):
+    return {"class_ids": torch.tensor(class_ids), "protos": torch.tensor(protos, dtype=torch.float32)}
+
+
+def test_margin_by_hand_with_a_class_nobody_holds():
+    # centres: class 0 at (0,0); class 1 = mean of (2,4) and (4,4) = (3,4); class 2 at (0,10); class 3 absent
+    uploads = {0: _upload([0, 1], [[0.0, 0.0], [2.0, 4.0]]), 1: _upload([1, 2], [[4.0, 4.0], [0.0, 10.0]])}
+    pairs = torch.cat([u["protos"] for u in uploads.values()])
+    labels = torch.cat([u["class_ids"] for u in uploads.values()])
+    # gaps: class 0 -> 5 (to class 1), class 1 -> 5, class 2 -> sqrt(45) (to class 1), class 3 -> min gap = 5
+    gap_2 = math.sqrt(45.0)
+    server = _server()
+    assert server._margin(pairs, labels) == pytest.approx(gap_2)
+    centres = torch.tensor([[0.0, 0.0], [3.0, 4.0], [0.0, 10.0], [0.0, 0.0]])
+    present = torch.tensor([True, True, True, False])
+    torch.testing.assert_close(cluster_gaps(centres, present), torch.tensor([5.0, 5.0, gap_2, 5.0]))
+    assert adaptive_margin(centres, present, tau=6.0) == 6.0  # capped by τ
+    assert _server(margin="none")._margin(pairs, labels) == 0.0
+    assert _server(margin="fixed", fixed_margin=2.5)._margin(pairs, labels) == 2.5
+
+
+def test_margin_loss_is_euclidean_with_margin_on_the_true_class():
+    protos = torch.tensor([[0.0, 0.0], [3.0, 4.0]])
+    pair, label = torch.tensor([[0.0, 0.0]]), torch.tensor([0])
+    # logits = -(d + δ·onehot) = [-(0 + 1), -5]
+    expected = -torch.log_softmax(torch.tensor([-1.0, -5.0]), dim=0)[0]
+    torch.testing.assert_close(margin_contrastive_loss(pair, label, protos, margin=1.0), expected)
+
+
+def _clustered_uploads(num_classes=5, clients=6, dim=16, noise=0.3, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    centres = torch.eye(num_classes, dim) * 6.0
+    uploads = {}
+    for client in range(clients):
+        held = [(client + j) % num_classes for j in range(3)]
+        rows = centres[held] + noise * torch.randn(len(held), dim, generator=generator)
+        uploads[client] = {"class_ids": torch.tensor(held), "protos": rows}
+    return uploads
+
+
+def test_server_loss_decreases_over_epochs():
+    server = _server(num_classes=5, feature_dim=16)  # S = 100
+    uploads = _clustered_uploads()
+    pairs, labels = server._pairs(uploads)
+    margin = server._margin(pairs, labels)
+    with torch.no_grad():
+        before = float(margin_contrastive_loss(pairs, labels, server.tgp(), margin))
+    diagnostics = server.update(uploads, 0, torch_generator(0, "server", 0))
+    with torch.no_grad():
+        after = float(margin_contrastive_loss(pairs, labels, server.tgp(), margin))
+    assert after < 0.5 * before
+    assert diagnostics["server_loss"] < before
+    assert diagnostics["margin"] == pytest.approx(margin)
+    assert diagnostics["server_pairs"] == pairs.shape[0] == 18
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"margin": "none"},
+    # without F only the raw vectors learn: slower (the paper's "w/o F" ablation), so more steps
+    {"use_mapping": False, "server_lr": 0.1, "server_epochs": 300},
+])
+def test_global_prototypes_stay_class_consistent(options):
+    server = _server(num_classes=5, feature_dim=16, **options)
+    uploads = _clustered_uploads()
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    download = server.download()
+    assert download["class_ids"].tolist() == list(range(5))  # all C classes go down
+    for payload in uploads.values():
+        nearest = torch.cdist(payload["protos"], download["protos"]).argmin(dim=1)
+        assert nearest.tolist() == payload["class_ids"].tolist()
+
+
+def test_round_zero_downloads_nothing_then_all_classes():
+    server = _server()
+    assert server.download()["class_ids"].numel() == 0
+    server.update({0: _upload([0, 1], [[0.0, 0.0], [2.0, 4.0]])}, 0, torch_generator(0, "s"))
+    assert server.download()["protos"].shape == (4, 2)
+
+
+def test_only_uploaded_pairs_train_the_prototypes():
+    """With partial participation the server sees only participants' uploads; those pairs
+    alone decide the update (same uploads -> same prototypes, whatever else exists)."""
+    uploads = _clustered_uploads()
+    participants = {cid: uploads[cid] for cid in (1, 4)}
+    first, second = _server(num_classes=5, feature_dim=16), _server(num_classes=5, feature_dim=16)
+    diagnostics = first.update(participants, 3, torch_generator(0, "server", 3))
+    second.update(dict(reversed(list(participants.items()))), 3, torch_generator(0, "server", 3))
+    assert diagnostics["server_pairs"] == 6
+    torch.testing.assert_close(first.download()["protos"], second.download()["protos"], rtol=0, atol=0)
+    third = _server(num_classes=5, feature_dim=16)
+    third.update(uploads, 3, torch_generator(0, "server", 3))
+    assert not torch.equal(first.download()["protos"], third.download()["protos"])
+
+
+def test_fig1_diagnostics():
+    server = _server(num_classes=4, feature_dim=2, server_epochs=1)
+    uploads = {0: _upload([0, 1], [[0.0, 0.0], [3.0, 4.0]]), 1: _upload([0, 1, 2], [[0.0, 0.0], [6.0, 8.0], [0.0, 1.0]])}
+    diagnostics = server.update(uploads, 0, torch_generator(0, "s"))
+    # client 0: margins 5, 5; client 1: class 0 -> 1, class 1 -> sqrt(36+49), class 2 -> 1
+    assert diagnostics["class_margin_client_max"][0] == pytest.approx(5.0)
+    assert diagnostics["class_margin_client_max"][1] == pytest.approx(math.sqrt(85.0), rel=1e-5)
+    assert diagnostics["class_margin_client_max"][2] == pytest.approx(1.0)
+    assert diagnostics["class_margin_client_max"][3] is None  # nobody holds class 3
+    assert len(diagnostics["class_margin_global"]) == 4
+    assert diagnostics["proto_min_dist"] == pytest.approx(min(diagnostics["class_margin_global"]))
+
+
+def test_options_are_validated():
+    with pytest.raises(ConfigError, match="fixed_margin"):
+        _server(margin="fixed")
+    with pytest.raises(ConfigError, match="algo.margin"):
+        _server(margin="huge")
+    with pytest.raises(ConfigError, match="server_epochs"):
+        _server(server_epochs=0)
