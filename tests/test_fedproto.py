@@ -116,3 +116,21 @@ def test_training_round_uploads_rows_only_for_held_classes():
 def test_unknown_option_is_a_config_error():
     with pytest.raises(ConfigError, match="algo.lamda"):
         _context(lamda=1.0)
+
+
+def test_paper_regulariser_gradient_is_finite_at_zero_distance():
+    _, paper = _context()
+    table, available = dense_prototypes(
+        {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, K)}, C, torch.device("cpu"))
+    features = torch.zeros(2, K, requires_grad=True)
+    prototype_regulariser(paper.options, features, torch.tensor([0, 0]), table, available).backward()
+    assert torch.isfinite(features.grad).all()
+
+
+def test_prototypes_during_training_average_the_features_seen():
+    entry, context = _context(proto_from="during_training")
+    client = _client([0, 0, 3, 3, 3, 1, 1, 0, 3, 1, 0, 0])
+    empty = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, K)}
+    result = entry.client(context).train(client, empty, 0, torch_generator(0, "t"))
+    assert result.upload["class_ids"].tolist() == [0, 1, 3]
+    assert torch.isfinite(result.upload["protos"]).all()

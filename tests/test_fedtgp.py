@@ -135,3 +135,8 @@ def test_options_are_validated():
         _server(margin="huge")
     with pytest.raises(ConfigError, match="server_epochs"):
         _server(server_epochs=0)
+
+
+def test_margin_with_a_single_class_is_tau_like_the_reference():
+    centres = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    assert adaptive_margin(centres, torch.tensor([True, False]), tau=100.0) == 100.0

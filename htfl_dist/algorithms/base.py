@@ -229,23 +229,21 @@ def class_prototypes(client: ClientState, num_classes: int,
 
 
 class PrototypeAccumulator:
-    """Running per-class feature sums, for prototypes 'during training' (HtFLlib FedProto)."""
+    """Running per-class feature sums, for prototypes 'during training' (HtFLlib FedProto).
+    Dense [C, K] sums: no data-dependent shapes, so no host sync per batch."""
 
-    def __init__(self) -> None:
-        self.sums: dict[int, torch.Tensor] = {}
-        self.counts: dict[int, int] = {}
+    def __init__(self, num_classes: int, feature_dim: int, device: torch.device) -> None:
+        self.sums = torch.zeros(num_classes, feature_dim, device=device)
+        self.counts = torch.zeros(num_classes, dtype=torch.int64, device=device)
 
     def add(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        for label in torch.unique(labels).tolist():
-            mask = labels == label
-            batch_sum = features[mask].sum(dim=0)
-            self.sums[label] = self.sums.get(label, 0) + batch_sum
-            self.counts[label] = self.counts.get(label, 0) + int(mask.sum())
+        self.sums.index_add_(0, labels, features.float())
+        self.counts += torch.bincount(labels, minlength=self.counts.shape[0])
 
     def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        labels = sorted(self.sums)
-        protos = torch.stack([self.sums[c] / self.counts[c] for c in labels])
-        return torch.tensor(labels, dtype=torch.int64), protos.float().cpu()
+        present = torch.nonzero(self.counts > 0).flatten()
+        protos = self.sums[present] / self.counts[present].unsqueeze(1)
+        return present.cpu(), protos.float().cpu()
 
 
 def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:

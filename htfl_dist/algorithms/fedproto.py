@@ -83,8 +83,7 @@ def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, lab
     counts = onehot.sum(dim=0)
     present = counts > 0
     batch_protos = (onehot.t() @ features) / counts.clamp(min=1).unsqueeze(1)
-    squared = ((batch_protos - table) ** 2).sum(dim=1)
-    distances = torch.sqrt(torch.where(present, squared, torch.ones_like(squared))) * present
+    distances = torch.linalg.vector_norm(batch_protos - table, dim=1) * present  # gradient 0 at 0
     return options.reg_weight * distances.sum() / present.sum().clamp(min=1)
 
 
@@ -110,7 +109,8 @@ class PrototypeClient(ClientAlgorithm):
 
         source = self.options.proto_from
         pre_update = class_prototypes(client, num_classes) if source == "pre_update" else None
-        accumulator = PrototypeAccumulator() if source == "during_training" else None
+        accumulator = PrototypeAccumulator(num_classes, self.context.feature_dim, client.device) \
+            if source == "during_training" else None
         loss_sum, seen = run_local_training(client, self.context, round_index, loss_fn, generator,
                                             on_batch=accumulator.add if accumulator else None)
         if pre_update is not None:
@@ -133,7 +133,7 @@ class PrototypeClient(ClientAlgorithm):
         class_ids, protos = knowledge["class_ids"], knowledge["protos"]
         if class_ids.numel() == 0:
             return torch.full((features.shape[0],), -1, dtype=torch.int64, device=features.device)
-        distances = torch.cdist(features, protos.to(features.device))
+        distances = torch.cdist(features, protos.to(features.device), compute_mode="donot_use_mm_for_euclid_dist")
         return class_ids.to(features.device)[distances.argmin(dim=1)]
 
 

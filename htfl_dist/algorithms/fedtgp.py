@@ -26,6 +26,8 @@ from htfl_dist.errors import ConfigError
 from htfl_dist.runtime.wire import Payload, PayloadSpec
 
 MARGINS = ("adaptive", "fixed", "none")
+EXACT_DISTANCES = "donot_use_mm_for_euclid_dist"
+"""torch.cdist otherwise switches to a less precise matmul form above 25 rows (e.g. C = 100)."""
 GAP_UNSET = float("inf")
 
 
@@ -84,15 +86,16 @@ class TrainableGlobalPrototypes(nn.Module):
 
 
 def cluster_gaps(centres: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
-    """gap_c = min_{c'≠c, both present} ‖Q^c − Q^{c'}‖₂ for present classes; absent classes and
-    classes with no present neighbour get the smallest gap (the reference code's rule), so
-    they never raise max_c gap_c. Returns [C]."""
-    distances = torch.cdist(centres, centres)
+    """gap_c = min_{c'≠c, both present} ‖Q^c − Q^{c'}‖₂ for present classes; absent classes
+    get the smallest gap (the reference code's rule), so they never raise max_c gap_c. With
+    fewer than two present classes every gap is +inf, so δ(t) = τ, as in the reference code
+    (which starts gaps at 1e9). Returns [C]."""
+    distances = torch.cdist(centres, centres, compute_mode=EXACT_DISTANCES)
     valid = present.unsqueeze(0) & present.unsqueeze(1)
     valid.fill_diagonal_(False)
     gaps = torch.where(valid, distances, torch.full_like(distances, GAP_UNSET)).min(dim=1).values
     finite = torch.isfinite(gaps)
-    fill = gaps[finite].min() if bool(finite.any()) else torch.zeros((), dtype=gaps.dtype)
+    fill = gaps[finite].min() if bool(finite.any()) else torch.tensor(GAP_UNSET, dtype=gaps.dtype)
     return torch.where(finite, gaps, fill)
 
 
@@ -104,7 +107,7 @@ def adaptive_margin(centres: torch.Tensor, present: torch.Tensor, tau: float) ->
 def margin_contrastive_loss(pairs: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor,
                             margin: float) -> torch.Tensor:
     """Eq. 10: CE over −(‖p − P̂^k‖ + δ·[k = c]); Euclidean, not squared."""
-    distances = torch.cdist(pairs, global_protos)
+    distances = torch.cdist(pairs, global_protos, compute_mode=EXACT_DISTANCES)
     classes = torch.arange(global_protos.shape[0], device=labels.device)
     distances = distances + margin * (labels.unsqueeze(1) == classes).to(distances.dtype)  # no host sync
     return F.cross_entropy(-distances, labels)
@@ -114,7 +117,7 @@ def class_margins(protos: torch.Tensor) -> torch.Tensor:
     """Per row: distance to the nearest other row (the 'prototype margin' of FedTGP Fig. 1)."""
     if protos.shape[0] < 2:
         return torch.full((protos.shape[0],), float("nan"))
-    distances = torch.cdist(protos, protos)
+    distances = torch.cdist(protos, protos, compute_mode=EXACT_DISTANCES)
     distances.fill_diagonal_(float("inf"))
     return distances.min(dim=1).values
 
@@ -127,6 +130,7 @@ class FedTGPServer(ServerAlgorithm):
         self.tgp = TrainableGlobalPrototypes(
             context.num_classes, dim, options.hidden_dim or dim, options.use_mapping).to(self.device)
         self.trained = False  # round 0 clients get no global knowledge (CE only)
+        self._cached_protos: torch.Tensor | None = None
 
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
@@ -137,8 +141,11 @@ class FedTGPServer(ServerAlgorithm):
 
     @torch.no_grad()
     def global_prototypes(self) -> torch.Tensor:
-        self.tgp.eval()
-        return self.tgp().float()
+        """P̂ for all classes, computed once per update (download and diagnostics share it)."""
+        if self._cached_protos is None:
+            self.tgp.eval()
+            self._cached_protos = self.tgp().float()
+        return self._cached_protos
 
     def download(self) -> Payload:
         num_classes, dim = self.context.num_classes, self.context.feature_dim
@@ -183,10 +190,13 @@ class FedTGPServer(ServerAlgorithm):
         options = self.options
         batch_size = options.server_batch_size or self.context.train.batch_size
         optimizer = torch.optim.SGD(self.tgp.parameters(), lr=options.server_lr)  # re-created each round
+        self._cached_protos = None
         self.tgp.train()
         count = pairs.shape[0]
-        for _ in range(options.server_epochs):
-            order = torch.randperm(count, generator=generator).to(self.device)
+        # every epoch's shuffle drawn up front: one host→device copy instead of S
+        orders = torch.stack([torch.randperm(count, generator=generator)
+                              for _ in range(options.server_epochs)]).to(self.device)
+        for order in orders:
             epoch_loss = torch.zeros((), device=self.device)
             for start in range(0, count, batch_size):
                 index = order[start : start + batch_size]
@@ -219,6 +229,7 @@ class FedTGPServer(ServerAlgorithm):
 
     def load_state_dict(self, state: dict) -> None:
         self.tgp.load_state_dict(state["tgp"])
+        self._cached_protos = None
         self.trained = bool(state["trained"])
 
 
