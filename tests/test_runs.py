@@ -107,3 +107,17 @@ def test_fedtgp_partial_participation_world_size_invariant(tmp_path, cache_dir):
         assert row["bytes_theory_up"] == row["server_pairs"] * 512 * 4
         assert row["margin"] > 0 and row["server_loss"] > 0
         assert len(row["class_margin_global"]) == 10
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_diverged_client_ends_every_rank_loudly(launcher, tmp_path, cache_dir):
+    """A NaN upload is caught by the server, which names the client and takes all ranks down."""
+    import time
+
+    began = time.perf_counter()
+    result = launch(launcher, 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                                  "train.lr=1e12", "rounds=2"], timeout=120)
+    assert result.returncode != 0
+    assert "client 0 sent NaN/Inf values" in result.stderr
+    assert time.perf_counter() - began < 90
+    assert not (tmp_path / "summary.json").exists()

@@ -255,4 +255,5 @@ def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor
     if torch.unique(class_ids).numel() != class_ids.numel():
         raise ProtocolError(f"client {client_id} sent a class id twice")
     if not torch.isfinite(rows).all():
-        raise ProtocolError(f"client {client_id} sent NaN/Inf values")
+        raise ProtocolError(f"client {client_id} sent NaN/Inf values: its local training diverged "
+                            f"(lower train.lr or algo.reg_weight)")
