@@ -191,7 +191,7 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             if value is None:
                 value = {}
             if not isinstance(value, dict):
-                raise ConfigError(f"config key 'algo' must be a mapping of algorithm options")
+                raise ConfigError("config key 'algo' must be a mapping of algorithm options")
             kwargs[key] = dict(value)
         else:
             kwargs[key] = _coerce(value, annotation, dotted)

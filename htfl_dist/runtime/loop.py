@@ -24,16 +24,16 @@ import torch
 
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.config import Config
-from htfl_dist.data import load_client_split, prepare_partition, read_partition_info
-from htfl_dist.errors import ConfigError, HtflError
+from htfl_dist.data import load_client_split, prepare_partition
+from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_json
 from htfl_dist.models import architecture_for_client, build_model
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import (
-    client_ranks, clients_of_rank, hosting_rank, sample_participants,
+    client_ranks, clients_of_rank, sample_participants,
 )
 from htfl_dist.runtime.transport import Transport
-from htfl_dist.runtime.wire import BROADCAST_ENTRY, Encoded, Field, Payload, decode, encode
+from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, Payload, decode, encode
 from htfl_dist.seeding import seed_global_torch, torch_generator
 
 RANK_ENTRY = -1
