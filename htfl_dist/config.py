@@ -8,6 +8,7 @@ are validated by the chosen algorithm's own options dataclass (see ``algorithms`
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -107,6 +108,11 @@ class Config:
     join_ratio: float = 1.0
     eval_every: int = 1
     checkpoint_every: int = 0
+    checkpoint_keep: int = 2
+    """How many complete checkpoints to keep (older ones are deleted after a new one is published)."""
+    on_bad_upload: str = "skip"
+    """skip: an invalid upload (shape, dtype, NaN/Inf, class ids) is left out of that round with a
+    warning naming the client; fail: it ends the job."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -121,7 +127,7 @@ class Config:
         """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal
         hashes compute the same rounds (runtime plumbing and the run length are excluded)."""
         data = self.to_dict()
-        for key in ("runtime", "rounds", "eval_every", "checkpoint_every"):
+        for key in ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload"):
             data.pop(key)  # plumbing and run length: a resumed run may extend `rounds`
         text = json.dumps(data, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -181,8 +187,10 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
         if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
             raise ConfigError(
-                f"unknown config key '{dotted}'; allowed keys here: {', '.join(names)}"
+                f"unknown config key '{dotted}'; {hint}allowed keys here: {', '.join(names)}"
             )
         annotation = hints[key]
         if dataclasses.is_dataclass(annotation):
@@ -284,6 +292,10 @@ def validate(config: Config) -> None:
         config.checkpoint_every >= 0,
         f"config key 'checkpoint_every' must be >= 0 (0 = never), got {config.checkpoint_every}",
     )
+    _require(config.checkpoint_keep >= 1,
+             f"config key 'checkpoint_keep' must be >= 1, got {config.checkpoint_keep}")
+    _require(config.on_bad_upload in ("skip", "fail"),
+             f"config key 'on_bad_upload' is {config.on_bad_upload!r}; allowed: skip, fail")
     data = config.data
     _require(data.beta > 0, f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {data.beta}")
     _require(

@@ -10,6 +10,7 @@ from htfl_dist.algorithms.fedproto import dense_prototypes, prototype_regularise
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.models import build_model
+from htfl_dist.runtime.screening import screen_uploads
 from htfl_dist.seeding import torch_generator
 
 C, K = 5, 8
@@ -71,10 +72,14 @@ def test_server_weighted_mean_uses_counts():
     ({"class_ids": torch.tensor([1, 1]), "protos": torch.ones(2, K)}, "twice"),
     ({"class_ids": torch.tensor([1]), "protos": torch.full((1, K), float("nan"))}, "NaN"),
 ])
-def test_server_rejects_bad_uploads(bad, match):
+def test_bad_uploads_are_skipped_or_fail(bad, match):
     entry, context = _context()
+    server = entry.server(context)
+    good = {"class_ids": torch.tensor([1]), "protos": torch.ones(1, K)}
+    kept, skipped = screen_uploads({2: good, 3: bad}, server.validate_upload, "skip", round_number=1)
+    assert list(kept) == [2] and skipped == [3]
     with pytest.raises(ProtocolError, match=match):
-        entry.server(context).update({3: bad}, round_index=0, generator=torch_generator(0, "s"))
+        screen_uploads({2: good, 3: bad}, server.validate_upload, "fail", round_number=1)
 
 
 def test_regulariser_forms():

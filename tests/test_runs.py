@@ -116,8 +116,19 @@ def test_diverged_client_ends_every_rank_loudly(launcher, tmp_path, cache_dir):
 
     began = time.perf_counter()
     result = launch(launcher, 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
-                                  "train.lr=1e12", "rounds=2"], timeout=120)
+                                  "train.lr=1e12", "rounds=2", "on_bad_upload=fail"], timeout=120)
     assert result.returncode != 0
     assert "client 0 sent NaN/Inf values" in result.stderr
     assert time.perf_counter() - began < 90
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_diverged_clients_are_skipped_and_the_run_goes_on(tmp_path, cache_dir):
+    """on_bad_upload=skip (default): NaN uploads are left out with a warning naming the client."""
+    result = launch("mpirun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                                  "train.lr=1e12", "rounds=2"], timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "warning: round 1: left client 0 out: client 0 sent NaN/Inf values" in result.stderr
+    rows = read_metrics(tmp_path)
+    assert [r["round"] for r in rows] == [1, 2]
+    assert rows[0]["skipped_clients"] == list(range(6))

@@ -110,6 +110,10 @@ class ServerAlgorithm:
         """The paper's count of floats each participating client downloads per round."""
         return 0
 
+    def validate_upload(self, client_id: int, upload: Payload) -> None:
+        """Raise ProtocolError if an upload is semantically invalid (the runtime has already
+        checked declared shapes, dtypes and finiteness); the runtime then skips or fails."""
+
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
         """Consume the uploads (keyed and ordered by client id); return diagnostics (numbers
@@ -247,13 +251,11 @@ class PrototypeAccumulator:
 
 
 def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:
-    """Semantic checks on an upload of class-indexed rows (the runtime already checked dtype/shape)."""
+    """Semantic checks on an upload of class-indexed rows (the runtime already checked dtype,
+    shape and finiteness)."""
     if class_ids.shape[0] != rows.shape[0]:
         raise ProtocolError(f"client {client_id} sent {class_ids.shape[0]} class ids for {rows.shape[0]} rows")
     if class_ids.numel() and (class_ids.min() < 0 or class_ids.max() >= num_classes):
         raise ProtocolError(f"client {client_id} sent a class id outside [0, {num_classes})")
     if torch.unique(class_ids).numel() != class_ids.numel():
         raise ProtocolError(f"client {client_id} sent a class id twice")
-    if not torch.isfinite(rows).all():
-        raise ProtocolError(f"client {client_id} sent NaN/Inf values: its local training diverged "
-                            f"(lower train.lr or algo.reg_weight)")

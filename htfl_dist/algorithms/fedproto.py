@@ -12,8 +12,16 @@ import torch
 import torch.nn.functional as F
 
 from htfl_dist.algorithms.base import (
-    AlgorithmContext, ClientAlgorithm, ClientState, PrototypeAccumulator, ServerAlgorithm, TrainResult,
-    check_class_rows, class_prototypes, register_algorithm, run_local_training,
+    AlgorithmContext,
+    ClientAlgorithm,
+    ClientState,
+    PrototypeAccumulator,
+    ServerAlgorithm,
+    TrainResult,
+    check_class_rows,
+    class_prototypes,
+    register_algorithm,
+    run_local_training,
 )
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.runtime.wire import Field, Payload, PayloadSpec
@@ -177,11 +185,8 @@ class FedProtoServer(ServerAlgorithm):
         weights = torch.zeros(num_classes, dtype=torch.float64)
         for client_id in sorted(uploads):
             payload = uploads[client_id]
-            check_class_rows(client_id, payload["class_ids"], payload["protos"], num_classes)
             if self.options.weighted:
                 weight = payload["counts"].to(torch.float64)
-                if weight.shape[0] != payload["class_ids"].shape[0] or bool((weight <= 0).any()):
-                    raise ProtocolError(f"client {client_id} sent invalid class counts")
             else:
                 weight = torch.ones(payload["class_ids"].shape[0], dtype=torch.float64)
             sums.index_add_(0, payload["class_ids"], payload["protos"].to(torch.float64) * weight.unsqueeze(1))
@@ -190,6 +195,13 @@ class FedProtoServer(ServerAlgorithm):
         self.class_ids = present.to(torch.int64)
         self.protos = (sums[present] / weights[present].unsqueeze(1)).float()
         return {"global_classes": float(present.numel())}
+
+    def validate_upload(self, client_id: int, upload: Payload) -> None:
+        check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
+        if self.options.weighted:
+            counts = upload["counts"]
+            if counts.shape[0] != upload["class_ids"].shape[0] or bool((counts <= 0).any()):
+                raise ProtocolError(f"client {client_id} sent invalid class counts")
 
     def state_dict(self) -> dict:
         return {"class_ids": self.class_ids, "protos": self.protos}

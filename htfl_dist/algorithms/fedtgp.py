@@ -20,8 +20,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from htfl_dist.algorithms.base import AlgorithmContext, ServerAlgorithm, check_class_rows, register_algorithm
-from htfl_dist.algorithms.fedproto import PrototypeClient, PrototypeOptions, prototype_fields
+from htfl_dist.algorithms.base import (
+    AlgorithmContext,
+    ServerAlgorithm,
+    check_class_rows,
+    register_algorithm,
+)
+from htfl_dist.algorithms.fedproto import (
+    PrototypeClient,
+    PrototypeOptions,
+    prototype_fields,
+)
 from htfl_dist.errors import ConfigError
 from htfl_dist.runtime.wire import Payload, PayloadSpec
 
@@ -158,10 +167,12 @@ class FedTGPServer(ServerAlgorithm):
         protos, labels = [], []
         for client_id in sorted(uploads):
             payload = uploads[client_id]
-            check_class_rows(client_id, payload["class_ids"], payload["protos"], self.context.num_classes)
             protos.append(payload["protos"])
             labels.append(payload["class_ids"])
         return torch.cat(protos).to(self.device), torch.cat(labels).to(self.device)
+
+    def validate_upload(self, client_id: int, upload: Payload) -> None:
+        check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
 
     def _margin(self, pairs: torch.Tensor, labels: torch.Tensor) -> float:
         options = self.options

@@ -7,7 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from htfl_dist.algorithms.base import (
-    ClientAlgorithm, ClientState, ServerAlgorithm, TrainResult, register_algorithm, run_local_training,
+    ClientAlgorithm,
+    ClientState,
+    ServerAlgorithm,
+    TrainResult,
+    register_algorithm,
+    run_local_training,
 )
 from htfl_dist.runtime.wire import Payload
 

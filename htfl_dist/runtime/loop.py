@@ -22,7 +22,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
+from htfl_dist.algorithms import (
+    AlgorithmContext,
+    ClientState,
+    get_algorithm,
+    parse_options,
+)
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError
@@ -30,8 +35,11 @@ from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, writ
 from htfl_dist.models import architecture_for_client, build_model
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import (
-    client_ranks, clients_of_rank, sample_participants,
+    client_ranks,
+    clients_of_rank,
+    sample_participants,
 )
+from htfl_dist.runtime.screening import screen_uploads
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, Payload, decode, encode
 from htfl_dist.seeding import seed_global_torch, torch_generator
@@ -102,6 +110,7 @@ class Federation:
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
+        self.skipped_clients: list[int] = []
 
     # ------------------------------------------------------------------ set-up
 
@@ -247,6 +256,9 @@ class Federation:
             server_seconds = 0.0
             diagnostics: dict[str, Any] = {}
             if self.is_server:
+                gathered, skipped = screen_uploads(gathered, self.server.validate_upload,
+                                                   config.on_bad_upload, round_index + 1)
+                self.skipped_clients.extend(skipped)
                 server_began = time.perf_counter()
                 generator = torch_generator(config.seed, "server", round_index)
                 diagnostics = self.server.update(gathered, round_index, generator)
@@ -273,6 +285,7 @@ class Federation:
                     row = self._metrics_row(round_index, reports, traffic, diagnostics, seconds,
                                             max(rank_seconds), server_seconds)
                     self.metrics.append(row)
+                    self.skipped_clients = []
                 eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
                 progress(format_progress(round_index + 1, config.rounds, row, seconds, eta))
             if config.checkpoint_every and (round_index + 1) % config.checkpoint_every == 0:
@@ -298,6 +311,7 @@ class Federation:
             "client_s": client_s,
             "server_s": server_s,
             "comm_s": max(0.0, seconds - client_s - server_s),
+            "skipped_clients": list(self.skipped_clients),  # bad uploads left out since the last row
         }
         row.update(diagnostics)
         return row
