@@ -123,13 +123,17 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def config_hash(self) -> str:
-        """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal
-        hashes compute the same rounds (runtime plumbing and the run length are excluded)."""
+    def experiment(self) -> dict[str, Any]:
+        """The keys that define the experiment's maths (what a resumed run must not change)."""
         data = self.to_dict()
         for key in ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload"):
             data.pop(key)  # plumbing and run length: a resumed run may extend `rounds`
-        text = json.dumps(data, sort_keys=True)
+        return data
+
+    def config_hash(self) -> str:
+        """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal
+        hashes compute the same rounds (runtime plumbing and the run length are excluded)."""
+        text = json.dumps(self.experiment(), sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -341,6 +345,18 @@ def validate(config: Config) -> None:
     )
     _require(runtime.threads >= 0, f"config key 'runtime.threads' must be >= 0, got {runtime.threads}")
     _require(runtime.timeout_s > 0, f"config key 'runtime.timeout_s' must be > 0, got {runtime.timeout_s}")
+
+
+def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two ``Config.experiment()`` dicts, as 'key: a -> b'."""
+    changes = []
+    for key in sorted(set(before) | set(after)):
+        old, new = before.get(key), after.get(key)
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += experiment_differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changes
 
 
 def dataset_root(data: DataConfig) -> str | None:

@@ -26,8 +26,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--config", help="YAML config file (see configs/)")
     parser.add_argument("--out", help="run directory (default: runs/<algorithm>-<config hash>)")
-    parser.add_argument("--resume", choices=("auto", "never"), default="never",
-                        help="auto: continue from the newest complete checkpoint in --out")
+    parser.add_argument("--resume", default="never", metavar="auto|never|PATH",
+                        help="auto: continue from the newest complete checkpoint in --out (or start fresh); "
+                             "PATH: a run directory or one checkpoint directory to continue from")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. rounds=3 data.partition=pathological")
     return parser.parse_args(argv)
@@ -45,10 +46,32 @@ def _versions() -> dict[str, str]:
             "torchvision": torchvision.__version__, "numpy": numpy.__version__, "h5py": h5py.__version__}
 
 
+def _resume_source(resume: str, out: Path) -> Path | None:
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return out
+    source = Path(resume).resolve()
+    if not source.is_dir():
+        raise HtflError(f"--resume {resume}: no such directory; pass auto, never, a run directory "
+                        f"or a checkpoints/round_NNNNN directory")
+    from htfl_dist.runtime.checkpoint import find_checkpoint
+
+    if find_checkpoint(source) is None:
+        raise HtflError(f"--resume {resume}: no complete checkpoint (MANIFEST.json) there")
+    return source
+
+
 def _prepare_out_dir(out: Path, resume: bool) -> None:
     if (out / "metrics.jsonl").exists() and not resume:
         raise HtflError(f"run directory {out} already holds a run; pass a new --out or --resume auto")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); pass --out DIR you can write to") from None
 
 
 def _make_deterministic(torch) -> None:
@@ -83,13 +106,13 @@ def run(argv: list[str] | None = None) -> int:
         torch.set_num_threads(config.runtime.threads)
     _make_deterministic(torch)
     out = Path(args.out or Path("runs") / f"{config.algorithm}-{config.config_hash()}").resolve()
-    resume = args.resume == "auto"
+    resume_from = _resume_source(args.resume, out)
     if launch.rank == 0:
-        _prepare_out_dir(out, resume)
+        _prepare_out_dir(out, resume_from is not None)
         write_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
     device = pick_device(config.runtime, launch)
     transport = open_transport(config.runtime, launch, device)
-    context = RunContext(config, transport, device, out, resume,
+    context = RunContext(config, transport, device, out, resume_from,
                          extra_summary={"versions": _versions(), "launcher": launch.launcher})
     try:
         federation = Federation(context)

@@ -40,11 +40,13 @@ class MetricsLog:
         self.path = path
         self.rows: list[dict[str, Any]] = []
 
-    def load_existing(self, up_to_round: int) -> None:
-        """On resume: keep rows of completed rounds, drop any written after the checkpoint."""
-        if not self.path.exists():
+    def load_existing(self, up_to_round: int, source: Path | None = None) -> None:
+        """On resume: keep the rows of completed rounds (from ``source``, the checkpointed run's
+        metrics, by default this run's own) and drop any written after the checkpoint."""
+        source = source if source is not None and source.exists() else self.path
+        if not source.exists():
             return
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
         self.rows = [row for row in rows if row["round"] <= up_to_round]
         write_atomic(self.path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
 

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import torch
 
+from htfl_dist.config import experiment_differences
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import write_json
-
-KEEP_LATEST = 2
-
 
 def _round_dir(out_dir: Path, completed_rounds: int) -> Path:
     return out_dir / "checkpoints" / f"round_{completed_rounds:05d}"
@@ -41,8 +39,10 @@ def _save_atomic(obj, path: Path) -> None:
         raise
 
 
-def save(out_dir: Path, completed_rounds: int, config_hash: str, transport, *, clients, server,
-         expected_clients: list[int]) -> None:
+def save(out_dir: Path, completed_rounds: int, config, transport, *, clients, server) -> None:
+    """Every rank writes the clients it hosts (and rank 0 the server); rank 0 publishes the
+    manifest after a barrier, then prunes all but the newest ``config.checkpoint_keep``."""
+    expected_clients = list(range(config.num_clients))
     directory = _round_dir(out_dir, completed_rounds)
     directory.mkdir(parents=True, exist_ok=True)
     for client_id, client in clients.items():
@@ -62,10 +62,10 @@ def save(out_dir: Path, completed_rounds: int, config_hash: str, transport, *, c
             raise HtflError(f"checkpoint of round {completed_rounds} lacks clients {missing[:5]}; "
                             f"is {out_dir} on a file system every node shares?")
         write_json(directory / "MANIFEST.json", {
-            "round": completed_rounds, "config_hash": config_hash,
+            "round": completed_rounds, "config_hash": config.config_hash(), "experiment": config.experiment(),
             "clients": expected_clients, "files": sorted(p.name for p in directory.glob("*.pt")),
         })
-        _prune(out_dir)
+        _prune(out_dir, config.checkpoint_keep)
     transport.barrier()
 
 
@@ -80,8 +80,8 @@ def _complete_rounds(out_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def _prune(out_dir: Path) -> None:
-    for _, directory in _complete_rounds(out_dir)[:-KEEP_LATEST]:
+def _prune(out_dir: Path, keep: int) -> None:
+    for _, directory in _complete_rounds(out_dir)[:-keep]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -95,17 +95,28 @@ def _load(path: Path, device: torch.device):
                         f"delete {path.parent} to resume from an earlier one") from None
 
 
-def load_latest(out_dir: Path, config_hash: str, *, clients, server, device: torch.device) -> int | None:
-    """Restore the newest complete checkpoint; returns its completed-round count, or None."""
-    complete = _complete_rounds(out_dir)
-    if not complete:
-        return None
-    completed_rounds, directory = complete[-1]
-    manifest = json.loads((directory / "MANIFEST.json").read_text())
-    if manifest["config_hash"] != config_hash:
+def find_checkpoint(source: Path) -> Path | None:
+    """``source`` is a run directory (newest complete checkpoint in it) or one checkpoint
+    directory holding a MANIFEST.json."""
+    if (source / "MANIFEST.json").is_file():
+        return source
+    complete = _complete_rounds(source)
+    return complete[-1][1] if complete else None
+
+
+def load(directory: Path, config, *, clients, server, device: torch.device) -> int:
+    """Restore the checkpoint in ``directory``; returns its completed-round count."""
+    try:
+        manifest = json.loads((directory / "MANIFEST.json").read_text())
+        completed_rounds = int(manifest["round"])
+    except (OSError, ValueError, KeyError):
+        raise HtflError(f"checkpoint manifest {directory / 'MANIFEST.json'} is unreadable; "
+                        f"delete {directory} to resume from an earlier one") from None
+    if manifest.get("config_hash") != config.config_hash():
+        changes = experiment_differences(manifest.get("experiment", {}), config.experiment())
         raise HtflError(
-            f"checkpoint in {directory} was made with config hash {manifest['config_hash']}, this run has "
-            f"{config_hash}; resume with the same config or use a new --out directory"
+            f"checkpoint {directory} belongs to another experiment ({'; '.join(changes[:4]) or 'config hash differs'}); "
+            f"resume with the same config or use a new --out directory"
         )
     for client_id, client in clients.items():
         state = _load(directory / f"client_{client_id}.pt", device)

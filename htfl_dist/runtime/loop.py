@@ -78,7 +78,8 @@ class RunContext:
     transport: Transport
     device: torch.device
     out_dir: Path
-    resume: bool = False
+    resume_from: Path | None = None
+    """A run directory or checkpoint directory to continue from (None: start fresh)."""
     extra_summary: dict[str, Any] = field(default_factory=dict)
 
 
@@ -319,22 +320,21 @@ class Federation:
     # ------------------------------------------------------------------ checkpoints and summary
 
     def _save_checkpoint(self, completed_rounds: int) -> None:
-        checkpoint.save(
-            self.run_context.out_dir, completed_rounds, self.config.config_hash(), self.transport,
-            clients=self.clients, server=self.server,
-            expected_clients=list(range(self.config.num_clients)),
-        )
+        checkpoint.save(self.run_context.out_dir, completed_rounds, self.config, self.transport,
+                        clients=self.clients, server=self.server)
 
     def _maybe_resume(self) -> int:
-        if not self.run_context.resume:
+        source = self.run_context.resume_from
+        if source is None:
             return 0
-        state = checkpoint.load_latest(self.run_context.out_dir, self.config.config_hash(),
-                                       clients=self.clients, server=self.server, device=self.device)
-        if state is None:
-            return 0
+        directory = checkpoint.find_checkpoint(source)
+        if directory is None:
+            return 0  # --resume auto on a run with no complete checkpoint yet: start fresh
+        completed = checkpoint.load(directory, self.config, clients=self.clients, server=self.server,
+                                    device=self.device)
         if self.metrics is not None:
-            self.metrics.load_existing(state)
-        return state
+            self.metrics.load_existing(completed, source=directory.parent.parent / "metrics.jsonl")
+        return completed
 
     def _finish(self, round_seconds: list[float]) -> dict[str, Any]:
         best = self.metrics.best()

@@ -1,0 +1,68 @@
+"""Checkpoints: keep-k, resume from a path, refusal of another experiment, corrupt files."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import SMOKE, launch, read_metrics
+
+
+def _args(out, cache_dir, *overrides):
+    return ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}", *overrides]
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory, cache_dir):
+    """A 3-round run that checkpoints every round and keeps the last two."""
+    out = tmp_path_factory.mktemp("ckpt")
+    result = launch("single", 1, _args(out, cache_dir, "checkpoint_every=1", "checkpoint_keep=2"))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_keeps_the_newest_k_complete_checkpoints(checkpointed):
+    kept = sorted(p.name for p in (checkpointed / "checkpoints").iterdir())
+    assert kept == ["round_00002", "round_00003"]
+    assert (checkpointed / "checkpoints" / "round_00003" / "MANIFEST.json").is_file()
+    files = sorted(p.name for p in (checkpointed / "checkpoints" / "round_00003").iterdir())
+    assert files == sorted(["MANIFEST.json", "server.pt"] + [f"client_{i}.pt" for i in range(6)])
+
+
+def test_resume_from_a_checkpoint_path_into_a_new_run(checkpointed, tmp_path, cache_dir):
+    """Round 2's checkpoint, resumed elsewhere on 2 ranks, reproduces round 3 exactly."""
+    source = checkpointed / "checkpoints" / "round_00002"
+    result = launch("torchrun", 2, _args(tmp_path, cache_dir) + ["--resume", str(source)])
+    assert result.returncode == 0, result.stderr
+    assert [r["test_acc"] for r in read_metrics(tmp_path)] == [r["test_acc"] for r in read_metrics(checkpointed)]
+
+
+def test_resume_of_another_experiment_is_refused(checkpointed, tmp_path, cache_dir):
+    result = launch("single", 1, _args(tmp_path, cache_dir, "seed=1", "data.partition=pathological")
+                    + ["--resume", str(checkpointed)])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "another experiment" in lines[0]
+    assert "seed: 0 -> 1" in lines[0] and "data.partition: 'dirichlet' -> 'pathological'" in lines[0]
+
+
+def test_corrupt_checkpoint_is_one_line_and_damages_nothing(checkpointed, tmp_path, cache_dir):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(checkpointed, copy)
+    victim = copy / "checkpoints" / "round_00003" / "client_4.pt"
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    result = launch("single", 1, _args(copy, cache_dir, "rounds=4") + ["--resume", "auto"])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "client_4.pt cannot be read" in lines[0] and "Traceback" not in result.stderr
+    after = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != "config.yaml"}
+    assert after == {p: b for p, b in before.items() if p.name != "config.yaml"}
+
+
+def test_unwritable_output_directory(tmp_path, cache_dir):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = launch("single", 1, _args(blocker / "run", cache_dir))
+    assert result.returncode == 2
+    assert "cannot write the run directory" in result.stderr and "Traceback" not in result.stderr
