@@ -95,6 +95,8 @@ class RuntimeConfig:
     equal results across world sizes on CPU."""
     timeout_s: float = 600.0
     """A collective that waits longer than this aborts the job."""
+    preempt_grace_s: float = 120.0
+    """After SIGTERM, the job checkpoints at the next round boundary; past this it exits anyway."""
 
 
 @dataclass
@@ -345,6 +347,8 @@ def validate(config: Config) -> None:
     )
     _require(runtime.threads >= 0, f"config key 'runtime.threads' must be >= 0, got {runtime.threads}")
     _require(runtime.timeout_s > 0, f"config key 'runtime.timeout_s' must be > 0, got {runtime.timeout_s}")
+    _require(runtime.preempt_grace_s > 0,
+             f"config key 'runtime.preempt_grace_s' must be > 0, got {runtime.preempt_grace_s}")
 
 
 def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:

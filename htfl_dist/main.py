@@ -31,7 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "PATH: a run directory or one checkpoint directory to continue from")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. rounds=3 data.partition=pathological")
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides may come before and after options
 
 
 def _versions() -> dict[str, str]:
@@ -117,7 +117,11 @@ def run(argv: list[str] | None = None) -> int:
     try:
         federation = Federation(context)
         summary = federation.run()
-        if summary is not None:
+        if federation.preempted_after is not None:
+            if launch.rank == 0:
+                print(f"preempted: checkpoint after round {federation.preempted_after} in {out}/checkpoints; "
+                      f"continue with --resume auto", flush=True)
+        elif summary is not None:
             print(f"done: best test_acc {summary['best_test_acc'] * 100:.2f}% at round {summary['best_round']}, "
                   f"last {summary['last_test_acc'] * 100:.2f}%; outputs in {out}", flush=True)
     except BaseException as exc:

@@ -39,6 +39,7 @@ from htfl_dist.runtime.placement import (
     clients_of_rank,
     sample_participants,
 )
+from htfl_dist.runtime.preemption import PreemptionFlag
 from htfl_dist.runtime.screening import screen_uploads
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, Payload, decode, encode
@@ -50,8 +51,10 @@ RANK_ENTRY = -1
 REPORT_SPEC = (
     Field("train", torch.float64, (2,)),  # [loss_sum, samples]
     Field("eval", torch.float64, (3,)),  # [correct (algorithm's rule), correct (head), samples]
-    Field("rank", torch.float64, (2,)),  # rank entry only: [client compute seconds, theory upload bytes]
+    Field("rank", torch.float64, (3,)),  # rank entry only: [compute seconds, theory upload bytes, SIGTERM seen]
 )
+
+CONTROL_SPEC = (Field("stop", torch.int64),)  # rank 0's decision at each round boundary
 
 HANDSHAKE_SPEC = (Field("facts", torch.int64, (4,)),)  # [config hash, C, K, num_clients]
 
@@ -111,6 +114,8 @@ class Federation:
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
+        self.preemption = PreemptionFlag(config.runtime.preempt_grace_s)
+        self.preempted_after: int | None = None
         self.skipped_clients: list[int] = []
 
     # ------------------------------------------------------------------ set-up
@@ -213,16 +218,16 @@ class Federation:
             merged.update(decode(spec, message))
         return dict(sorted(merged.items()))
 
-    def _gather_reports(self, train_rows, eval_rows, seconds: float, theory_up: int):
+    def _gather_reports(self, train_rows, eval_rows, seconds: float, theory_up: int, stop_requested: bool):
         entries: dict[int, Payload] = {}
         for client_id in sorted(set(train_rows) | set(eval_rows)):
             entries[client_id] = {
                 "train": _rows(train_rows.get(client_id), 2),
                 "eval": _rows(eval_rows.get(client_id), 3),
-                "rank": _rows(None, 2),
+                "rank": _rows(None, 3),
             }
         entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 3),
-                               "rank": _rows([seconds, float(theory_up)], 2)}
+                               "rank": _rows([seconds, float(theory_up), float(stop_requested)], 3)}
         gathered = self.transport.gather(encode(REPORT_SPEC, entries))
         if gathered is None:
             return None
@@ -273,7 +278,8 @@ class Federation:
                 eval_began = time.perf_counter()
                 eval_rows = self._evaluate_clients(knowledge)
                 client_seconds += time.perf_counter() - eval_began
-            report = self._gather_reports(train_rows, eval_rows, client_seconds, theory_up)
+            report = self._gather_reports(train_rows, eval_rows, client_seconds, theory_up,
+                                          self.preemption.requested)
 
             if self.is_server:
                 reports, rank_rows = report
@@ -289,9 +295,23 @@ class Federation:
                     self.skipped_clients = []
                 eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
                 progress(format_progress(round_index + 1, config.rounds, row, seconds, eta))
-            if config.checkpoint_every and (round_index + 1) % config.checkpoint_every == 0:
+            stop = self._agree_to_stop(report)
+            periodic = config.checkpoint_every and (round_index + 1) % config.checkpoint_every == 0
+            if stop or periodic:
                 self._save_checkpoint(round_index + 1)
+            if stop:
+                self.preempted_after = round_index + 1
+                return None
         return self._finish(round_seconds) if self.is_server else None
+
+    def _agree_to_stop(self, report) -> bool:
+        """Rank 0 decides (any rank saw SIGTERM) and tells everyone, so all stop at one boundary."""
+        decision = {}
+        if self.is_server:
+            _, rank_rows = report
+            decision = {BROADCAST_ENTRY: {"stop": torch.tensor([int(any(r[2] for r in rank_rows))])}}
+        message = self.transport.broadcast(encode(CONTROL_SPEC, decision) if self.is_server else None)
+        return bool(decode(CONTROL_SPEC, message)[BROADCAST_ENTRY]["stop"][0])
 
     def _metrics_row(self, round_index, reports, traffic, diagnostics, seconds, client_s, server_s) -> dict:
         evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import datetime
+import os
 
 import numpy as np
 import torch
@@ -77,13 +78,14 @@ class TorchTransport(Transport):
         self._dist = dist
         self.rank, self.world_size, self.name = rank, world_size, backend
         self.comm_device = comm_device
-        kwargs = {}
-        if backend == "nccl":
-            kwargs["device_id"] = comm_device
-        dist.init_process_group(
-            backend=backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s), **kwargs,
-        )
+        timeout = datetime.timedelta(seconds=timeout_s)
+        kwargs = {"device_id": comm_device} if backend == "nccl" else {}
+        store = _attempt_store(rank, world_size, timeout) if init_method == "env://" else None
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = init_method
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
 
     def _to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.comm_device)
@@ -133,6 +135,22 @@ class TorchTransport(Transport):
     def close(self) -> None:
         if self._dist.is_initialized():
             self._dist.destroy_process_group()
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
+    """Under torchrun, a rendezvous store namespaced by the restart attempt.
+
+    After an elastic restart the workers of the new attempt would otherwise read the dead
+    attempt's addresses from the agent's store and fail to connect."""
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=(rank == 0 and not agent_hosts_store), timeout=timeout)
+    return dist.PrefixStore(f"htfl_dist/attempt_{attempt}", store)
 
 
 class MPITransport(Transport):
