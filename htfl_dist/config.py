@@ -95,6 +95,9 @@ class RuntimeConfig:
     equal results across world sizes on CPU."""
     timeout_s: float = 600.0
     """A collective that waits longer than this aborts the job."""
+    round_deadline_s: float = 3600.0
+    """A round that takes longer than this on any rank ends the job (0 = no deadline). The
+    safety net against a hung peer, also under MPI, which has no collective timeout."""
     preempt_grace_s: float = 120.0
     """After SIGTERM, the job checkpoints at the next round boundary; past this it exits anyway."""
 
@@ -347,6 +350,8 @@ def validate(config: Config) -> None:
     )
     _require(runtime.threads >= 0, f"config key 'runtime.threads' must be >= 0, got {runtime.threads}")
     _require(runtime.timeout_s > 0, f"config key 'runtime.timeout_s' must be > 0, got {runtime.timeout_s}")
+    _require(runtime.round_deadline_s >= 0,
+             f"config key 'runtime.round_deadline_s' must be >= 0 (0 = none), got {runtime.round_deadline_s}")
     _require(runtime.preempt_grace_s > 0,
              f"config key 'runtime.preempt_grace_s' must be > 0, got {runtime.preempt_grace_s}")
 

@@ -134,10 +134,9 @@ def run(argv: list[str] | None = None) -> int:
 
 def _fail(exc: BaseException, rank: int, transport, config) -> None:
     """Name the failing rank and its clients, then take the whole job down."""
-    from htfl_dist.runtime.placement import clients_of_rank
+    from htfl_dist.runtime.placement import describe_rank
 
-    hosted = clients_of_rank(rank, transport.world_size, config.num_clients)
-    where = f"rank {rank}" + (f" (clients {hosted[:8]}{'...' if len(hosted) > 8 else ''})" if hosted else " (server)")
+    where = describe_rank(rank, transport.world_size, config.num_clients)
     if isinstance(exc, HtflError):
         print(f"htfl_dist: error on {where}: {exc}", file=sys.stderr, flush=True)
         code = EXIT_USER_ERROR

@@ -82,3 +82,33 @@ def test_elastic_restart_after_a_killed_rank(uninterrupted, tmp_path, cache_dir)
     assert agent.returncode == 0, stdout + stderr
     assert [r["test_acc"] for r in read_metrics(tmp_path)] == uninterrupted
     assert (tmp_path / "summary.json").is_file()
+
+
+def _rank_of(pid):
+    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    for item in environ:
+        if item.startswith(b"PMI_RANK="):
+            return int(item.split(b"=")[1])
+    return None
+
+
+def test_hung_rank_ends_the_job_within_the_round_deadline(tmp_path, cache_dir):
+    """Under MPI (no collective timeout) a frozen client rank is caught by the round deadline."""
+    mpirun = str(BIN / "mpirun")
+    command = [mpirun, "-n", "3", sys.executable, "-m", "htfl_dist.main", "--config", str(SMOKE),
+               "--out", str(tmp_path), f"data.cache_dir={cache_dir}", "rounds=50", "runtime.round_deadline_s=6"]
+    job = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_line(job, "round 1/50")
+    marker = str(tmp_path)
+    pids = [int(p) for p in subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()]
+    client = next(pid for pid in pids if _rank_of(pid) == 2)
+    began = time.monotonic()
+    os.kill(client, signal.SIGSTOP)  # a hung rank: alive, silent
+    try:
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        os.kill(client, signal.SIGKILL) if os.path.exists(f"/proc/{client}") else None
+    assert job.returncode != 0
+    assert time.monotonic() - began < 30
+    assert "exceeded runtime.round_deadline_s=6" in stderr
+    assert "rank 0 (server)" in stderr or "rank 1 (clients" in stderr

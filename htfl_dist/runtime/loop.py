@@ -36,12 +36,14 @@ from htfl_dist.models import architecture_for_client, build_model
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import (
     client_ranks,
+    describe_rank,
     clients_of_rank,
     sample_participants,
 )
 from htfl_dist.runtime.preemption import PreemptionFlag
 from htfl_dist.runtime.screening import screen_uploads
 from htfl_dist.runtime.transport import Transport
+from htfl_dist.runtime.watchdog import RoundWatchdog
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, Payload, decode, encode
 from htfl_dist.seeding import seed_global_torch, torch_generator
 
@@ -115,10 +117,14 @@ class Federation:
         self._handshake()
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
         self.preemption = PreemptionFlag(config.runtime.preempt_grace_s)
+        self.watchdog = RoundWatchdog(config.runtime.round_deadline_s,
+                                      describe_rank(self.rank, self.world_size, config.num_clients),
+                                      transport.abort)
         self.preempted_after: int | None = None
         self.skipped_clients: list[int] = []
 
     # ------------------------------------------------------------------ set-up
+
 
     def _prepare_data(self):
         """Local rank 0 of each node builds the partition cache; the others wait, then read it."""
@@ -246,6 +252,7 @@ class Federation:
         knowledge: Payload | None = None  # what the clients of this rank last received
         round_seconds: list[float] = []
         for round_index in range(start_round, config.rounds):
+            self.watchdog.arm(round_index + 1)
             began = time.perf_counter()
             traffic = RoundTraffic()
             participants = sample_participants(config.seed, round_index, config.num_clients, config.join_ratio)
@@ -296,6 +303,7 @@ class Federation:
                 eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
                 progress(format_progress(round_index + 1, config.rounds, row, seconds, eta))
             stop = self._agree_to_stop(report)
+            self.watchdog.disarm()
             periodic = config.checkpoint_every and (round_index + 1) % config.checkpoint_every == 0
             if stop or periodic:
                 self._save_checkpoint(round_index + 1)

@@ -29,6 +29,15 @@ def clients_of_rank(rank: int, world_size: int, num_clients: int) -> list[int]:
     return [cid for cid in range(num_clients) if hosting_rank(cid, world_size) == rank]
 
 
+def describe_rank(rank: int, world_size: int, num_clients: int) -> str:
+    """'rank r (clients [...])' or 'rank 0 (server)', for messages that must name a rank."""
+    hosted = clients_of_rank(rank, world_size, num_clients)
+    if not hosted:
+        return f"rank {rank} (server)"
+    more = "..." if len(hosted) > 8 else ""
+    return f"rank {rank} (clients {hosted[:8]}{more})"
+
+
 def client_ranks(world_size: int) -> list[int]:
     return [0] if world_size == 1 else list(range(1, world_size))
 
