@@ -54,3 +54,34 @@ def test_more_client_ranks_than_clients(tmp_path):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert result.stderr.count("3 client ranks but there are only 2 logical clients") == 1
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: 3\ndata: [unclosed\n")
+    _assert_one_line(launch("single", 1, ["--config", str(bad)], timeout=60), "not valid YAML", "line")
+
+
+def test_truncated_dataset_file(tmp_path):
+    import shutil
+
+    from htfl_dist.config import DEFAULT_FMNIST_ROOT
+
+    root = tmp_path / "fmnist"
+    shutil.copytree(DEFAULT_FMNIST_ROOT, root)
+    victim = root / "t10k-labels-idx1-ubyte.gz"
+    victim.write_bytes(victim.read_bytes()[:200])
+    _assert_one_line(_single(tmp_path, f"data.root={root}", f"data.cache_dir={tmp_path / 'cache'}"),
+                     "t10k-labels-idx1-ubyte")
+
+
+def test_feature_width_mismatch_is_refused():
+    import torch
+
+    from htfl_dist.errors import HtflError
+    from htfl_dist.models import build_model
+    from htfl_dist.runtime.loop import _check_feature_width
+
+    model = build_model("htcnn1", num_classes=10, feature_dim=256, in_channels=1, image_size=28)
+    with pytest.raises(HtflError, match=r"client 3's htcnn1 gives features of shape \(256,\).*model.feature_dim=512"):
+        _check_feature_width(model, "htcnn1", 3, torch.zeros(2, 1, 28, 28), 512)

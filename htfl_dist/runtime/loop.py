@@ -88,6 +88,18 @@ class RunContext:
     extra_summary: dict[str, Any] = field(default_factory=dict)
 
 
+@torch.no_grad()
+def _check_feature_width(model, architecture: str, client_id: int, sample: torch.Tensor, width: int) -> None:
+    """Prototypes of all clients must live in one R^K: refuse a model whose features differ."""
+    was_training = model.training
+    model.eval()
+    got = tuple(model.features(sample).shape[1:])
+    model.train(was_training)
+    if got != (width,):
+        raise HtflError(f"client {client_id}'s {architecture} gives features of shape {got}, but "
+                        f"model.feature_dim={width}: every client must produce K-wide features")
+
+
 class Federation:
     """Server and/or client role of this rank, built once, then ``run()``."""
 
@@ -145,6 +157,8 @@ class Federation:
             architecture, num_classes=info.num_classes, feature_dim=config.model.feature_dim,
             in_channels=info.in_channels, image_size=info.image_size,
         ).to(self.device)
+        _check_feature_width(model, architecture, client_id, split.train_x[:2].to(self.device),
+                             config.model.feature_dim)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
         return ClientState(
             client_id=client_id, architecture=architecture, model=model, optimizer=optimizer,
