@@ -58,6 +58,7 @@ def test_sigterm_checkpoints_at_the_round_boundary_then_resumes(uninterrupted, t
     stdout, stderr = agent.communicate(timeout=60)
     ended_s = time.monotonic() - began
     assert "preempted: checkpoint after round" in stdout, stdout + stderr
+    print(f"SIGTERM -> all ranks checkpointed and exited in {ended_s:.1f} s")
     assert ended_s < 30
     stopped_at = len(read_metrics(tmp_path))
     assert 2 <= stopped_at < ROUNDS
@@ -77,8 +78,10 @@ def test_elastic_restart_after_a_killed_rank(uninterrupted, tmp_path, cache_dir)
     _wait_for_line(agent, f"round 2/{ROUNDS}")
     workers = _worker_pids(agent.pid)
     assert len(workers) == 3
+    killed_at = time.monotonic()
     os.kill(max(workers), signal.SIGKILL)  # the newest worker: a client rank
     stdout, stderr = agent.communicate(timeout=180)
+    print(f"kill -9 -> restart, resume and finish in {time.monotonic() - killed_at:.1f} s")
     assert agent.returncode == 0, stdout + stderr
     assert [r["test_acc"] for r in read_metrics(tmp_path)] == uninterrupted
     assert (tmp_path / "summary.json").is_file()
@@ -109,6 +112,25 @@ def test_hung_rank_ends_the_job_within_the_round_deadline(tmp_path, cache_dir):
     finally:
         os.kill(client, signal.SIGKILL) if os.path.exists(f"/proc/{client}") else None
     assert job.returncode != 0
+    print(f"SIGSTOP (hung rank) -> job ended in {time.monotonic() - began:.1f} s")
     assert time.monotonic() - began < 30
+    time.sleep(1)
+    assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""  # no orphans
     assert "exceeded runtime.round_deadline_s=6" in stderr
     assert "rank 0 (server)" in stderr or "rank 1 (clients" in stderr
+
+
+def test_a_rank_that_raises_ends_every_rank(tmp_path, cache_dir):
+    """A client rank fails (its client's checkpoint is corrupt): it is named, all ranks end."""
+    first = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                                 "rounds=1", "checkpoint_every=1"])
+    assert first.returncode == 0, first.stderr
+    victim = tmp_path / "checkpoints" / "round_00001" / "client_4.pt"
+    victim.write_bytes(victim.read_bytes()[:64])
+    began = time.monotonic()
+    result = launch("torchrun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                                    "--resume", "auto", "rounds=2"], timeout=120)
+    print(f"exception on rank 1 -> job ended in {time.monotonic() - began:.1f} s")
+    assert result.returncode != 0
+    assert "error on rank 1 (clients [0, 2, 4]): checkpoint file" in result.stderr
+    assert "client_4.pt cannot be read" in result.stderr
