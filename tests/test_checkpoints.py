@@ -66,3 +66,17 @@ def test_unwritable_output_directory(tmp_path, cache_dir):
     result = launch("single", 1, _args(blocker / "run", cache_dir))
     assert result.returncode == 2
     assert "cannot write the run directory" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_prune_drops_old_and_incomplete_checkpoints(tmp_path):
+    from htfl_dist.runtime.checkpoint import _prune
+
+    root = tmp_path / "checkpoints"
+    for round_number, complete in [(1, True), (2, False), (3, True), (4, True), (5, False)]:
+        directory = root / f"round_{round_number:05d}"
+        directory.mkdir(parents=True)
+        if complete:
+            (directory / "MANIFEST.json").write_text("{}")
+    _prune(tmp_path, keep=2)
+    # round 5 is incomplete but newer than the newest complete one: a save may be under way
+    assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00004", "round_00005"]

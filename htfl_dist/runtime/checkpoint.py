@@ -81,8 +81,17 @@ def _complete_rounds(out_dir: Path) -> list[tuple[int, Path]]:
 
 
 def _prune(out_dir: Path, keep: int) -> None:
-    for _, directory in _complete_rounds(out_dir)[:-keep]:
+    """Drop all but the newest ``keep`` complete checkpoints, and any incomplete one (a save cut
+    short by a crash) older than the newest complete checkpoint."""
+    complete = _complete_rounds(out_dir)
+    for _, directory in complete[:-keep]:
         shutil.rmtree(directory, ignore_errors=True)
+    if not complete:
+        return
+    newest = complete[-1][0]
+    for directory in (out_dir / "checkpoints").glob("round_*"):
+        if not (directory / "MANIFEST.json").is_file() and int(directory.name.split("_")[1]) < newest:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _load(path: Path, device: torch.device):
