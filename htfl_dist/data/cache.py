@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +30,7 @@ import h5py
 import numpy as np
 import torch
 
+from htfl_dist.atomic import replaced_atomically
 from htfl_dist.config import DataConfig, dataset_root, partition_cache_dir
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.seeding import numpy_rng
@@ -42,7 +42,12 @@ from .partition import (
     split_train_test,
     subsample_indices,
 )
-from .pfllib import pfllib_fingerprint, pickle_refusal, read_pfllib_config, read_pfllib_file
+from .pfllib import (
+    pfllib_fingerprint,
+    pickle_refusal,
+    read_pfllib_config,
+    read_pfllib_file,
+)
 
 FORMAT_VERSION = 1
 """Bump when the partition algorithms or the file layout change: old caches are then ignored."""
@@ -106,50 +111,40 @@ def _write_cache(
     client_arrays: Callable[[int], ClientArrays],
 ) -> None:
     """Write every client's arrays to a temp file beside ``path``, then rename atomically."""
-    directory = os.path.dirname(path)
     try:
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".",
-                                   suffix=".tmp")
-        os.close(fd)
+        with replaced_atomically(path) as tmp:
+            _write_clients(tmp, attrs, num_clients, num_classes, client_arrays)
     except OSError as exc:
         raise DataError(
-            f"cannot write the partition cache under {directory} ({exc.strerror or exc}); "
-            f"set data.cache_dir=DIR to a writable directory"
+            f"cannot write the partition cache {path} ({exc.strerror or exc}); set data.cache_dir=DIR "
+            f"to a writable directory with free space"
         ) from None
+
+
+def _write_clients(tmp: str, attrs: dict, num_clients: int, num_classes: int,
+                   client_arrays: Callable[[int], ClientArrays]) -> None:
+    counts = np.zeros((num_clients, num_classes), dtype=np.int64)
     try:
-        counts = np.zeros((num_clients, num_classes), dtype=np.int64)
-        try:
-            handle = h5py.File(tmp, "w", locking=False)
-        except TypeError:
-            handle = h5py.File(tmp, "w")
-        with handle as f:
-            for key, value in attrs.items():
-                f.attrs[key] = value
-            for cid in range(num_clients):
-                train_x, train_y, test_x, test_y = client_arrays(cid)
-                group = f.create_group(f"client_{cid}")
-                group.create_dataset("train_x", data=train_x)
-                group.create_dataset("train_y", data=train_y.astype(np.int64))
-                group.create_dataset("test_x", data=test_x)
-                group.create_dataset("test_y", data=test_y.astype(np.int64))
-                if train_y.size and (train_y.min() < 0 or train_y.max() >= num_classes):
-                    raise DataError(
-                        f"client {cid} has label {int(train_y.max())} outside 0..{num_classes - 1}"
-                    )
-                counts[cid] = np.bincount(train_y, minlength=num_classes)[:num_classes]
-            f.create_dataset("class_counts", data=counts)
-            f.attrs["complete"] = True
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600; a shared cache should be readable
-        os.replace(tmp, path)
-    except OSError as exc:
-        raise DataError(
-            f"cannot write the partition cache {path} ({exc}); set data.cache_dir=DIR to a "
-            f"writable directory with free space"
-        ) from None
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        handle = h5py.File(tmp, "w", locking=False)
+    except TypeError:
+        handle = h5py.File(tmp, "w")
+    with handle as f:
+        for key, value in attrs.items():
+            f.attrs[key] = value
+        for cid in range(num_clients):
+            train_x, train_y, test_x, test_y = client_arrays(cid)
+            group = f.create_group(f"client_{cid}")
+            group.create_dataset("train_x", data=train_x)
+            group.create_dataset("train_y", data=train_y.astype(np.int64))
+            group.create_dataset("test_x", data=test_x)
+            group.create_dataset("test_y", data=test_y.astype(np.int64))
+            if train_y.size and (train_y.min() < 0 or train_y.max() >= num_classes):
+                raise DataError(
+                    f"client {cid} has label {int(train_y.max())} outside 0..{num_classes - 1}"
+                )
+            counts[cid] = np.bincount(train_y, minlength=num_classes)[:num_classes]
+        f.create_dataset("class_counts", data=counts)
+        f.attrs["complete"] = True
 
 
 # --------------------------------------------------------------------------- building

@@ -8,25 +8,18 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from htfl_dist.atomic import replaced_atomically
+
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temp file in the same directory + rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Publish ``text`` at ``path`` all at once (see :mod:`htfl_dist.atomic`)."""
+    with replaced_atomically(path) as tmp, open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -12,31 +12,24 @@ round number is all a resumed run needs to draw the same numbers.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from htfl_dist.atomic import replaced_atomically
 from htfl_dist.config import experiment_differences
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import write_json
+
 
 def _round_dir(out_dir: Path, completed_rounds: int) -> Path:
     return out_dir / "checkpoints" / f"round_{completed_rounds:05d}"
 
 
 def _save_atomic(obj, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with replaced_atomically(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def save(out_dir: Path, completed_rounds: int, config, transport, *, clients, server) -> None:
