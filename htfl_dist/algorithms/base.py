@@ -11,7 +11,6 @@ Payloads are declared (``download_spec`` / ``upload_spec``) so they travel as te
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -167,14 +166,10 @@ def parse_options(entry: AlgorithmEntry, raw: dict[str, Any]) -> Any:
     return options
 
 
-def options_dict(options: Any) -> dict[str, Any]:
-    return dataclasses.asdict(options)
-
-
 # ----------------------------------------------------------------------------- shared maths
 
 
-def run_local_training(client: ClientState, context: AlgorithmContext, round_index: int,
+def run_local_training(client: ClientState, context: AlgorithmContext,
                        loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
                        generator: torch.Generator,
                        on_batch: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
@@ -211,6 +206,43 @@ def run_local_training(client: ClientState, context: AlgorithmContext, round_ind
     return float(loss_total), seen
 
 
+class ClassMeans:
+    """Per-class (optionally weighted) means of rows, accumulated batch by batch.
+
+    The one implementation behind client prototypes (after or during training), FedProto's
+    server mean and FedTGP's cluster centres. Sums are dense [C, K]: adding a batch has no
+    data-dependent shapes, so it never waits for the GPU."""
+
+    def __init__(self, num_classes: int, width: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.sums = torch.zeros(num_classes, width, device=device, dtype=dtype)
+        self.weights = torch.zeros(num_classes, device=device, dtype=dtype)
+
+    def add(self, rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        rows = rows.to(self.sums.dtype)
+        if weights is None:
+            self.sums.index_add_(0, labels, rows)
+            self.weights += torch.bincount(labels, minlength=self.weights.shape[0]).to(self.weights.dtype)
+        else:
+            weights = weights.to(self.sums.dtype)
+            self.sums.index_add_(0, labels, rows * weights.unsqueeze(1))
+            self.weights.index_add_(0, labels, weights)
+
+    def present(self) -> torch.Tensor:
+        """[C] bool: classes that received any weight."""
+        return self.weights > 0
+
+    def dense(self) -> torch.Tensor:
+        """[C, K] means; rows of absent classes are 0."""
+        denominator = torch.where(self.present(), self.weights, torch.ones_like(self.weights))
+        return self.sums / denominator.unsqueeze(1)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(class ids int64 [m], means [m, K]) of the m present classes, on the CPU."""
+        present = torch.nonzero(self.present()).flatten()
+        return present.cpu(), (self.sums[present] / self.weights[present].unsqueeze(1)).cpu()
+
+
 @torch.no_grad()
 def class_prototypes(client: ClientState, num_classes: int,
                      batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,33 +253,18 @@ def class_prototypes(client: ClientState, num_classes: int,
     model = client.model
     was_training = model.training
     model.eval()
-    sums = torch.zeros(num_classes, model.feature_dim, device=client.device)
+    means = ClassMeans(num_classes, model.feature_dim, client.device)
     for start in range(0, client.train_y.shape[0], batch_size):
-        features = model.features(client.train_x[start : start + batch_size])
-        sums.index_add_(0, client.train_y[start : start + batch_size], features)
+        means.add(model.features(client.train_x[start : start + batch_size]),
+                  client.train_y[start : start + batch_size])
     model.train(was_training)
-    counts = torch.bincount(client.train_y, minlength=num_classes)
-    present = torch.nonzero(counts > 0).flatten()
-    protos = sums[present] / counts[present].unsqueeze(1).to(sums.dtype)
-    return present.to(torch.int64).cpu(), protos.float().cpu()
+    return means.rows()
 
 
-class PrototypeAccumulator:
-    """Running per-class feature sums, for prototypes 'during training' (HtFLlib FedProto).
-    Dense [C, K] sums: no data-dependent shapes, so no host sync per batch."""
-
-    def __init__(self, num_classes: int, feature_dim: int, device: torch.device) -> None:
-        self.sums = torch.zeros(num_classes, feature_dim, device=device)
-        self.counts = torch.zeros(num_classes, dtype=torch.int64, device=device)
-
-    def add(self, features: torch.Tensor, labels: torch.Tensor) -> None:
-        self.sums.index_add_(0, labels, features.float())
-        self.counts += torch.bincount(labels, minlength=self.counts.shape[0])
-
-    def result(self) -> tuple[torch.Tensor, torch.Tensor]:
-        present = torch.nonzero(self.counts > 0).flatten()
-        protos = self.sums[present] / self.counts[present].unsqueeze(1)
-        return present.cpu(), protos.float().cpu()
+def euclidean_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """‖a_i − b_j‖₂, computed directly: torch.cdist's default switches to a less precise
+    matmul form above 25 rows (e.g. C = 100), which blurs close prototypes."""
+    return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
 
 
 def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:

@@ -13,13 +13,14 @@ import torch.nn.functional as F
 
 from htfl_dist.algorithms.base import (
     AlgorithmContext,
+    ClassMeans,
     ClientAlgorithm,
     ClientState,
-    PrototypeAccumulator,
     ServerAlgorithm,
     TrainResult,
     check_class_rows,
     class_prototypes,
+    euclidean_distances,
     register_algorithm,
     run_local_training,
 )
@@ -117,14 +118,14 @@ class PrototypeClient(ClientAlgorithm):
 
         source = self.options.proto_from
         pre_update = class_prototypes(client, num_classes) if source == "pre_update" else None
-        accumulator = PrototypeAccumulator(num_classes, self.context.feature_dim, client.device) \
+        seen_features = ClassMeans(num_classes, self.context.feature_dim, client.device) \
             if source == "during_training" else None
-        loss_sum, seen = run_local_training(client, self.context, round_index, loss_fn, generator,
-                                            on_batch=accumulator.add if accumulator else None)
+        loss_sum, seen = run_local_training(client, self.context, loss_fn, generator,
+                                            on_batch=seen_features.add if seen_features else None)
         if pre_update is not None:
             class_ids, protos = pre_update
-        elif accumulator is not None:
-            class_ids, protos = accumulator.result()
+        elif seen_features is not None:
+            class_ids, protos = seen_features.rows()
         else:
             class_ids, protos = class_prototypes(client, num_classes)
         return TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
@@ -141,7 +142,7 @@ class PrototypeClient(ClientAlgorithm):
         class_ids, protos = knowledge["class_ids"], knowledge["protos"]
         if class_ids.numel() == 0:
             return torch.full((features.shape[0],), -1, dtype=torch.int64, device=features.device)
-        distances = torch.cdist(features, protos.to(features.device), compute_mode="donot_use_mm_for_euclid_dist")
+        distances = euclidean_distances(features, protos.to(features.device))
         return class_ids.to(features.device)[distances.argmin(dim=1)]
 
 
@@ -180,21 +181,14 @@ class FedProtoServer(ServerAlgorithm):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, float]:
-        num_classes, dim = self.context.num_classes, self.context.feature_dim
-        sums = torch.zeros(num_classes, dim, dtype=torch.float64)
-        weights = torch.zeros(num_classes, dtype=torch.float64)
-        for client_id in sorted(uploads):
+        means = ClassMeans(self.context.num_classes, self.context.feature_dim, dtype=torch.float64)
+        for client_id in sorted(uploads):  # fixed order: the float64 sums do not depend on ranks
             payload = uploads[client_id]
-            if self.options.weighted:
-                weight = payload["counts"].to(torch.float64)
-            else:
-                weight = torch.ones(payload["class_ids"].shape[0], dtype=torch.float64)
-            sums.index_add_(0, payload["class_ids"], payload["protos"].to(torch.float64) * weight.unsqueeze(1))
-            weights.index_add_(0, payload["class_ids"], weight)
-        present = torch.nonzero(weights > 0).flatten()
-        self.class_ids = present.to(torch.int64)
-        self.protos = (sums[present] / weights[present].unsqueeze(1)).float()
-        return {"global_classes": float(present.numel())}
+            means.add(payload["protos"], payload["class_ids"],
+                      payload["counts"] if self.options.weighted else None)
+        self.class_ids, protos = means.rows()
+        self.protos = protos.float()
+        return {"global_classes": float(self.class_ids.numel())}
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)

@@ -22,8 +22,10 @@ from torch import nn
 
 from htfl_dist.algorithms.base import (
     AlgorithmContext,
+    ClassMeans,
     ServerAlgorithm,
     check_class_rows,
+    euclidean_distances,
     register_algorithm,
 )
 from htfl_dist.algorithms.fedproto import (
@@ -35,8 +37,6 @@ from htfl_dist.errors import ConfigError
 from htfl_dist.runtime.wire import Payload, PayloadSpec
 
 MARGINS = ("adaptive", "fixed", "none")
-EXACT_DISTANCES = "donot_use_mm_for_euclid_dist"
-"""torch.cdist otherwise switches to a less precise matmul form above 25 rows (e.g. C = 100)."""
 GAP_UNSET = float("inf")
 
 
@@ -67,9 +67,8 @@ class FedTGPOptions(PrototypeOptions):
             raise ConfigError("algo.margin=fixed needs algo.fixed_margin=VALUE (>= 0); the paper gives no default")
         if self.tau < 0:
             raise ConfigError(f"config key 'algo.tau' must be >= 0, got {self.tau}")
-        for key in ("server_epochs",):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"config key 'algo.{key}' must be >= 1, got {getattr(self, key)}")
+        if self.server_epochs < 1:
+            raise ConfigError(f"config key 'algo.server_epochs' must be >= 1, got {self.server_epochs}")
         if self.server_lr <= 0:
             raise ConfigError(f"config key 'algo.server_lr' must be > 0, got {self.server_lr}")
         for key in ("hidden_dim", "server_batch_size"):
@@ -99,7 +98,7 @@ def cluster_gaps(centres: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     get the smallest gap (the reference code's rule), so they never raise max_c gap_c. With
     fewer than two present classes every gap is +inf, so δ(t) = τ, as in the reference code
     (which starts gaps at 1e9). Returns [C]."""
-    distances = torch.cdist(centres, centres, compute_mode=EXACT_DISTANCES)
+    distances = euclidean_distances(centres, centres)
     valid = present.unsqueeze(0) & present.unsqueeze(1)
     valid.fill_diagonal_(False)
     gaps = torch.where(valid, distances, torch.full_like(distances, GAP_UNSET)).min(dim=1).values
@@ -116,7 +115,7 @@ def adaptive_margin(centres: torch.Tensor, present: torch.Tensor, tau: float) ->
 def margin_contrastive_loss(pairs: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor,
                             margin: float) -> torch.Tensor:
     """Eq. 10: CE over −(‖p − P̂^k‖ + δ·[k = c]); Euclidean, not squared."""
-    distances = torch.cdist(pairs, global_protos, compute_mode=EXACT_DISTANCES)
+    distances = euclidean_distances(pairs, global_protos)
     classes = torch.arange(global_protos.shape[0], device=labels.device)
     distances = distances + margin * (labels.unsqueeze(1) == classes).to(distances.dtype)  # no host sync
     return F.cross_entropy(-distances, labels)
@@ -126,7 +125,7 @@ def class_margins(protos: torch.Tensor) -> torch.Tensor:
     """Per row: distance to the nearest other row (the 'prototype margin' of FedTGP Fig. 1)."""
     if protos.shape[0] < 2:
         return torch.full((protos.shape[0],), float("nan"))
-    distances = torch.cdist(protos, protos, compute_mode=EXACT_DISTANCES)
+    distances = euclidean_distances(protos, protos)
     distances.fill_diagonal_(float("inf"))
     return distances.min(dim=1).values
 
@@ -180,11 +179,9 @@ class FedTGPServer(ServerAlgorithm):
             return 0.0
         if options.margin == "fixed":
             return float(options.fixed_margin)
-        num_classes = self.context.num_classes
-        sums = torch.zeros(num_classes, pairs.shape[1], device=pairs.device).index_add_(0, labels, pairs)
-        counts = torch.bincount(labels, minlength=num_classes)
-        centres = sums / counts.clamp(min=1).unsqueeze(1)
-        return adaptive_margin(centres, counts > 0, options.tau)
+        centres = ClassMeans(self.context.num_classes, pairs.shape[1], pairs.device)
+        centres.add(pairs, labels)
+        return adaptive_margin(centres.dense(), centres.present(), options.tau)
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict:
         pairs, labels = self._pairs(uploads)

@@ -26,7 +26,7 @@ class LocalClient(ClientAlgorithm):
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         loss_sum, seen = run_local_training(
-            client, self.context, round_index, lambda features, logits, y: F.cross_entropy(logits, y), generator
+            client, self.context, lambda features, logits, y: F.cross_entropy(logits, y), generator
         )
         return TrainResult({}, loss_sum, seen)
 

@@ -139,13 +139,14 @@ class Federation:
 
 
     def _prepare_data(self):
-        """Local rank 0 of each node builds the partition cache; the others wait, then read it."""
+        """Rank 0 builds the partition cache while the others wait; they then find it (or, on a
+        node that does not share the cache directory, build the identical file themselves)."""
         config = self.config
-        if self.rank == 0 or self.world_size == 1:
-            info = prepare_partition(config.data, config.num_clients, config.seed)
-        self.transport.barrier()
-        if not (self.rank == 0 or self.world_size == 1):
-            info = prepare_partition(config.data, config.num_clients, config.seed)  # cache hit
+        if self.rank != 0:
+            self.transport.barrier()
+        info = prepare_partition(config.data, config.num_clients, config.seed)
+        if self.rank == 0:
+            self.transport.barrier()
         return info
 
     def _build_client(self, client_id: int) -> ClientState:
