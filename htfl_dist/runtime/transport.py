@@ -15,11 +15,15 @@ from __future__ import annotations
 import abc
 import datetime
 import os
+import sys
+import time
 
 import numpy as np
 import torch
 
 from htfl_dist.runtime.wire import Encoded
+
+_ABORT_DRAIN_S = 1.0  # long enough for mpirun to forward a rank's last stderr line
 
 
 class Transport(abc.ABC):
@@ -200,4 +204,8 @@ class MPITransport(Transport):
         self._comm.Barrier()
 
     def abort(self, exit_code: int) -> None:
+        # mpirun forwards each rank's stderr asynchronously and MPI_Abort tears the job down at
+        # once: without a short pause the one line that says *why* the job ended can be lost.
+        sys.stderr.flush()
+        time.sleep(_ABORT_DRAIN_S)
         self._comm.Abort(exit_code)
