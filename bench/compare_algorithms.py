@@ -1,111 +1,171 @@
-"""Benchmark: algorithms side by side on one setting; prints best accuracy and seconds per round.
+"""Benchmark: algorithms side by side on Fashion-MNIST, 20 HtCNN8 clients, over partitions and seeds.
 
-Default (the foundation issue's check): FedProto vs Local on Fashion-MNIST, 20 HtCNN8
-clients, Dirichlet β=0.1, 50 rounds, each launched with torchrun (rank 0 server).
+Prints one row per run, then one row per (algorithm, partition) with the mean ± std over seeds of
+the best and last accuracy, seconds per round, server seconds per round and bytes up vs theory.
 
-    python bench/compare_algorithms.py                       # both, one after the other
-    python bench/compare_algorithms.py --parallel --nproc 5  # both at once (GPU box)
-    python bench/compare_algorithms.py --rounds 5 --set data.subsample=0.1   # a quick look
+    # the FedTGP issue's check: FedProto vs FedTGP, both partitions, 3 seeds, 50 rounds
+    python bench/compare_algorithms.py --algorithms fedproto fedtgp \\
+        --partitions dirichlet pathological --seeds 0 1 2 --rounds 50 --jobs 2
+    # the foundation issue's check: FedProto vs Local, Dirichlet 0.1, one seed
+    python bench/compare_algorithms.py
+    # a variant is an algorithm name with overrides; extra overrides for every run go in --set
+    python bench/compare_algorithms.py --algorithms fedproto+algo.client_reg=htfllib --set data.subsample=0.2
 
-Every run writes its usual run directory under --out; this script only launches and reads.
+Every run writes its usual run directory under --out, named after (variant, partition, seed, rounds,
+--set). A run whose directory already holds a finished summary is read back, not run again, so an
+interrupted benchmark continues where it stopped.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Run:
+    variant: str  # algorithm name, optionally "+key=value" overrides
+    partition: str
+    seed: int
+    out: Path
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", nargs="+", default=["fedproto", "local"],
                         help="algorithm names, each optionally with +key=value overrides")
-    parser.add_argument("--partition", default="dirichlet", choices=("dirichlet", "pathological"))
+    parser.add_argument("--partitions", nargs="+", default=["dirichlet"], choices=("dirichlet", "pathological"))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--nproc", type=int, default=1, help="ranks per run (1 = single process)")
-    parser.add_argument("--parallel", action="store_true", help="launch all algorithms at once")
+    parser.add_argument("--jobs", type=int, default=1, help="runs launched at once")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--out", default=str(REPO / "runs" / "bench"))
     parser.add_argument("--set", nargs="*", default=[], metavar="key=value", help="extra config overrides")
     return parser.parse_args()
 
 
-def command(variant: str, args: argparse.Namespace, out: Path) -> list[str]:
-    """``variant`` is an algorithm name, optionally with overrides: ``fedproto+algo.client_reg=htfllib``."""
-    algorithm, *overrides = variant.split("+")
-    config = REPO / "configs" / f"fmnist_htcnn8_{algorithm}_{args.partition}.yaml"
-    program = ["-m", "htfl_dist.main", "--config", str(config), "--out", str(out),
-               f"rounds={args.rounds}", "checkpoint_every=0", *args.set, *overrides]
+def plan(args: argparse.Namespace) -> list[Run]:
+    """One run per (variant, partition, seed); the directory name pins everything that changes results."""
+    extra = hashlib.sha1(" ".join(args.set).encode()).hexdigest()[:6] if args.set else "base"
+    runs = []
+    for seed in args.seeds:  # seed outermost: a cut-short benchmark still compares every variant
+        for partition in args.partitions:
+            for variant in args.algorithms:
+                label = variant.replace("+", "_").replace("=", "-").replace("algo.", "")
+                name = f"{label}-{partition}-s{seed}-r{args.rounds}-{extra}"
+                runs.append(Run(variant, partition, seed, Path(args.out).resolve() / name))
+    return runs
+
+
+def command(run: Run, args: argparse.Namespace) -> list[str]:
+    algorithm, *overrides = run.variant.split("+")
+    config = REPO / "configs" / f"fmnist_htcnn8_{algorithm}_{run.partition}.yaml"
+    if not config.exists():
+        sys.exit(f"bench: no config {config.relative_to(REPO)} for algorithm '{algorithm}'")
+    program = ["-m", "htfl_dist.main", "--config", str(config), "--out", str(run.out), "--resume", "auto",
+               f"rounds={args.rounds}", f"seed={run.seed}", f"runtime.threads={args.threads}",
+               "checkpoint_every=10", "checkpoint_keep=1", *args.set, *overrides]
     if args.nproc == 1:
         return [sys.executable, *program]
     torchrun = str(Path(sys.executable).parent / "torchrun")
     return [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", *program]
 
 
-def report(algorithm: str, out: Path, wall: float) -> dict:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = json.loads((out / "summary.json").read_text())
+def finished(run: Run, rounds: int) -> bool:
+    summary = run.out / "summary.json"
+    return summary.exists() and json.loads(summary.read_text()).get("rounds", 0) >= rounds
+
+
+def execute(runs: list[Run], args: argparse.Namespace) -> None:
+    """Launch up to ``--jobs`` runs at once; a failed run stops the benchmark with its log named."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    pending = [run for run in runs if not finished(run, args.rounds)]
+    active: list[tuple[Run, subprocess.Popen, object]] = []
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    while pending or active:
+        while pending and len(active) < args.jobs:
+            run = pending.pop(0)
+            cmd = command(run, args)
+            print("launch:", " ".join(cmd), flush=True)
+            log = open(run.out.parent / f"{run.out.name}.log", "a")  # noqa: SIM115 (closed when the run ends)
+            active.append((run, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        time.sleep(2)
+        for entry in list(active):
+            run, process, log = entry
+            if process.poll() is None:
+                continue
+            log.close()
+            active.remove(entry)
+            if process.returncode != 0:
+                sys.exit(f"bench: {run.out.name} failed with exit code {process.returncode}; see {log.name}")
+            print(f"done: {run.out.name}", flush=True)
+
+
+def report(run: Run) -> dict:
+    rows = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    evaluated = [r for r in rows if r.get("test_acc") is not None]
     ratio_up = [r["bytes_up"] / r["bytes_theory_up"] for r in rows if r["bytes_theory_up"]]
     return {
-        "algorithm": algorithm,
-        "best_test_acc": summary["best_test_acc"],
-        "best_round": summary["best_round"],
-        "last_test_acc": summary["last_test_acc"],
-        "best_test_acc_head": max(r["test_acc_head"] for r in rows),
-        "seconds_per_round": summary["seconds_per_round"],
-        "client_s": sum(r["client_s"] for r in rows) / len(rows),
-        "server_s": sum(r["server_s"] for r in rows) / len(rows),
-        "comm_s": sum(r["comm_s"] for r in rows) / len(rows),
+        "variant": run.variant, "partition": run.partition, "seed": run.seed,
+        "best_test_acc": max(r["test_acc"] for r in evaluated),
+        "best_round": max(evaluated, key=lambda r: r["test_acc"])["round"],
+        "last_test_acc": evaluated[-1]["test_acc"],
+        "best_test_acc_head": max(r.get("test_acc_head") or 0.0 for r in evaluated),
+        "seconds_per_round": statistics.fmean(r["seconds"] for r in rows),
+        "server_s": statistics.fmean(r["server_s"] for r in rows),
+        "bytes_up_per_round": statistics.fmean(r["bytes_up"] for r in rows),
         "max_bytes_up_over_theory": max(ratio_up) if ratio_up else None,
-        "device": summary["device"],
-        "world_size": summary["world_size"],
-        "wall_s": wall,
+        "rounds": len(rows),
     }
+
+
+def mean_std(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+    spread = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values) * scale:.{digits}f} ± {spread * scale:.{digits}f}"
+
+
+def print_tables(results: list[dict], args: argparse.Namespace) -> None:
+    print(f"\nFMNIST HtCNN8, 20 clients, {args.rounds} rounds, {args.nproc} rank(s), overrides: {args.set or 'none'}")
+    print("| variant | partition | seed | best acc (round) | last acc | best head acc | s/round | server s/round | up/theory |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        ratio = f"{r['max_bytes_up_over_theory']:.4f}" if r["max_bytes_up_over_theory"] else "-"
+        print(f"| {r['variant']} | {r['partition']} | {r['seed']} | {r['best_test_acc'] * 100:.2f} ({r['best_round']}) "
+              f"| {r['last_test_acc'] * 100:.2f} | {r['best_test_acc_head'] * 100:.2f} | {r['seconds_per_round']:.2f} "
+              f"| {r['server_s']:.3f} | {ratio} |")
+    print("\n| variant | partition | seeds | best acc % | last acc % | s/round | server s/round (share) | bytes up/round | up/theory |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["variant"], r["partition"]), []).append(r)
+    for (variant, partition), group in groups.items():
+        seconds = statistics.fmean(r["seconds_per_round"] for r in group)
+        server = statistics.fmean(r["server_s"] for r in group)
+        ratios = [r["max_bytes_up_over_theory"] for r in group if r["max_bytes_up_over_theory"]]
+        ratio = f"{max(ratios):.4f}" if ratios else "-"
+        print(f"| {variant} | {partition} | {len(group)} | {mean_std([r['best_test_acc'] for r in group], 100)} "
+              f"| {mean_std([r['last_test_acc'] for r in group], 100)} | {seconds:.2f} "
+              f"| {server:.3f} ({server / seconds * 100:.1f} %) "
+              f"| {statistics.fmean(r['bytes_up_per_round'] for r in group) / 1e6:.3f} MB "
+              f"| {ratio} |")
 
 
 def main() -> int:
     args = parse_args()
-    root = Path(args.out)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    runs = []
-    for algorithm in args.algorithms:
-        label = algorithm.replace("+", "_").replace("=", "-").replace("algo.", "")
-        out = root / f"{label}-{args.partition}-{stamp}"
-        runs.append((algorithm, out, command(algorithm, args, out)))
-    results, started = [], {}
-    processes = []
-    root.mkdir(parents=True, exist_ok=True)
-    for algorithm, out, cmd in runs:
-        print("launch:", " ".join(cmd), flush=True)
-        started[algorithm] = time.perf_counter()
-        log = open(root / f"{out.name}.log", "w")
-        process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        processes.append((algorithm, out, process, log))
-        if not args.parallel:
-            process.wait()
-    for algorithm, out, process, log in processes:
-        code = process.wait()
-        log.close()
-        wall = time.perf_counter() - started[algorithm]
-        if code != 0:
-            print(f"{algorithm}: failed with exit code {code}; see {log.name}", file=sys.stderr)
-            return code
-        results.append(report(algorithm, out, wall))
-    print(f"\nFMNIST HtCNN8, 20 clients, {args.partition}, {args.rounds} rounds, {args.nproc} rank(s)")
-    print(f"{'algorithm':30s} {'best acc':>9s} {'round':>5s} {'last acc':>9s} {'head best':>9s} "
-          f"{'s/round':>8s} {'client_s':>8s} {'server_s':>8s} {'comm_s':>7s} {'up/theory':>9s}  device")
-    for r in results:
-        ratio = f"{r['max_bytes_up_over_theory']:.4f}" if r["max_bytes_up_over_theory"] else "-"
-        print(f"{r['algorithm']:30s} {r['best_test_acc'] * 100:8.2f}% {r['best_round']:5d} "
-              f"{r['last_test_acc'] * 100:8.2f}% {r['best_test_acc_head'] * 100:8.2f}% "
-              f"{r['seconds_per_round']:8.2f} {r['client_s']:8.2f} {r['server_s']:8.4f} {r['comm_s']:7.2f} "
-              f"{ratio:>9s}  {r['device']} x{r['world_size']}")
+    runs = plan(args)
+    execute(runs, args)
+    results = [report(run) for run in sorted(runs, key=lambda run: (run.variant, run.partition, run.seed))]
+    print_tables(results, args)
     print(json.dumps(results))
     return 0
 
