@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -48,12 +48,21 @@ from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, Payload, decode, enco
 from htfl_dist.seeding import seed_global_torch, torch_generator
 
 RANK_ENTRY = -1
-"""Report entry that carries rank-level figures (compute seconds) rather than a client's."""
+"""Report entry that carries rank-level figures (a RankReport) rather than a client's."""
+
+
+class RankReport(NamedTuple):
+    """What each rank tells rank 0 about itself at the end of a round (the ``rank`` report row)."""
+
+    compute_seconds: float
+    theory_up_bytes: float
+    stop_requested: float  # 1.0: this rank saw SIGTERM
+
 
 REPORT_SPEC = (
     Field("train", torch.float64, (2,)),  # [loss_sum, samples]
     Field("eval", torch.float64, (3,)),  # [correct (algorithm's rule), correct (head), samples]
-    Field("rank", torch.float64, (3,)),  # rank entry only: [compute seconds, theory upload bytes, SIGTERM seen]
+    Field("rank", torch.float64, (len(RankReport._fields),)),  # rank entry only
 )
 
 CONTROL_SPEC = (Field("stop", torch.int64),)  # rank 0's decision at each round boundary
@@ -245,17 +254,18 @@ class Federation:
             entries[client_id] = {
                 "train": _rows(train_rows.get(client_id), 2),
                 "eval": _rows(eval_rows.get(client_id), 3),
-                "rank": _rows(None, 3),
+                "rank": _rows(None, len(RankReport._fields)),
             }
+        mine = RankReport(seconds, float(theory_up), float(stop_requested))
         entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 3),
-                               "rank": _rows([seconds, float(theory_up), float(stop_requested)], 3)}
+                               "rank": _rows(list(mine), len(mine))}
         gathered = self.transport.gather(encode(REPORT_SPEC, entries))
         if gathered is None:
             return None
         reports, rank_rows = {}, []
         for message in gathered:
             decoded = decode(REPORT_SPEC, message)
-            rank_rows.append(decoded.pop(RANK_ENTRY)["rank"][0].tolist())
+            rank_rows.append(RankReport(*decoded.pop(RANK_ENTRY)["rank"][0].tolist()))
             reports.update(decoded)
         return dict(sorted(reports.items())), rank_rows
 
@@ -305,8 +315,8 @@ class Federation:
 
             if self.is_server:
                 reports, rank_rows = report
-                traffic.theory_up = int(sum(r[1] for r in rank_rows))
-                rank_seconds = [r[0] for r in rank_rows]
+                traffic.theory_up = int(sum(r.theory_up_bytes for r in rank_rows))
+                rank_seconds = [r.compute_seconds for r in rank_rows]
                 seconds = time.perf_counter() - began
                 round_seconds.append(seconds)
                 row = None
@@ -332,7 +342,7 @@ class Federation:
         decision = {}
         if self.is_server:
             _, rank_rows = report
-            decision = {BROADCAST_ENTRY: {"stop": torch.tensor([int(any(r[2] for r in rank_rows))])}}
+            decision = {BROADCAST_ENTRY: {"stop": torch.tensor([int(any(r.stop_requested for r in rank_rows))])}}
         message = self.transport.broadcast(encode(CONTROL_SPEC, decision) if self.is_server else None)
         return bool(decode(CONTROL_SPEC, message)[BROADCAST_ENTRY]["stop"][0])
 
