@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
-from htfl_dist.algorithms.base import class_prototypes
+from htfl_dist.algorithms.base import class_prototypes, global_prototype_diagnostics
 from htfl_dist.algorithms.fedproto import dense_prototypes, prototype_regulariser
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError
@@ -139,3 +139,32 @@ def test_prototypes_during_training_average_the_features_seen():
     result = entry.client(context).train(client, empty, 0, torch_generator(0, "t"))
     assert result.upload["class_ids"].tolist() == [0, 1, 3]
     assert torch.isfinite(result.upload["protos"]).all()
+
+
+def test_global_prototype_diagnostics_by_hand():
+    """Upload fit and drift on a 2-d example: a class without a global prototype is left out,
+    a drift is measured only on classes present in both rounds."""
+    uploads = {
+        0: {"class_ids": torch.tensor([0, 1]), "protos": torch.tensor([[1.0, 0.0], [9.0, 9.0]])},
+        1: {"class_ids": torch.tensor([2]), "protos": torch.tensor([[1.0, 0.0]])},
+    }
+    current = (torch.tensor([0, 2]), torch.tensor([[0.0, 0.0], [4.0, 0.0]]))
+    previous = (torch.tensor([0, 1]), torch.tensor([[0.0, 1.0], [5.0, 5.0]]))
+    got = global_prototype_diagnostics(uploads, 3, current, previous)
+    assert got["upload_to_global"] == pytest.approx((1.0 + 3.0) / 2)  # class 1 has no P̂: excluded
+    assert got["upload_nearest_own"] == pytest.approx(0.5)  # class 2's row is nearer P̂^0
+    assert got["proto_drift"] == pytest.approx(1.0)  # only class 0 is in both rounds
+    assert "proto_drift" not in global_prototype_diagnostics(uploads, 3, current, None)
+    assert global_prototype_diagnostics(uploads, 3, (torch.empty(0, dtype=torch.int64), torch.empty(0, 2)),
+                                        None) == {}
+
+
+def test_server_reports_drift_from_the_second_round():
+    entry, context = _context()
+    server = entry.server(context)
+    upload = {"class_ids": torch.tensor([0, 1]), "protos": torch.ones(2, K)}
+    first = server.update({0: upload}, 0, torch_generator(0, "t"))
+    assert "proto_drift" not in first and first["upload_to_global"] == pytest.approx(0.0)
+    moved = {"class_ids": torch.tensor([0]), "protos": torch.ones(1, K) * 3}
+    second = server.update({0: moved}, 1, torch_generator(0, "t"))
+    assert second["proto_drift"] == pytest.approx(2.0 * K ** 0.5)

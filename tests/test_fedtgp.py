@@ -140,3 +140,17 @@ def test_options_are_validated():
 def test_margin_with_a_single_class_is_tau_like_the_reference():
     centres = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     assert adaptive_margin(centres, torch.tensor([True, False]), tau=100.0) == 100.0
+
+
+@pytest.mark.parametrize("use_mapping", [True, False])
+def test_drift_is_the_move_of_the_global_prototypes_between_rounds(use_mapping):
+    """Without F the prototypes are the trained parameters themselves: the previous round's
+    copy must not move with them (drift would read 0)."""
+    server = _server(num_classes=5, feature_dim=16, use_mapping=use_mapping, server_epochs=3)
+    uploads = _clustered_uploads()
+    first = server.update(uploads, 0, torch_generator(0, "server", 0))
+    assert "proto_drift" not in first and 0.0 <= first["upload_nearest_own"] <= 1.0
+    before = server.global_prototypes().clone()
+    second = server.update(uploads, 1, torch_generator(0, "server", 1))
+    expected = (server.global_prototypes() - before).norm(dim=1).mean()
+    assert second["proto_drift"] == pytest.approx(float(expected)) and second["proto_drift"] > 0

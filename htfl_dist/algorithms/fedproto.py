@@ -21,6 +21,7 @@ from htfl_dist.algorithms.base import (
     check_class_rows,
     class_prototypes,
     euclidean_distances,
+    global_prototype_diagnostics,
     register_algorithm,
     run_local_training,
 )
@@ -186,9 +187,12 @@ class FedProtoServer(ServerAlgorithm):
             payload = uploads[client_id]
             means.add(payload["protos"], payload["class_ids"],
                       payload["counts"] if self.options.weighted else None)
+        previous = (self.class_ids, self.protos)
         self.class_ids, protos = means.rows()
         self.protos = protos.float()
-        return {"global_classes": float(self.class_ids.numel())}
+        return {"global_classes": float(self.class_ids.numel()),
+                **global_prototype_diagnostics(uploads, self.context.num_classes,
+                                               (self.class_ids, self.protos), previous)}
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)

@@ -26,6 +26,7 @@ from htfl_dist.algorithms.base import (
     ServerAlgorithm,
     check_class_rows,
     euclidean_distances,
+    global_prototype_diagnostics,
     register_algorithm,
 )
 from htfl_dist.algorithms.fedproto import (
@@ -152,7 +153,8 @@ class FedTGPServer(ServerAlgorithm):
         """P̂ for all classes, computed once per update (download and diagnostics share it)."""
         if self._cached_protos is None:
             self.tgp.eval()
-            self._cached_protos = self.tgp().float()
+            # a copy: without F the output is the trainable parameter itself, which SGD moves in place
+            self._cached_protos = self.tgp().float().clone()
         return self._cached_protos
 
     def download(self) -> Payload:
@@ -188,10 +190,14 @@ class FedTGPServer(ServerAlgorithm):
         if pairs.shape[0] == 0:
             return {}
         margin = self._margin(pairs, labels)
+        every_class = torch.arange(self.context.num_classes)
+        previous = (every_class, self.global_prototypes()) if self.trained else None
         server_loss = self._train(pairs, labels, margin, generator)
         self.trained = True
         return {"margin": margin, "server_loss": server_loss, "server_pairs": int(pairs.shape[0]),
-                **self._diagnostics(uploads)}
+                **self._diagnostics(uploads),
+                **global_prototype_diagnostics(uploads, self.context.num_classes,
+                                               (every_class, self.global_prototypes()), previous)}
 
     def _train(self, pairs: torch.Tensor, labels: torch.Tensor, margin: float, generator: torch.Generator) -> float:
         """S epochs of shuffled mini-batch SGD on the pairs; returns the last epoch's mean loss."""
