@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from htfl_dist.algorithms.base import ClassMeans, euclidean_distances
+from htfl_dist.algorithms.base import class_prototypes, euclidean_distances
 from htfl_dist.config import load_config
 from htfl_dist.errors import HtflError
 from htfl_dist.runtime.checkpoint import find_checkpoint
@@ -55,11 +55,8 @@ def rebuild(run_dir: Path, scratch: Path) -> Federation:
 @torch.no_grad()
 def diagnose_client(federation: Federation, client, protos: torch.Tensor, class_ids: torch.Tensor) -> dict:
     """Sums (not means) over the client's test samples, so clients pool by sample count."""
+    own_ids, own_centroids = class_prototypes(client, federation.context.num_classes)
     model = client.model.eval()
-    num_classes = federation.context.num_classes
-    own_means = ClassMeans(num_classes, protos.shape[1])
-    own_means.add(model.features(client.train_x), client.train_y)
-    own_ids, own_centroids = own_means.rows()
     trained_on = torch.isin(class_ids, own_ids)
     features, logits = model.forward_with_features(client.test_x)
     y = client.test_y

@@ -148,15 +148,15 @@ def test_global_prototype_diagnostics_by_hand():
         0: {"class_ids": torch.tensor([0, 1]), "protos": torch.tensor([[1.0, 0.0], [9.0, 9.0]])},
         1: {"class_ids": torch.tensor([2]), "protos": torch.tensor([[1.0, 0.0]])},
     }
-    current = (torch.tensor([0, 2]), torch.tensor([[0.0, 0.0], [4.0, 0.0]]))
-    previous = (torch.tensor([0, 1]), torch.tensor([[0.0, 1.0], [5.0, 5.0]]))
+    current = {"class_ids": torch.tensor([0, 2]), "protos": torch.tensor([[0.0, 0.0], [4.0, 0.0]])}
+    previous = {"class_ids": torch.tensor([0, 1]), "protos": torch.tensor([[0.0, 1.0], [5.0, 5.0]])}
+    nothing = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 2)}
     got = global_prototype_diagnostics(uploads, 3, current, previous)
     assert got["upload_to_global"] == pytest.approx((1.0 + 3.0) / 2)  # class 1 has no P̂: excluded
     assert got["upload_nearest_own"] == pytest.approx(0.5)  # class 2's row is nearer P̂^0
     assert got["proto_drift"] == pytest.approx(1.0)  # only class 0 is in both rounds
-    assert "proto_drift" not in global_prototype_diagnostics(uploads, 3, current, None)
-    assert global_prototype_diagnostics(uploads, 3, (torch.empty(0, dtype=torch.int64), torch.empty(0, 2)),
-                                        None) == {}
+    assert "proto_drift" not in global_prototype_diagnostics(uploads, 3, current, nothing)
+    assert global_prototype_diagnostics(uploads, 3, nothing, nothing) == {}
 
 
 def test_server_reports_drift_from_the_second_round():

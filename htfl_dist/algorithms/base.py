@@ -267,19 +267,29 @@ def euclidean_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
 
 
+def dense_prototypes(knowledge: Payload, num_classes: int, device: torch.device | str = "cpu"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table [C, K], available mask [C]) from the downloaded (class_ids, protos) rows."""
+    class_ids, protos = knowledge["class_ids"], knowledge["protos"]
+    table = torch.zeros(num_classes, protos.shape[1], device=device)
+    available = torch.zeros(num_classes, dtype=torch.bool, device=device)
+    table[class_ids.to(device)] = protos.to(device)
+    available[class_ids.to(device)] = True
+    return table, available
+
+
 @torch.no_grad()
-def global_prototype_diagnostics(uploads: dict[int, Payload], num_classes: int,
-                                 current: tuple[torch.Tensor, torch.Tensor],
-                                 previous: tuple[torch.Tensor, torch.Tensor] | None) -> dict[str, float]:
-    """How the global prototypes (class ids, rows) sit against what clients uploaded, and how far
-    they moved since the previous round.
+def global_prototype_diagnostics(uploads: dict[int, Payload], num_classes: int, current: Payload,
+                                 previous: Payload) -> dict[str, float]:
+    """How the global prototypes (a download payload: class_ids, protos) sit against what clients
+    uploaded, and how far they moved since the previous round's download.
 
     Nearest-global-prototype inference works only if client features fall in their own class's
     cell, and clients train towards last round's prototypes, so these explain the accuracy:
     ``upload_to_global``: mean ‖P_i^c − P̂^c‖ over the round's uploads; ``upload_nearest_own``:
     share of uploads whose nearest global prototype is their own class's; ``proto_drift``: mean
     ‖P̂_t^c − P̂_{t−1}^c‖ over the classes present in both rounds."""
-    protos, present = _dense(num_classes, *current)
+    protos, present = dense_prototypes(current, num_classes)
     if not bool(present.any()):
         return {}
     result: dict[str, float] = {}
@@ -292,21 +302,11 @@ def global_prototype_diagnostics(uploads: dict[int, Payload], num_classes: int,
         own = distances.gather(1, labels[known].unsqueeze(1)).squeeze(1)
         result["upload_to_global"] = float(own.mean())
         result["upload_nearest_own"] = float((distances.argmin(dim=1) == labels[known]).float().mean())
-    if previous is not None:
-        old, old_present = _dense(num_classes, *previous)
-        both = present & old_present
-        if bool(both.any()):
-            result["proto_drift"] = float((protos[both] - old[both]).norm(dim=1).mean())
+    old, old_present = dense_prototypes(previous, num_classes)
+    both = present & old_present
+    if bool(both.any()):
+        result["proto_drift"] = float((protos[both] - old[both]).norm(dim=1).mean())
     return result
-
-
-def _dense(num_classes: int, class_ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Class-indexed rows as a dense [C, K] float32 CPU matrix and its [C] presence mask."""
-    dense = torch.zeros(num_classes, rows.shape[1])
-    present = torch.zeros(num_classes, dtype=torch.bool)
-    dense[class_ids.cpu()] = rows.float().cpu()
-    present[class_ids.cpu()] = True
-    return dense, present
 
 
 def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:

@@ -20,6 +20,7 @@ from htfl_dist.algorithms.base import (
     TrainResult,
     check_class_rows,
     class_prototypes,
+    dense_prototypes,
     euclidean_distances,
     global_prototype_diagnostics,
     register_algorithm,
@@ -67,17 +68,6 @@ class FedProtoOptions(PrototypeOptions):
 def prototype_fields(feature_dim: int) -> PayloadSpec:
     """Class-indexed prototype rows: only the classes the sender has travel."""
     return (Field("class_ids", torch.int64), Field("protos", torch.float32, (feature_dim,)))
-
-
-def dense_prototypes(knowledge: Payload, num_classes: int, device: torch.device
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(table [C, K], available mask [C]) from the downloaded (class_ids, protos) rows."""
-    class_ids, protos = knowledge["class_ids"], knowledge["protos"]
-    table = torch.zeros(num_classes, protos.shape[1], device=device)
-    available = torch.zeros(num_classes, dtype=torch.bool, device=device)
-    table[class_ids.to(device)] = protos.to(device)
-    available[class_ids.to(device)] = True
-    return table, available
 
 
 def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, labels: torch.Tensor,
@@ -187,12 +177,11 @@ class FedProtoServer(ServerAlgorithm):
             payload = uploads[client_id]
             means.add(payload["protos"], payload["class_ids"],
                       payload["counts"] if self.options.weighted else None)
-        previous = (self.class_ids, self.protos)
+        previous = self.download()
         self.class_ids, protos = means.rows()
         self.protos = protos.float()
         return {"global_classes": float(self.class_ids.numel()),
-                **global_prototype_diagnostics(uploads, self.context.num_classes,
-                                               (self.class_ids, self.protos), previous)}
+                **global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)}
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)

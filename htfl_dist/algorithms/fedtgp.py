@@ -190,14 +190,12 @@ class FedTGPServer(ServerAlgorithm):
         if pairs.shape[0] == 0:
             return {}
         margin = self._margin(pairs, labels)
-        every_class = torch.arange(self.context.num_classes)
-        previous = (every_class, self.global_prototypes()) if self.trained else None
+        previous = self.download()
         server_loss = self._train(pairs, labels, margin, generator)
         self.trained = True
         return {"margin": margin, "server_loss": server_loss, "server_pairs": int(pairs.shape[0]),
                 **self._diagnostics(uploads),
-                **global_prototype_diagnostics(uploads, self.context.num_classes,
-                                               (every_class, self.global_prototypes()), previous)}
+                **global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)}
 
     def _train(self, pairs: torch.Tensor, labels: torch.Tensor, margin: float, generator: torch.Generator) -> float:
         """S epochs of shuffled mini-batch SGD on the pairs; returns the last epoch's mean loss."""
