@@ -7,6 +7,10 @@ round's client time from metrics.jsonl (client_s) to get the server's share of a
     python bench/fedtgp_server_step.py                         # FMNIST-like: C = 10
     python bench/fedtgp_server_step.py --classes 100 --held 10 # CIFAR-100 pathological-like
     python bench/fedtgp_server_step.py --device cuda
+    python bench/fedtgp_server_step.py --count-ops             # ATen ops dispatched per step
+
+On a GPU the ~1000 steps of an update are bound by per-op dispatch and kernel launches, not by
+arithmetic, so ``--count-ops`` reports the device-independent quantity to keep small.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import argparse
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from htfl_dist.algorithms import AlgorithmContext, get_algorithm, parse_options
 from htfl_dist.config import TrainConfig
@@ -30,6 +35,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--count-ops", action="store_true", help="count ATen ops per step (one extra update)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -58,6 +64,25 @@ def main() -> None:
         print(f"C={args.classes} pairs={pairs} S={args.epochs} device={device}: round {round_index}: "
               f"{seconds:.3f} s per update, {seconds / steps * 1e3:.3f} ms per step "
               f"(server_loss {diagnostics['server_loss']:.3f}, margin {diagnostics['margin']:.2f})")
+    if args.count_ops:
+        with OpCounter() as counter:
+            server.update(uploads, args.rounds, torch_generator(0, "server", args.rounds))
+        print(f"{counter.count / steps:.1f} ATen ops dispatched per step (whole update / steps)")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every ATen op that reaches the dispatcher (forward, backward and optimizer).
+
+    TorchDispatchMode lives in a private torch module; it is the mechanism torch's own
+    FlopCounterMode is built on, and this is a benchmark, not library code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001,ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 if __name__ == "__main__":

@@ -113,12 +113,20 @@ def adaptive_margin(centres: torch.Tensor, present: torch.Tensor, tau: float) ->
     return float(min(float(cluster_gaps(centres, present).max()), tau))
 
 
+def margin_offsets(labels: torch.Tensor, num_classes: int, margin: float) -> torch.Tensor:
+    """δ·[k = c] for each pair, [N, C]: the margin added to the distance to the pair's own class."""
+    return margin * F.one_hot(labels, num_classes).float()
+
+
 def margin_contrastive_loss(pairs: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor,
-                            margin: float) -> torch.Tensor:
-    """Eq. 10: CE over −(‖p − P̂^k‖ + δ·[k = c]); Euclidean, not squared."""
-    distances = euclidean_distances(pairs, global_protos)
-    classes = torch.arange(global_protos.shape[0], device=labels.device)
-    distances = distances + margin * (labels.unsqueeze(1) == classes).to(distances.dtype)  # no host sync
+                            margin: float | torch.Tensor) -> torch.Tensor:
+    """Eq. 10: CE over −(‖p − P̂^k‖ + δ·[k = c]); Euclidean, not squared.
+
+    ``margin`` is δ, or the pairs' precomputed :func:`margin_offsets` (the server loop builds
+    them once per round instead of once per step)."""
+    if not isinstance(margin, torch.Tensor):
+        margin = margin_offsets(labels, global_protos.shape[0], margin)
+    distances = euclidean_distances(pairs, global_protos) + margin
     return F.cross_entropy(-distances, labels)
 
 
@@ -198,25 +206,35 @@ class FedTGPServer(ServerAlgorithm):
                 **global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)}
 
     def _train(self, pairs: torch.Tensor, labels: torch.Tensor, margin: float, generator: torch.Generator) -> float:
-        """S epochs of shuffled mini-batch SGD on the pairs; returns the last epoch's mean loss."""
+        """S epochs of shuffled mini-batch SGD on the pairs; returns the last epoch's mean loss.
+
+        The step count is fixed by the algorithm (S · ⌈pairs / batch⌉, ~1000 at S = 100), and on a
+        GPU each step is bound by kernel launches, not arithmetic, so the loop keeps per-step work
+        to the model and its loss: each epoch's shuffle is applied once (batches are then views),
+        the margin offsets are built once per round, and the loss is only accumulated in the
+        epoch that is reported."""
         options = self.options
         batch_size = options.server_batch_size or self.context.train.batch_size
         optimizer = torch.optim.SGD(self.tgp.parameters(), lr=options.server_lr)  # re-created each round
         self._cached_protos = None
         self.tgp.train()
         count = pairs.shape[0]
+        offsets = margin_offsets(labels, self.context.num_classes, margin)
         # every epoch's shuffle drawn up front: one host→device copy instead of S
         orders = torch.stack([torch.randperm(count, generator=generator)
                               for _ in range(options.server_epochs)]).to(self.device)
-        for order in orders:
-            epoch_loss = torch.zeros((), device=self.device)
+        last_epoch = options.server_epochs - 1
+        epoch_loss = torch.zeros((), device=self.device)
+        for epoch, order in enumerate(orders):
+            epoch_pairs, epoch_labels, epoch_offsets = pairs[order], labels[order], offsets[order]
             for start in range(0, count, batch_size):
-                index = order[start : start + batch_size]
-                loss = margin_contrastive_loss(pairs[index], labels[index], self.tgp(), margin)
+                batch = slice(start, start + batch_size)
+                loss = margin_contrastive_loss(epoch_pairs[batch], epoch_labels[batch], self.tgp(), epoch_offsets[batch])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
-                epoch_loss += loss.detach() * index.shape[0]
+                if epoch == last_epoch:
+                    epoch_loss += loss.detach() * epoch_labels[batch].shape[0]
         return float(epoch_loss) / count
 
     @torch.no_grad()
