@@ -7,9 +7,11 @@ traceback of the failing rank, names the rank and its clients, and brings every 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -138,15 +140,29 @@ def _fail(exc: BaseException, rank: int, transport, config) -> None:
 
     where = describe_rank(rank, transport.world_size, config.num_clients)
     if isinstance(exc, HtflError):
-        print(f"htfl_dist: error on {where}: {exc}", file=sys.stderr, flush=True)
-        code = EXIT_USER_ERROR
+        line, code = f"htfl_dist: error on {where}: {exc}", EXIT_USER_ERROR
     else:
         traceback.print_exc()
-        print(f"htfl_dist: {where} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        code = EXIT_FAILURE
+        line, code = f"htfl_dist: {where} failed: {type(exc).__name__}: {exc}", EXIT_FAILURE
+    print(line, file=sys.stderr, flush=True)
+    tell_torchrun(line)
     sys.stdout.flush()
     transport.abort(code)
     os._exit(code)  # peers blocked in a collective are ended by the launcher (torchrun, srun, mpirun)
+
+
+def tell_torchrun(line: str) -> None:
+    """Put our one line into torchrun's per-rank error file, so the failure summary torchrun
+    prints after it shows the reason instead of "To enable traceback see: ...". Best effort:
+    outside torchrun the variable is unset, and an unwritable file must not mask the error."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    try:
+        with open(path, "w") as file:
+            json.dump({"message": line, "timestamp": int(time.time())}, file)
+    except OSError:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,8 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
     except HtflError as exc:
+        line = f"htfl_dist: error: {exc}"
         if launch_rank_hint() == 0:
-            print(f"htfl_dist: error: {exc}", file=sys.stderr, flush=True)
+            print(line, file=sys.stderr, flush=True)
+        tell_torchrun(line)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("htfl_dist: interrupted", file=sys.stderr, flush=True)

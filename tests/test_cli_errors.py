@@ -48,6 +48,17 @@ def test_missing_config_file(tmp_path):
     _assert_one_line(result, "nope.yaml")
 
 
+def test_torchrun_failure_summary_shows_our_line(tmp_path):
+    """torchrun prints its own ChildFailedError summary after our line; the per-rank error file
+    we write makes that summary name the reason instead of pointing at a docs page."""
+    result = launch("torchrun", 2, ["--config", str(SMOKE), "--out", str(tmp_path / "run"), "rounds=abc"],
+                    timeout=120)
+    assert result.returncode != 0
+    root_cause = result.stderr.split("Root Cause", 1)[-1]
+    assert "traceback : htfl_dist: error: config key 'rounds' must be an integer" in root_cause, result.stderr
+    assert "To enable traceback see" not in result.stderr
+
+
 def test_more_client_ranks_than_clients(tmp_path):
     result = launch("mpirun", 4, ["--config", str(SMOKE), "--out", str(tmp_path / "run"), "num_clients=2"],
                     timeout=120)
