@@ -11,7 +11,7 @@ For every client's test split, pooled over clients:
   (how much the label-skew prior alone would add);
 - ``own_centroid``: nearest of the client's own class means in its own feature space
   (is the *global* geometry the problem, or nearest-centroid itself?);
-- ``head``: the client's linear head (= test_acc_head);
+- ``head``: the client's own head (= test_acc_head);
 - ``d_own`` / ``d_other``: mean distance of a test feature to its class's global prototype
   and to the nearest other one; ``d_own / d_other`` < 1 means features sit inside their
   class's cell of the prototype Voronoi diagram. ``feature_norm`` and ``proto_norm`` give the

@@ -1,4 +1,4 @@
-"""Tests for htfl_dist.models: shapes, head-split pooling, determinism, registry errors."""
+"""Tests for htfl_dist.models: shapes, head-split pooling, heads, determinism, registry errors."""
 from __future__ import annotations
 
 import pytest
@@ -8,15 +8,21 @@ from torch import nn
 
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import (
+    HEAD_GROUPS,
     FeaturePool,
     SplitModel,
     architecture_for_client,
     architectures,
+    build_head,
     build_model,
+    heads,
     model_groups,
     register_architecture,
+    register_head,
     resolve_group,
+    split_architecture,
 )
+from htfl_dist.models.cnn import plain_cnn
 
 ALL_ARCHS = (
     ["cnn", "googlenet", "mobilenet_v2"]
@@ -251,8 +257,11 @@ def test_model_groups() -> None:
     assert groups["HtFE9"] == (
         "resnet4", "resnet6", "resnet8", "resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     )
-    registered = set(architectures())
-    assert all(set(members) <= registered for members in groups.values())
+    registered, registered_heads = set(architectures()), set(heads())
+    for members in groups.values():
+        for member in members:
+            arch, head = split_architecture(member)
+            assert arch in registered and head in registered_heads, member
     groups["HtFE2"] = ("x",)  # a copy: callers cannot corrupt the table
     assert model_groups()["HtFE2"] == ("cnn", "resnet18")
 
@@ -275,8 +284,11 @@ def test_unknown_group_is_config_error_listing_allowed() -> None:
         architecture_for_client("HtFE7", 0)
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith("unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE8, HtFE9")
+    assert message.startswith(
+        "unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE8, HtFE8-HtC4, HtFE9, Res34-HtC4"
+    )
     assert all(name in message for name in ALL_ARCHS)
+    assert message.endswith("optionally as ARCH:HEAD with HEAD one of fc, fc128, fc256, fc512)")
 
 
 def test_unknown_architecture_is_config_error_listing_allowed() -> None:
@@ -295,3 +307,131 @@ def test_register_architecture_rejects_duplicates() -> None:
         @register_architecture("cnn")
         def _again(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
             raise AssertionError("never called")
+
+
+# ---------------------------------------------------------------- heads (HtC4) and ARCH:HEAD
+
+HTC4 = ("fc", "fc512", "fc256", "fc128")
+
+
+def _linear_widths(head: nn.Module) -> list[tuple[int, int]]:
+    return [(m.in_features, m.out_features) for m in head.modules() if isinstance(m, nn.Linear)]
+
+
+def _state_equal(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_head_registry_and_htc4_group() -> None:
+    assert heads() == ["fc", "fc128", "fc256", "fc512"]
+    assert HEAD_GROUPS["HtC4"] == HTC4
+    assert "fc512" not in architectures()  # heads are not architectures
+
+
+@pytest.mark.parametrize("name", HTC4)
+def test_head_shapes(name: str) -> None:
+    torch.manual_seed(0)
+    head = build_head(name, 512, 100)
+    assert head(torch.randn(3, 512)).shape == (3, 100)
+    assert build_head(name, 64, 7)(torch.randn(2, 64)).shape == (2, 7)
+
+
+def test_htc4_layer_widths_and_relu() -> None:
+    built = {name: build_head(name, 512, 100) for name in HTC4}
+    assert type(built["fc"]) is nn.Linear and _linear_widths(built["fc"]) == [(512, 100)]
+    for hidden in (512, 256, 128):
+        head = built[f"fc{hidden}"]
+        assert _linear_widths(head) == [(512, hidden), (hidden, 100)]
+        # Linear -> ReLU -> Linear: the nonlinearity keeps the two FCs from collapsing into one
+        assert [type(m) for m in head] == [nn.Linear, nn.ReLU, nn.Linear]
+
+
+def test_build_model_with_head() -> None:
+    torch.manual_seed(0)
+    plain = build_model("resnet34", num_classes=100)
+    torch.manual_seed(0)
+    model = build_model("resnet34:fc256", num_classes=100).eval()
+    assert model.arch == "resnet34:fc256" and model.feature_dim == 512
+    assert _linear_widths(model.head) == [(512, 256), (256, 100)]
+    # the extractor is built exactly as for plain resnet34; only the head is replaced
+    assert _state_equal(model.feature_extractor, plain.feature_extractor)
+    with torch.no_grad():
+        feats, logits = model.forward_with_features(torch.randn(2, 3, 32, 32))
+    assert feats.shape == (2, 512) and logits.shape == (2, 100)
+
+
+def test_plain_architecture_is_unchanged_and_equals_default_head() -> None:
+    # build_model("htcnn1") must give what the htcnn1 builder gives (the pre-head-registry path) ...
+    torch.manual_seed(0)
+    direct = plain_cnn("htcnn1", (32,), (512,), num_classes=10, feature_dim=512, in_channels=1, image_size=28)
+    direct_next = torch.rand(4)
+    torch.manual_seed(0)
+    built = build_model("htcnn1", num_classes=10, in_channels=1, image_size=28)
+    assert _state_equal(built, direct) and torch.equal(torch.rand(4), direct_next)
+    assert type(built.head) is nn.Linear
+    # ... and ARCH:fc is bit-identical to ARCH (the default head is not rebuilt), RNG state included.
+    for arch in ("htcnn1", "resnet4"):
+        torch.manual_seed(0)
+        a, a_next = build_model(arch, num_classes=10), torch.rand(4)
+        torch.manual_seed(0)
+        b, b_next = build_model(f"{arch}:fc", num_classes=10), torch.rand(4)
+        assert _state_equal(a, b) and torch.equal(a_next, b_next)
+        assert b.arch == f"{arch}:fc"
+
+
+def test_architecture_with_head_is_deterministic_and_trains() -> None:
+    a = _build("htcnn1:fc128", seed=5, num_classes=10, in_channels=1, image_size=28)
+    b = _build("htcnn1:fc128", seed=5, num_classes=10, in_channels=1, image_size=28)
+    c = _build("htcnn1:fc128", seed=6, num_classes=10, in_channels=1, image_size=28)
+    assert _state_equal(a, b) and not _state_equal(a, c)
+    logits = a.train()(torch.randn(4, 1, 28, 28))
+    F.cross_entropy(logits, torch.tensor([0, 1, 2, 3])).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in a.head.parameters())
+
+
+def test_htc4_groups_assign_extractor_and_head_round_robin() -> None:
+    htfe8 = model_groups()["HtFE8"]
+    assert model_groups()["Res34-HtC4"] == ("resnet34:fc", "resnet34:fc512", "resnet34:fc256", "resnet34:fc128")
+    assert len(model_groups()["HtFE8-HtC4"]) == 8
+    for i in range(16):
+        assert split_architecture(architecture_for_client("HtFE8-HtC4", i)) == (htfe8[i % 8], HTC4[i % 4])
+        assert split_architecture(architecture_for_client("Res34-HtC4", i)) == ("resnet34", HTC4[i % 4])
+    assert architecture_for_client("HtFE8-HtC4", 5) == "resnet50:fc512"
+    # a single ARCH:HEAD is a homogeneous group of one
+    assert resolve_group("resnet34:fc512") == ("resnet34:fc512",)
+    assert {architecture_for_client("htcnn1:fc128", i) for i in range(5)} == {"htcnn1:fc128"}
+
+
+def test_unknown_head_is_one_line_config_error() -> None:
+    expected = "unknown head 'fc64' in 'resnet34:fc64'; allowed heads: fc, fc128, fc256, fc512"
+    for call in (
+        lambda: build_model("resnet34:fc64", num_classes=10),
+        lambda: resolve_group("resnet34:fc64"),
+        lambda: architecture_for_client("resnet34:fc64", 0),  # what main.py checks before launching
+    ):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert str(info.value) == expected
+    with pytest.raises(ConfigError, match="unknown head '' in 'cnn:'"):
+        build_model("cnn:", num_classes=10)
+    with pytest.raises(ConfigError, match="unknown head 'x'; allowed heads: fc, fc128"):
+        build_head("x", 512, 10)
+    with pytest.raises(ConfigError, match=r"unknown architecture 'resnet19' \(in 'resnet19:fc512'\); allowed: cnn"):
+        build_model("resnet19:fc512", num_classes=10)
+
+
+def test_register_rejects_separator_and_duplicate_heads() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        @register_head("fc")
+        def _again(feature_dim: int, num_classes: int) -> nn.Module:
+            raise AssertionError("never called")
+    with pytest.raises(ValueError, match="must not contain ':'"):
+        @register_head("a:b")
+        def _colon_head(feature_dim: int, num_classes: int) -> nn.Module:
+            raise AssertionError("never called")
+    with pytest.raises(ValueError, match="must not contain ':'"):
+        @register_architecture("cnn:wide")
+        def _colon_arch(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+            raise AssertionError("never called")
+    assert "a:b" not in heads() and "cnn:wide" not in architectures()

@@ -4,17 +4,25 @@ Public interface (the runtime relies on exactly this):
 
 * :class:`SplitModel` — ``feature_extractor`` (images -> (B, K)), ``head`` ((B, K) -> logits),
   ``feature_dim`` (K), ``features(x)``, ``forward(x)``, ``forward_with_features(x)``.
-* :func:`build_model` — a freshly initialised model of a registered architecture; draws from
-  torch's global RNG, never seeds it.
-* :func:`architecture_for_client` — ``group[client_id mod len(group)]``; a single architecture
-  name is a homogeneous group of one.
-* :func:`model_groups`, :func:`architectures`, :func:`register_architecture`.
+* :func:`build_model` — a freshly initialised model of ``ARCH`` (default head ``fc`` =
+  ``Linear(K, C)``) or ``ARCH:HEAD`` (that extractor with a registered head, e.g.
+  ``resnet34:fc512``); draws from torch's global RNG, never seeds it.
+* :func:`architecture_for_client` — ``group[client_id mod len(group)]``; a single ``ARCH`` or
+  ``ARCH:HEAD`` is a homogeneous group of one.
+* :func:`model_groups`, :func:`architectures`, :func:`register_architecture`,
+  :func:`split_architecture`.
+* Heads: :func:`heads`, :func:`build_head`, :func:`register_head`, :data:`HEAD_GROUPS`
+  (FedTGP's HtC4 = ``fc``, ``fc512``, ``fc256``, ``fc128``; the two-FC heads have a ReLU between
+  their layers, our resolution).
 
 Importing the package registers the built-in architectures (``cnn``, ``htcnn1``..``htcnn8``,
-``googlenet``, ``mobilenet_v2``, ``resnet4/6/8/10/18/34/50/101/152``).
+``googlenet``, ``mobilenet_v2``, ``resnet4/6/8/10/18/34/50/101/152``), the built-in heads, and
+the groups ``HtCNN8``, ``HtFE2/3/4/8/9``, ``Res34-HtC4`` and ``HtFE8-HtC4`` (client ``i`` gets
+``HtFE8[i mod 8]`` with ``HtC4[i mod 4]``).
 """
 from .base import SplitModel
 from .head_split import FeaturePool, adapt_input_channels, split_classifier
+from .heads import HEAD_GROUPS, build_head, heads, register_head
 from .registry import (
     architecture_for_client,
     architectures,
@@ -22,6 +30,7 @@ from .registry import (
     model_groups,
     register_architecture,
     resolve_group,
+    split_architecture,
 )
 
 # Imported for their side effect: registering the built-in architectures.
@@ -29,14 +38,19 @@ from . import cnn as _cnn  # noqa: E402,F401
 from . import torchvision_zoo as _torchvision_zoo  # noqa: E402,F401
 
 __all__ = [
+    "HEAD_GROUPS",
     "FeaturePool",
     "SplitModel",
     "adapt_input_channels",
     "architecture_for_client",
     "architectures",
+    "build_head",
     "build_model",
+    "heads",
     "model_groups",
     "register_architecture",
+    "register_head",
     "resolve_group",
+    "split_architecture",
     "split_classifier",
 ]

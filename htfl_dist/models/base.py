@@ -7,6 +7,8 @@ architecture-specific) and ``head`` (R^K -> R^C, the same shape on every client)
 """
 from __future__ import annotations
 
+import re
+
 from torch import Tensor, nn
 
 
@@ -17,7 +19,7 @@ class SplitModel(nn.Module):
         feature_extractor: maps a batch of images ``(B, C_in, H, W)`` to features ``(B, K)``.
         head: maps features ``(B, K)`` to logits ``(B, num_classes)``.
         feature_dim: K, the width every client shares (prototypes live in R^K).
-        arch: the registered architecture name this model was built from ("" if built by hand).
+        arch: the ``ARCH`` or ``ARCH:HEAD`` string this model was built from ("" if built by hand).
     """
 
     def __init__(self, feature_extractor: nn.Module, head: nn.Module, feature_dim: int, arch: str = "") -> None:
@@ -49,8 +51,18 @@ def linear_head(feature_dim: int, num_classes: int) -> nn.Linear:
 
     Kept in one place so all architectures (torchvision, CNN, HtCNN) share the same head shape,
     which is what lets head-sharing baselines (LG-FedAvg, FedGH) aggregate heads across clients.
+    Groups with heterogeneous heads (``ARCH:HEAD``, HtC4) break that on purpose; a head-sharing
+    algorithm must reject them.
     """
     return nn.Linear(feature_dim, num_classes)
 
 
-__all__ = ["SplitModel", "linear_head"]
+def natural_key(name: str) -> list[object]:
+    """Sort key that orders ``resnet4 < resnet10 < resnet18`` (digits compared as numbers).
+
+    Shared by the architecture and head registries so both list names the same way.
+    """
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+__all__ = ["SplitModel", "linear_head", "natural_key"]

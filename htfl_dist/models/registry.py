@@ -9,15 +9,22 @@ Model groups follow the papers' HtFE_X rule: client ``i`` gets ``group[i mod len
 A single architecture name is also accepted wherever a group is expected and means the
 homogeneous group of one (``model.group=resnet18`` -> every client is a ResNet18, as in the
 FedTGP appendix's homogeneous-model table).
+
+A group member is ``ARCH`` (the architecture with its default ``fc`` head, ``Linear(K, C)``) or
+``ARCH:HEAD`` (the same extractor with a registered head from :mod:`htfl_dist.models.heads`,
+e.g. ``resnet34:fc512``). Groups with heterogeneous heads (FedTGP's ``Res34-HtC4`` and
+``HtFE8-HtC4``) are derived from an extractor group and the HtC4 head group, so that client ``i``
+gets ``extractors[i mod E]`` and ``heads[i mod H]``.
 """
 from __future__ import annotations
 
-import re
+import math
 from typing import Callable, Protocol
 
 from htfl_dist.errors import ConfigError
 
-from .base import SplitModel
+from .base import SplitModel, natural_key
+from .heads import DEFAULT_HEAD, HEAD_GROUPS, build_head, check_head, heads
 
 
 class ArchitectureBuilder(Protocol):
@@ -33,25 +40,41 @@ class ArchitectureBuilder(Protocol):
 
 _ARCHITECTURES: dict[str, ArchitectureBuilder] = {}
 
+HEAD_SEPARATOR = ":"
+"""Separates ``ARCH`` from ``HEAD`` in a group member (``resnet34:fc512``)."""
+
+# FedTGP main text: the default heterogeneous group of extractors.
+_HTFE8: tuple[str, ...] = (
+    "cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+)
+
+
+def with_heads(extractors: tuple[str, ...], head_names: tuple[str, ...]) -> tuple[str, ...]:
+    """Pair extractors and heads so client ``i`` gets ``extractors[i mod E]:head_names[i mod H]``.
+
+    The group has ``lcm(E, H)`` members (member ``j`` = ``extractors[j mod E]:head_names[j mod H]``);
+    since E and H both divide its length, ``group[i mod lcm]`` applies both round-robin rules at once.
+    """
+    length = math.lcm(len(extractors), len(head_names))
+    return tuple(
+        f"{extractors[j % len(extractors)]}{HEAD_SEPARATOR}{head_names[j % len(head_names)]}" for j in range(length)
+    )
+
+
 _MODEL_GROUPS: dict[str, tuple[str, ...]] = {
     # FedTGP appendix Table 9: 1-channel 28x28 (Fashion-MNIST).
     "HtCNN8": ("htcnn1", "htcnn2", "htcnn3", "htcnn4", "htcnn5", "htcnn6", "htcnn7", "htcnn8"),
-    # FedTGP main text: the default heterogeneous group.
-    "HtFE8": (
-        "cnn", "googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-    ),
+    "HtFE8": _HTFE8,
     "HtFE2": ("cnn", "resnet18"),
     "HtFE3": ("resnet10", "resnet18", "resnet34"),
     "HtFE4": ("cnn", "googlenet", "mobilenet_v2", "resnet18"),
     "HtFE9": (
         "resnet4", "resnet6", "resnet8", "resnet10", "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
     ),
+    # FedTGP Tab. 2 / appendix: heterogeneous classifiers, alone and with heterogeneous extractors.
+    "Res34-HtC4": with_heads(("resnet34",), HEAD_GROUPS["HtC4"]),
+    "HtFE8-HtC4": with_heads(_HTFE8, HEAD_GROUPS["HtC4"]),
 }
-
-
-def _natural_key(name: str) -> list[object]:
-    """Sort key that orders ``resnet4 < resnet10 < resnet18`` (digits compared as numbers)."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
 def register_architecture(name: str) -> Callable[[ArchitectureBuilder], ArchitectureBuilder]:
@@ -62,6 +85,8 @@ def register_architecture(name: str) -> Callable[[ArchitectureBuilder], Architec
             raise ValueError(f"architecture {name!r} is already registered")
         if name in _MODEL_GROUPS:
             raise ValueError(f"architecture name {name!r} clashes with a model group name")
+        if HEAD_SEPARATOR in name:
+            raise ValueError(f"architecture name {name!r} must not contain {HEAD_SEPARATOR!r} (it separates ARCH:HEAD)")
         _ARCHITECTURES[name] = builder
         return builder
 
@@ -69,8 +94,8 @@ def register_architecture(name: str) -> Callable[[ArchitectureBuilder], Architec
 
 
 def architectures() -> list[str]:
-    """All registered architecture names, in natural order."""
-    return sorted(_ARCHITECTURES, key=_natural_key)
+    """All registered architecture (feature extractor) names, in natural order; heads: :func:`heads`."""
+    return sorted(_ARCHITECTURES, key=natural_key)
 
 
 def model_groups() -> dict[str, tuple[str, ...]]:
@@ -78,20 +103,38 @@ def model_groups() -> dict[str, tuple[str, ...]]:
     return dict(_MODEL_GROUPS)
 
 
+def split_architecture(spec: str) -> tuple[str, str]:
+    """``(ARCH, HEAD)`` of a group member ``ARCH`` or ``ARCH:HEAD`` (HEAD defaults to ``fc``).
+
+    Only splits; names are checked by :func:`build_model` / :func:`resolve_group`.
+    """
+    arch, separator, head = spec.partition(HEAD_SEPARATOR)
+    return arch, head if separator else DEFAULT_HEAD
+
+
+def _spelling_hint() -> str:
+    """The tail every unknown-name error ends with: how ``ARCH:HEAD`` is spelled and which heads exist."""
+    return f"optionally as ARCH{HEAD_SEPARATOR}HEAD with HEAD one of {', '.join(heads())}"
+
+
 def resolve_group(group: str) -> tuple[str, ...]:
-    """The architectures of ``group``: a named group, or one architecture name as a group of one.
+    """The members of ``group``: a named group, or one ``ARCH`` / ``ARCH:HEAD`` as a group of one.
 
     Raises:
-        ConfigError: ``group`` is neither a named group nor a registered architecture.
+        ConfigError: ``group`` is neither a named group nor a registered architecture (with a
+            registered head, if it names one).
     """
     if group in _MODEL_GROUPS:
         return _MODEL_GROUPS[group]
-    if group in _ARCHITECTURES:
-        return (group,)
-    raise ConfigError(
-        f"unknown model group {group!r}; allowed: {', '.join(sorted(_MODEL_GROUPS, key=_natural_key))}"
-        f" (or one architecture name for a homogeneous group: {', '.join(architectures())})"
-    )
+    arch, head = split_architecture(group)
+    if arch not in _ARCHITECTURES:
+        raise ConfigError(
+            f"unknown model group {group!r}; allowed: {', '.join(sorted(_MODEL_GROUPS, key=natural_key))}"
+            f" (or one architecture name for a homogeneous group: {', '.join(architectures())};"
+            f" {_spelling_hint()})"
+        )
+    check_head(head, group)
+    return (group,)
 
 
 def architecture_for_client(group: str, client_id: int) -> str:
@@ -115,21 +158,31 @@ def build_model(
     in_channels: int = 3,
     image_size: int = 32,
 ) -> SplitModel:
-    """Build a freshly initialised client model of architecture ``arch``.
+    """Build a freshly initialised client model of ``arch`` (``ARCH`` or ``ARCH:HEAD``).
 
     Does not seed anything: parameters come from torch's global RNG, which the caller seeds
     (per client) beforehand, so the same RNG state always gives the same parameters.
 
+    ``ARCH:HEAD`` builds ``ARCH`` exactly as ``ARCH`` alone, then replaces its head by a fresh
+    ``HEAD`` (the discarded ``Linear`` head's RNG draws are wasted, deterministically). For the
+    default head (``ARCH:fc``) nothing is replaced, so ``ARCH:fc`` and ``ARCH`` are bit-identical.
+    ``model.arch`` is ``arch`` as given.
+
     Raises:
-        ConfigError: unknown ``arch``, a non-positive size, or an image too small for ``arch``.
+        ConfigError: unknown architecture or head, a non-positive size, or an image too small.
     """
-    builder = _ARCHITECTURES.get(arch)
+    name, head = split_architecture(arch)
+    builder = _ARCHITECTURES.get(name)
     if builder is None:
-        raise ConfigError(f"unknown architecture {arch!r}; allowed: {', '.join(architectures())}")
+        shown = repr(name) if name == arch else f"{name!r} (in {arch!r})"
+        raise ConfigError(f"unknown architecture {shown}; allowed: {', '.join(architectures())} ({_spelling_hint()})")
+    check_head(head, arch)
     _check_positive("num_classes", num_classes)
     _check_positive("feature_dim", feature_dim)
     _check_positive("in_channels", in_channels)
     _check_positive("image_size", image_size)
     model = builder(num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels, image_size=image_size)
+    if head != DEFAULT_HEAD:
+        model.head = build_head(head, feature_dim, num_classes)
     model.arch = arch
     return model
