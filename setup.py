@@ -6,7 +6,8 @@ setup(
     description="Distributed prototype-based heterogeneous federated learning (FedTGP, FedProto, ...)",
     packages=find_packages(include=["htfl_dist", "htfl_dist.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.2", "torchvision>=0.17", "numpy", "pyyaml", "h5py", "mpi4py"],
+    install_requires=["torch>=2.2", "torchvision>=0.17", "numpy", "pyyaml", "h5py", "mpi4py",
+                      "pillow", "scipy"],  # pillow: JPEG datasets; scipy: Flowers102's .mat files
     extras_require={"test": ["pytest"], "mpi": ["mpich"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
 )

@@ -35,9 +35,12 @@ class DataConfig:
     """Which data, and how it is split across logical clients."""
 
     dataset: str = "fmnist"
-    """fmnist | cifar10 | cifar100"""
+    """fmnist | cifar10 | cifar100 | tinyimagenet | flowers102"""
     root: str | None = None
-    """Directory holding the dataset files (fmnist default: the OS package's directory)."""
+    """Directory holding the dataset files (fmnist default: the OS package's directory). The
+    others need it, never download, and take the parent of the dataset's folder or the folder
+    itself: cifar-10-batches-py/, cifar-100-python/, tiny-imagenet-200/ (the extracted
+    tiny-imagenet-200.zip), flowers-102/ (torchvision's layout: jpg/, imagelabels.mat, setid.mat)."""
     partition: str = "dirichlet"
     """pathological | dirichlet | pfllib"""
     beta: float = 0.1
@@ -60,7 +63,7 @@ class DataConfig:
     """partition=pfllib: PFLlib's .npz files hold pickled arrays; loading them needs consent."""
 
     ALLOWED = {
-        "dataset": ("fmnist", "cifar10", "cifar100"),
+        "dataset": ("fmnist", "cifar10", "cifar100", "tinyimagenet", "flowers102"),
         "partition": ("pathological", "dirichlet", "pfllib"),
     }
 
@@ -369,7 +372,8 @@ def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix
 
 
 def dataset_root(data: DataConfig) -> str | None:
-    """The directory the dataset is read from (fmnist falls back to the OS package)."""
+    """The directory the dataset is read from (fmnist falls back to the OS package; the other
+    datasets have no default root and say so when it is missing)."""
     if data.root:
         return data.root
     if data.dataset == "fmnist":

@@ -32,6 +32,7 @@ from htfl_dist.data import (
     subsample_indices,
     train_count,
 )
+from htfl_dist.data import datasets as datasets_module
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.seeding import numpy_rng
 
@@ -148,6 +149,314 @@ def test_cifar_needs_a_local_root(tmp_path):
     with pytest.raises(DataError, match="lacks data_batch_2") as exc:
         load_dataset("cifar10", str(tmp_path))
     _one_line(exc)
+
+
+# --------------------------------------------------------------------------- Tiny-ImageNet, Flowers102
+#
+# Tiny fake datasets in the exact on-disk layouts. Image colours encode (split, class, index) so
+# labels can be checked against pixels (JPEG is lossy: compared with a tolerance).
+
+TINY_WNIDS = ("n02", "n01", "n03")  # wnids.txt order; labels follow the sorted order
+TINY_TRAIN_PER_CLASS = 4
+TINY_VAL = (("val_0.JPEG", "n03"), ("val_1.JPEG", "n01"), ("val_10.JPEG", "n02"),
+            ("val_2.JPEG", "n02"), ("val_3.JPEG", "n03"), ("val_4.JPEG", "n01"))
+
+
+def _colour(label: int, index: int, split: int) -> tuple[int, int, int]:
+    return (20 + 60 * label, 20 + 30 * index, 40 + 160 * split)
+
+
+def _jpeg(path, size, colour, mode="RGB") -> None:
+    from PIL import Image
+
+    image = Image.new("RGB", size, colour)
+    if mode != "RGB":
+        image = image.convert(mode)
+    image.save(path, "JPEG", quality=95)
+
+
+def _fake_tiny(base, gray: bool = True):
+    """``base/tiny-imagenet-200`` with 3 classes x 4 train images and 6 val images."""
+    folder = base / "tiny-imagenet-200"
+    (folder / "val" / "images").mkdir(parents=True)
+    (folder / "test" / "images").mkdir(parents=True)
+    (folder / "wnids.txt").write_text("\n".join(TINY_WNIDS) + "\n")
+    for wnid in TINY_WNIDS:
+        label = sorted(TINY_WNIDS).index(wnid)
+        images = folder / "train" / wnid / "images"
+        images.mkdir(parents=True)
+        (folder / "train" / wnid / f"{wnid}_boxes.txt").write_text("")
+        for k in range(TINY_TRAIN_PER_CLASS):
+            mode = "L" if (gray and wnid == "n01" and k == 1) else "RGB"
+            _jpeg(images / f"{wnid}_{k}.JPEG", (64, 64), _colour(label, k, 0), mode)
+    lines = []
+    for k, (name, wnid) in enumerate(TINY_VAL):
+        _jpeg(folder / "val" / "images" / name, (64, 64), _colour(sorted(TINY_WNIDS).index(wnid), k, 1))
+        lines.append(f"{name}\t{wnid}\t0\t0\t63\t63")
+    (folder / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    _jpeg(folder / "test" / "images" / "test_0.JPEG", (64, 64), (0, 0, 0))  # unlabelled: unused
+    return folder
+
+
+def _close(pixel: np.ndarray, colour, tol: int = 4) -> bool:
+    return bool(np.all(np.abs(pixel.astype(int) - np.asarray(colour)) <= tol))
+
+
+def test_tinyimagenet_loads_train_and_val(tmp_path):
+    _fake_tiny(tmp_path)
+    data = load_dataset("tinyimagenet", str(tmp_path))
+    assert data.name == "tinyimagenet" and data.num_classes == 3
+    assert data.images.shape == (18, 3, 64, 64) and data.images.dtype == np.uint8
+    assert data.labels.dtype == np.int64
+    # Train first: classes in sorted wnid order (n01, n02, n03), files sorted; then val sorted by name.
+    assert data.labels[:12].tolist() == [0] * 4 + [1] * 4 + [2] * 4
+    val_sorted = sorted(TINY_VAL)  # val_0, val_1, val_10, val_2, val_3, val_4
+    assert data.labels[12:].tolist() == [sorted(TINY_WNIDS).index(w) for _, w in val_sorted]
+    for i in range(12):
+        label, k = divmod(i, 4)
+        if (label, k) == (0, 1):
+            continue  # the grayscale one: checked below
+        assert _close(data.images[i, :, 32, 32], _colour(label, k, 0)), i
+    for j, (name, wnid) in enumerate(val_sorted):
+        k = TINY_VAL.index((name, wnid))
+        assert _close(data.images[12 + j, :, 32, 32], _colour(sorted(TINY_WNIDS).index(wnid), k, 1))
+    gray = data.images[1]  # n01_1.JPEG was written as mode "L"
+    assert np.array_equal(gray[0], gray[1]) and np.array_equal(gray[1], gray[2])
+
+
+def test_tinyimagenet_train_matches_imagefolder(tmp_path):
+    """PFLlib reads train/ with torchvision's ImageFolder: same order, labels and pixels."""
+    from torchvision.datasets import ImageFolder
+
+    folder = _fake_tiny(tmp_path)
+    data = load_dataset("tinyimagenet", str(tmp_path))
+    reference = ImageFolder(str(folder / "train"))
+    assert reference.classes == sorted(TINY_WNIDS)
+    assert data.labels[:12].tolist() == reference.targets
+    for i, (image, _) in enumerate(reference):
+        assert np.array_equal(data.images[i], np.asarray(image).transpose(2, 0, 1)), i
+
+
+def test_tinyimagenet_root_as_folder_and_determinism(tmp_path, monkeypatch):
+    folder = _fake_tiny(tmp_path)
+    a = load_dataset("tinyimagenet", str(tmp_path))
+    b = load_dataset("tinyimagenet", str(folder))
+    c = load_dataset("tinyimagenet", str(folder) + "/")
+    monkeypatch.setattr(datasets_module, "_DECODE_CHUNK", 2)  # 9 chunks over several threads
+    monkeypatch.setattr(datasets_module, "_decode_workers", lambda items: min(4, items))
+    threaded = load_dataset("tinyimagenet", str(tmp_path))
+    for other in (b, c, threaded):
+        assert np.array_equal(a.images, other.images) and np.array_equal(a.labels, other.labels)
+    bad = folder / "val" / "images" / "val_3.JPEG"
+    bad.write_bytes(b"")
+    with pytest.raises(DataError, match="cannot decode image") as exc:
+        load_dataset("tinyimagenet", str(tmp_path))
+    assert str(bad) in _one_line(exc)
+    _jpeg(bad, (64, 64), _colour(2, 4, 1))
+    renamed = tmp_path / "my-tiny"
+    folder.rename(renamed)  # recognised by its wnids.txt
+    d = load_dataset("tinyimagenet", str(renamed))
+    assert np.array_equal(a.images, d.images) and np.array_equal(a.labels, d.labels)
+
+
+def _tiny_error(root, match: str) -> str:
+    with pytest.raises(DataError, match=match) as exc:
+        load_dataset("tinyimagenet", None if root is None else str(root))
+    return _one_line(exc)
+
+
+def test_tinyimagenet_errors(tmp_path):
+    text = _tiny_error(None, "needs data.root=DIR")
+    assert "tiny-imagenet-200/" in text and "nothing is downloaded" in text
+    text = _tiny_error(tmp_path / "nowhere", "Tiny-ImageNet not found")
+    assert str(tmp_path / "nowhere" / "tiny-imagenet-200") in text
+    folder = _fake_tiny(tmp_path)
+
+    (folder / "wnids.txt").rename(folder / "wnids.bak")
+    text = _tiny_error(folder, "lacks wnids.txt")
+    assert str(folder) in text and "re-extract tiny-imagenet-200.zip" in text
+    (folder / "wnids.bak").rename(folder / "wnids.txt")
+
+    annotations = folder / "val" / "val_annotations.txt"
+    good = annotations.read_text()
+    annotations.unlink()
+    _tiny_error(tmp_path, r"lacks val/val_annotations\.txt")
+    annotations.write_text(good.replace("\tn03\t", "\tn99\t", 1))
+    text = _tiny_error(tmp_path, "class n99, which wnids.txt does not list")
+    assert str(annotations) in text
+    annotations.write_text("".join(good.splitlines(keepends=True)[1:]))  # val_0 unlabelled
+    text = _tiny_error(tmp_path, "holds 6 images but")
+    assert str(folder / "val" / "images") in text and "labels 5" in text
+    annotations.write_text(good)
+
+    class_dir = folder / "train" / "n02" / "images"
+    moved = tmp_path / "moved"
+    class_dir.rename(moved)
+    _tiny_error(tmp_path, r"lacks train/n02/images/ \(class n02 is listed in wnids.txt\)")
+    class_dir.mkdir()
+    text = _tiny_error(tmp_path, "holds no .JPEG images")
+    assert str(class_dir) in text
+    class_dir.rmdir()
+    moved.rename(class_dir)
+
+    bad = class_dir / "n02_2.JPEG"
+    bad.write_bytes(bad.read_bytes()[:300])  # truncated JPEG
+    text = _tiny_error(tmp_path, "cannot decode image")
+    assert str(bad) in text and "corrupt or truncated" in text
+    _jpeg(bad, (32, 32), (1, 2, 3))
+    text = _tiny_error(tmp_path, "is 32x32 pixels, expected 64x64")
+    assert str(bad) in text
+    _jpeg(bad, (64, 64), (1, 2, 3))
+    assert load_dataset("tinyimagenet", str(tmp_path)).images.shape == (18, 3, 64, 64)
+
+
+FLOWER_SIZES = ((500, 600), (667, 500), (64, 64), (80, 200), (501, 500), (300, 300), (500, 754),
+                (120, 90), (61, 70), (500, 500))
+FLOWER_LABELS = (1, 102, 5, 5, 1, 17, 102, 3, 1, 50)  # 1-based, per image id 1..10
+FLOWER_SETID = {"trnid": [3, 1, 8], "valid": [10, 2], "tstid": [4, 5, 6, 7, 9]}
+
+
+def _fake_flowers(base, gray: bool = True):
+    from scipy.io import savemat
+
+    folder = base / "flowers-102"
+    (folder / "jpg").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for k, (w, h) in enumerate(FLOWER_SIZES, 1):
+        from PIL import Image
+
+        noise = rng.integers(0, 256, (h, w, 3), dtype=np.uint8)
+        image = Image.fromarray(noise, "RGB")
+        if gray and k == 4:
+            image = image.convert("L")
+        image.save(folder / "jpg" / f"image_{k:05d}.jpg", "JPEG", quality=90)
+    savemat(folder / "imagelabels.mat", {"labels": np.asarray([FLOWER_LABELS], dtype=np.uint8)})
+    savemat(folder / "setid.mat", {k: np.asarray([v], dtype=np.uint16) for k, v in FLOWER_SETID.items()})
+    return folder
+
+
+def test_flowers102_loads_all_splits_resized_like_pfllib(tmp_path):
+    from PIL import Image
+    from torchvision import transforms
+
+    folder = _fake_flowers(tmp_path)
+    data = load_dataset("flowers102", str(tmp_path))
+    assert data.name == "flowers102" and data.num_classes == 102
+    assert data.images.shape == (10, 3, 64, 64) and data.images.dtype == np.uint8
+    order = FLOWER_SETID["trnid"] + FLOWER_SETID["valid"] + FLOWER_SETID["tstid"]
+    assert data.labels.tolist() == [FLOWER_LABELS[i - 1] - 1 for i in order]
+    assert data.labels.min() == 0 and data.labels.max() == 101
+    # PFLlib: torchvision.datasets.Flowers102 (PIL, RGB) then transforms.Resize((64, 64)).
+    resize = transforms.Resize((64, 64))
+    for row, image_id in enumerate(order):
+        with Image.open(folder / "jpg" / f"image_{image_id:05d}.jpg") as img:
+            expected = np.asarray(resize(img.convert("RGB"))).transpose(2, 0, 1)
+        assert np.array_equal(data.images[row], expected), image_id
+    gray = data.images[order.index(4)]
+    assert np.array_equal(gray[0], gray[1]) and np.array_equal(gray[1], gray[2])
+
+
+def test_flowers102_root_as_folder_and_determinism(tmp_path):
+    folder = _fake_flowers(tmp_path)
+    a = load_dataset("flowers102", str(tmp_path))
+    b = load_dataset("flowers102", str(folder))
+    assert np.array_equal(a.images, b.images) and np.array_equal(a.labels, b.labels)
+
+
+def _flowers_error(root, match: str) -> str:
+    with pytest.raises(DataError, match=match) as exc:
+        load_dataset("flowers102", None if root is None else str(root))
+    return _one_line(exc)
+
+
+def test_flowers102_errors(tmp_path):
+    from scipy.io import savemat
+
+    text = _flowers_error(None, "needs data.root=DIR")
+    assert "flowers-102/" in text and "torchvision.datasets.Flowers102(DIR, download=True)" in text
+    text = _flowers_error(tmp_path, "Flowers102 not found")
+    assert str(tmp_path / "flowers-102") in text
+    folder = _fake_flowers(tmp_path)
+
+    (folder / "setid.mat").rename(folder / "setid.bak")
+    text = _flowers_error(tmp_path, "lacks setid.mat")
+    assert str(folder) in text
+    (folder / "setid.bak").rename(folder / "setid.mat")
+
+    labels = folder / "imagelabels.mat"
+    good = labels.read_bytes()
+    labels.write_bytes(b"not a mat file")
+    text = _flowers_error(tmp_path, "cannot read")
+    assert str(labels) in text
+    savemat(labels, {"labels": np.asarray([FLOWER_LABELS[:9]])})
+    text = _flowers_error(tmp_path, "holds 10 images but")
+    assert str(folder / "jpg") in text and "labels 9" in text
+    savemat(labels, {"labels": np.asarray([(0,) + FLOWER_LABELS[1:]])})
+    _flowers_error(tmp_path, "holds label 0; Flowers102 labels are 1..102")
+    savemat(labels, {"other": np.asarray([FLOWER_LABELS])})
+    _flowers_error(tmp_path, "has no 'labels' array")
+    labels.write_bytes(good)
+
+    savemat(folder / "setid.mat", {"trnid": [[1, 2]], "valid": [[3]], "tstid": [[4, 5, 6, 7, 8, 9, 9]]})
+    _flowers_error(tmp_path, r"lists 10 image ids \(9 distinct\)")
+    savemat(folder / "setid.mat", {k: np.asarray([v]) for k, v in FLOWER_SETID.items()})
+
+    bad = folder / "jpg" / "image_00007.jpg"
+    bad.write_bytes(b"\xff\xd8garbage")
+    text = _flowers_error(tmp_path, "cannot decode image")
+    assert str(bad) in text
+    bad.unlink()
+    (folder / "jpg" / "image_00011.jpg").write_bytes(b"")  # right count, wrong names
+    text = _flowers_error(tmp_path, "cannot decode image")
+    assert str(bad) in text
+
+
+def test_jpeg_dataset_fingerprint_tracks_directories(tmp_path):
+    from htfl_dist.data.datasets import dataset_fingerprint
+
+    folder = _fake_tiny(tmp_path)
+    first = dataset_fingerprint("tinyimagenet", str(tmp_path))
+    assert dataset_fingerprint("tinyimagenet", str(folder)) == first  # relative paths
+    assert len(json.dumps(first)) < 1000  # class folders folded into one digest
+    _jpeg(folder / "train" / "n03" / "images" / "n03_9.JPEG", (64, 64), (9, 9, 9))
+    second = dataset_fingerprint("tinyimagenet", str(tmp_path))
+    assert second != first
+    os.utime(folder / "wnids.txt", ns=(1, 1))
+    assert dataset_fingerprint("tinyimagenet", str(tmp_path)) != second
+
+    flowers = _fake_flowers(tmp_path)
+    before = dataset_fingerprint("flowers102", str(tmp_path))
+    (flowers / "jpg" / "image_00010.jpg").unlink()
+    assert dataset_fingerprint("flowers102", str(tmp_path)) != before
+    with pytest.raises(DataError, match="Tiny-ImageNet not found"):
+        dataset_fingerprint("tinyimagenet", str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("dataset", ["tinyimagenet", "flowers102"])
+def test_jpeg_dataset_partition_cache(tmp_path, dataset):
+    (_fake_tiny if dataset == "tinyimagenet" else _fake_flowers)(tmp_path / "data")
+    cfg = DataConfig(dataset=dataset, root=str(tmp_path / "data"), cache_dir=str(tmp_path / "cache"),
+                     beta=1.0, min_samples_per_client=2)
+    info = prepare_partition(cfg, 2, seed=0)
+    assert os.path.basename(info.path).startswith(f"{dataset}-dirichlet-")
+    classes = 3 if dataset == "tinyimagenet" else 102
+    assert (info.num_classes, info.in_channels, info.image_size, info.num_clients) == (classes, 3, 64, 2)
+    total = 0
+    for cid in range(2):
+        split = load_client_split(info.path, cid)
+        assert split.train_x.shape[1:] == (3, 64, 64) and split.test_x.shape[1:] == (3, 64, 64)
+        assert split.train_x.dtype == torch.float32
+        total += split.train_y.numel() + split.test_y.numel()
+    assert total == (18 if dataset == "tinyimagenet" else 10)
+    assert prepare_partition(cfg, 2, seed=0).path == info.path  # reused
+
+
+def test_jpeg_dataset_names_in_config(tmp_path):
+    from htfl_dist.config import load_config
+
+    for name in ("tinyimagenet", "flowers102"):
+        config = load_config(None, [f"data.dataset={name}", f"data.root={tmp_path}"])
+        assert config.data.dataset == name
 
 
 def test_unknown_dataset_is_config_error():
