@@ -134,17 +134,23 @@ def mean_std(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     return f"{statistics.fmean(values) * scale:.{digits}f} ± {spread * scale:.{digits}f}"
 
 
+def markdown_header(columns: list[str]) -> str:
+    """A Markdown table's header row and separator."""
+    return "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
+
+
 def print_tables(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\nFMNIST HtCNN8, 20 clients, {args.rounds} rounds, {args.nproc} rank(s), overrides: {args.set or 'none'}")
-    print("| variant | partition | seed | best acc (round) | last acc | best head acc | s/round | server s/round | up/theory |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(markdown_header(["variant", "partition", "seed", "best acc (round)", "last acc", "best head acc",
+                           "s/round", "server s/round", "up/theory"]))
     for r in results:
         ratio = f"{r['max_bytes_up_over_theory']:.4f}" if r["max_bytes_up_over_theory"] else "-"
         print(f"| {r['variant']} | {r['partition']} | {r['seed']} | {r['best_test_acc'] * 100:.2f} ({r['best_round']}) "
               f"| {r['last_test_acc'] * 100:.2f} | {r['best_test_acc_head'] * 100:.2f} | {r['seconds_per_round']:.2f} "
               f"| {r['server_s']:.3f} | {ratio} |")
-    print("\n| variant | partition | seeds | best acc % | last acc % | s/round | server s/round (share) | bytes up/round | up/theory |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print()
+    print(markdown_header(["variant", "partition", "seeds", "best acc %", "last acc %", "s/round",
+                           "server s/round (share)", "bytes up/round", "up/theory"]))
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         groups.setdefault((r["variant"], r["partition"]), []).append(r)

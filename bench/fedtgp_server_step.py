@@ -49,7 +49,8 @@ def main() -> None:
     uploads = {}
     for client in range(args.clients):
         held = torch.randperm(args.classes, generator=generator)[: args.held].sort().values
-        uploads[client] = {"class_ids": held, "protos": 3 * torch.randn(len(held), args.feature_dim, generator=generator)}
+        protos = 3 * torch.randn(len(held), args.feature_dim, generator=generator)
+        uploads[client] = {"class_ids": held, "protos": protos}
     pairs = args.clients * args.held
     steps = args.epochs * -(-pairs // TrainConfig().batch_size)
     for round_index in range(args.rounds):
@@ -80,7 +81,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.count = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001,ANN204
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
         return func(*args, **(kwargs or {}))
 

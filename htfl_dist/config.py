@@ -62,7 +62,7 @@ class DataConfig:
     allow_pickle: bool = False
     """partition=pfllib: PFLlib's .npz files hold pickled arrays; loading them needs consent."""
 
-    ALLOWED = {
+    ALLOWED = {  # noqa: RUF012 (not a field: no annotation; read-only table)
         "dataset": ("fmnist", "cifar10", "cifar100", "tinyimagenet", "flowers102"),
         "partition": ("pathological", "dirichlet", "pfllib"),
     }

@@ -73,7 +73,8 @@ def _prepare_out_dir(out: Path, resume: bool) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); pass --out DIR you can write to") from None
+        raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); "
+                        f"pass --out DIR you can write to") from None
 
 
 def _make_deterministic(torch) -> None:

@@ -30,14 +30,14 @@ def test_keeps_the_newest_k_complete_checkpoints(checkpointed):
 def test_resume_from_a_checkpoint_path_into_a_new_run(checkpointed, tmp_path, cache_dir):
     """Round 2's checkpoint, resumed elsewhere on 2 ranks, reproduces round 3 exactly."""
     source = checkpointed / "checkpoints" / "round_00002"
-    result = launch("torchrun", 2, _args(tmp_path, cache_dir) + ["--resume", str(source)])
+    result = launch("torchrun", 2, [*_args(tmp_path, cache_dir), "--resume", str(source)])
     assert result.returncode == 0, result.stderr
     assert [r["test_acc"] for r in read_metrics(tmp_path)] == [r["test_acc"] for r in read_metrics(checkpointed)]
 
 
 def test_resume_of_another_experiment_is_refused(checkpointed, tmp_path, cache_dir):
-    result = launch("single", 1, _args(tmp_path, cache_dir, "seed=1", "data.partition=pathological")
-                    + ["--resume", str(checkpointed)])
+    args = _args(tmp_path, cache_dir, "seed=1", "data.partition=pathological")
+    result = launch("single", 1, [*args, "--resume", str(checkpointed)])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "another experiment" in lines[0]
@@ -52,7 +52,7 @@ def test_corrupt_checkpoint_is_one_line_and_damages_nothing(checkpointed, tmp_pa
     victim = copy / "checkpoints" / "round_00003" / "client_4.pt"
     victim.write_bytes(victim.read_bytes()[:100])  # truncated
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
-    result = launch("single", 1, _args(copy, cache_dir, "rounds=4") + ["--resume", "auto"])
+    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "client_4.pt cannot be read" in lines[0] and "Traceback" not in result.stderr

@@ -138,7 +138,7 @@ def test_fmnist_root_without_files_names_them(tmp_path):
 
 
 def test_cifar_needs_a_local_root(tmp_path):
-    with pytest.raises(DataError, match="needs data.root=DIR") as exc:
+    with pytest.raises(DataError, match=r"needs data\.root=DIR") as exc:
         load_dataset("cifar10", None)
     _one_line(exc)
     with pytest.raises(DataError, match="cifar-100-python") as exc:
@@ -391,7 +391,7 @@ def test_flowers102_errors(tmp_path):
     savemat(labels, {"labels": np.asarray([FLOWER_LABELS[:9]])})
     text = _flowers_error(tmp_path, "holds 10 images but")
     assert str(folder / "jpg") in text and "labels 9" in text
-    savemat(labels, {"labels": np.asarray([(0,) + FLOWER_LABELS[1:]])})
+    savemat(labels, {"labels": np.asarray([(0, *FLOWER_LABELS[1:])])})
     _flowers_error(tmp_path, "holds label 0; Flowers102 labels are 1..102")
     savemat(labels, {"other": np.asarray([FLOWER_LABELS])})
     _flowers_error(tmp_path, "has no 'labels' array")
@@ -517,8 +517,8 @@ def test_dirichlet_deterministic_by_seed_and_covers_all():
     a = partition_dirichlet(labels, 20, 0.1, 10, numpy_rng(0, "partition"))
     b = partition_dirichlet(labels, 20, 0.1, 10, numpy_rng(0, "partition"))
     c = partition_dirichlet(labels, 20, 0.1, 10, numpy_rng(1, "partition"))
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert any(x.size != y.size or not np.array_equal(x, y) for x, y in zip(a, c))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert any(x.size != y.size or not np.array_equal(x, y) for x, y in zip(a, c, strict=True))
     everything = np.concatenate(a)
     assert np.array_equal(np.sort(everything), np.arange(labels.size))  # each sample once
 
@@ -565,7 +565,7 @@ def test_dirichlet_gives_up_after_max_tries():
 
 @pytest.mark.parametrize("beta", [0.0, -1.0])
 def test_dirichlet_rejects_non_positive_beta(beta):
-    with pytest.raises(ConfigError, match="data.beta"):
+    with pytest.raises(ConfigError, match=r"data\.beta"):
         partition_dirichlet(_synthetic_labels(10, 10), 2, beta, 10, np.random.default_rng(0))
 
 

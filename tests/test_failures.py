@@ -88,7 +88,8 @@ def test_elastic_restart_after_a_killed_rank(uninterrupted, tmp_path, cache_dir)
 
 
 def _rank_of(pid):
-    environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+    with open(f"/proc/{pid}/environ", "rb") as handle:
+        environ = handle.read().split(b"\0")
     for item in environ:
         if item.startswith(b"PMI_RANK="):
             return int(item.split(b"=")[1])

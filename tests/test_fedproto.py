@@ -119,7 +119,7 @@ def test_training_round_uploads_rows_only_for_held_classes():
 
 
 def test_unknown_option_is_a_config_error():
-    with pytest.raises(ConfigError, match="algo.lamda"):
+    with pytest.raises(ConfigError, match=r"algo\.lamda"):
         _context(lamda=1.0)
 
 

@@ -117,7 +117,8 @@ def test_only_uploaded_pairs_train_the_prototypes():
 
 def test_fig1_diagnostics():
     server = _server(num_classes=4, feature_dim=2, server_epochs=1)
-    uploads = {0: _upload([0, 1], [[0.0, 0.0], [3.0, 4.0]]), 1: _upload([0, 1, 2], [[0.0, 0.0], [6.0, 8.0], [0.0, 1.0]])}
+    uploads = {0: _upload([0, 1], [[0.0, 0.0], [3.0, 4.0]]),
+               1: _upload([0, 1, 2], [[0.0, 0.0], [6.0, 8.0], [0.0, 1.0]])}
     diagnostics = server.update(uploads, 0, torch_generator(0, "s"))
     # client 0: margins 5, 5; client 1: class 0 -> 1, class 1 -> sqrt(36+49), class 2 -> 1
     assert diagnostics["class_margin_client_max"][0] == pytest.approx(5.0)
@@ -131,7 +132,7 @@ def test_fig1_diagnostics():
 def test_options_are_validated():
     with pytest.raises(ConfigError, match="fixed_margin"):
         _server(margin="fixed")
-    with pytest.raises(ConfigError, match="algo.margin"):
+    with pytest.raises(ConfigError, match=r"algo\.margin"):
         _server(margin="huge")
     with pytest.raises(ConfigError, match="server_epochs"):
         _server(server_epochs=0)

@@ -106,8 +106,8 @@ def test_htcnn_layers_follow_table_9() -> None:
     # flatten width computed from the input: 28 -> 24 -> 12 -> 8 -> 4 ; 32 -> 28 -> 14 -> 10 -> 5
     cnn28 = _build("cnn", num_classes=10, in_channels=1, image_size=28)
     cnn32 = _build("cnn", num_classes=10, in_channels=3, image_size=32)
-    assert [m for m in cnn28.feature_extractor if isinstance(m, nn.Linear)][0].in_features == 64 * 4 * 4
-    assert [m for m in cnn32.feature_extractor if isinstance(m, nn.Linear)][0].in_features == 64 * 5 * 5
+    assert next(m for m in cnn28.feature_extractor if isinstance(m, nn.Linear)).in_features == 64 * 4 * 4
+    assert next(m for m in cnn32.feature_extractor if isinstance(m, nn.Linear)).in_features == 64 * 5 * 5
 
 
 def test_features_end_in_relu_for_cnns() -> None:

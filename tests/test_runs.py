@@ -76,7 +76,7 @@ def test_resume_matches_uninterrupted_run(reference, tmp_path, cache_dir):
 
 
 def test_existing_run_directory_is_not_overwritten(reference, tmp_path, cache_dir):
-    out, rows = reference
+    out, _rows = reference
     before = (out / "metrics.jsonl").read_text()
     result = launch("single", 1, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}"])
     assert result.returncode == 2

@@ -11,8 +11,9 @@ Payloads are declared (``download_spec`` / ``upload_spec``) so they travel as te
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,7 +32,7 @@ class AlgorithmContext:
     seed: int
     train: TrainConfig
     options: Any  # the algorithm's options dataclass instance
-    device: torch.device = torch.device("cpu")  # where this rank computes
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable) where this rank computes
 
 
 @dataclass

@@ -229,7 +229,8 @@ class FedTGPServer(ServerAlgorithm):
             epoch_pairs, epoch_labels, epoch_offsets = pairs[order], labels[order], offsets[order]
             for start in range(0, count, batch_size):
                 batch = slice(start, start + batch_size)
-                loss = margin_contrastive_loss(epoch_pairs[batch], epoch_labels[batch], self.tgp(), epoch_offsets[batch])
+                loss = margin_contrastive_loss(epoch_pairs[batch], epoch_labels[batch], self.tgp(),
+                                               epoch_offsets[batch])
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

@@ -81,7 +81,7 @@ def partition_pathological(
         weights = rng.dirichlet(np.ones(m))
         shares = floor + rng.multinomial(n - floor * m, weights)
         bounds = np.cumsum(shares)[:-1]
-        for client, piece in zip(clients, np.split(idx, bounds)):
+        for client, piece in zip(clients, np.split(idx, bounds), strict=True):
             parts[client].append(piece)
     return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
 
@@ -161,7 +161,7 @@ def train_count(n: int, train_ratio: float) -> int:
         return 0
     if n == 1:
         return 1
-    k = int(math.floor(train_ratio * n + 1e-9))
+    k = math.floor(train_ratio * n + 1e-9)
     return min(max(k, 1), n - 1)
 
 
@@ -190,7 +190,7 @@ def subsample_indices(labels: np.ndarray, fraction: float, rng: np.random.Genera
     chosen = []
     for c in np.unique(labels):
         idx = np.flatnonzero(labels == c)
-        take = max(1, int(round(fraction * idx.size)))
+        take = max(1, round(fraction * idx.size))
         chosen.append(rng.choice(idx, size=take, replace=False))
     if not chosen:
         return np.zeros(0, np.int64)

@@ -106,7 +106,6 @@ def read_pfllib_file(path: str, allow_pickle: bool, directory: str) -> tuple[np.
         x = x.astype(np.float32, copy=False)
         if x.size and not np.isfinite(x).all():
             raise DataError(f"{path}: x holds NaN or Inf values")
-    if y.size and not np.issubdtype(y.dtype, np.integer):
-        if not np.all(np.equal(np.mod(y, 1), 0)):
-            raise DataError(f"{path}: y holds non-integer labels")
+    if y.size and not np.issubdtype(y.dtype, np.integer) and not np.all(np.equal(np.mod(y, 1), 0)):
+        raise DataError(f"{path}: y holds non-integer labels")
     return np.ascontiguousarray(x), y.astype(np.int64)

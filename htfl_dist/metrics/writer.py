@@ -66,7 +66,7 @@ def format_progress(round_number: int, rounds: int, row: dict[str, Any] | None, 
 
 
 def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
+    seconds = round(seconds)
     hours, rest = divmod(seconds, 3600)
     minutes, secs = divmod(rest, 60)
     return f"{hours:d}:{minutes:02d}:{secs:02d}"

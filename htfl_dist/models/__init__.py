@@ -20,6 +20,9 @@ Importing the package registers the built-in architectures (``cnn``, ``htcnn1``.
 the groups ``HtCNN8``, ``HtFE2/3/4/8/9``, ``Res34-HtC4`` and ``HtFE8-HtC4`` (client ``i`` gets
 ``HtFE8[i mod 8]`` with ``HtC4[i mod 4]``).
 """
+# Imported for their side effect: registering the built-in architectures.
+from . import cnn as _cnn  # noqa: F401
+from . import torchvision_zoo as _torchvision_zoo  # noqa: F401
 from .base import SplitModel
 from .head_split import FeaturePool, adapt_input_channels, split_classifier
 from .heads import HEAD_GROUPS, build_head, heads, register_head
@@ -32,10 +35,6 @@ from .registry import (
     resolve_group,
     split_architecture,
 )
-
-# Imported for their side effect: registering the built-in architectures.
-from . import cnn as _cnn  # noqa: E402,F401
-from . import torchvision_zoo as _torchvision_zoo  # noqa: E402,F401
 
 __all__ = [
     "HEAD_GROUPS",

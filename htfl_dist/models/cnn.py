@@ -14,7 +14,7 @@ layers as ``htcnn2``; kept as its own name because HtFE groups refer to it).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from torch import nn
 

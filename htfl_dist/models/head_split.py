@@ -22,7 +22,7 @@ reshape/mean and expand (exact and deterministic), the rest with a fixed averagi
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -135,7 +135,7 @@ def adapt_input_channels(
     which must be the architecture's own scheme so a 1-channel model is initialised like a
     3-channel one. No-op when the stem already has ``in_channels`` inputs.
     """
-    for name, module in model.named_modules():
+    for name, module in model.named_modules():  # noqa: B007 (name is used after the loop)
         if isinstance(module, nn.Conv2d):
             break
     else:

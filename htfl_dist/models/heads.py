@@ -20,7 +20,7 @@ randomness from torch's global RNG and never seed it.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 

@@ -19,7 +19,8 @@ gets ``extractors[i mod E]`` and ``heads[i mod H]``.
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from htfl_dist.errors import ConfigError
 

@@ -17,7 +17,7 @@ stages ([1, 1, 1, 1]); ResNet8/6/4 keep only the first 3/2/1 stages (later stage
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torchvision
 from torch import nn
@@ -138,7 +138,8 @@ def _register_shallow_resnet(arch: str, stages: int) -> None:
         )
 
     build.__name__ = f"build_{arch}"
-    build.__doc__ = f"BasicBlock ResNet with {stages} stage(s) of one block; penultimate width {64 * 2 ** (stages - 1)}."
+    build.__doc__ = (f"BasicBlock ResNet with {stages} stage(s) of one block; "
+                     f"penultimate width {64 * 2 ** (stages - 1)}.")
 
 
 for _arch, _stages in _SHALLOW_RESNET_STAGES.items():

@@ -91,7 +91,8 @@ def _load(path: Path, device: torch.device):
     try:
         return torch.load(path, map_location=device, weights_only=True)
     except FileNotFoundError:
-        raise HtflError(f"checkpoint file {path} is missing; delete {path.parent} to resume from an earlier one") from None
+        raise HtflError(f"checkpoint file {path} is missing; "
+                        f"delete {path.parent} to resume from an earlier one") from None
     except Exception as exc:  # corrupt archive, truncated file, foreign pickle
         raise HtflError(f"checkpoint file {path} cannot be read ({type(exc).__name__}); "
                         f"delete {path.parent} to resume from an earlier one") from None
@@ -117,7 +118,8 @@ def load(directory: Path, config, *, clients, server, device: torch.device) -> i
     if manifest.get("config_hash") != config.config_hash():
         changes = experiment_differences(manifest.get("experiment", {}), config.experiment())
         raise HtflError(
-            f"checkpoint {directory} belongs to another experiment ({'; '.join(changes[:4]) or 'config hash differs'}); "
+            f"checkpoint {directory} belongs to another experiment "
+            f"({'; '.join(changes[:4]) or 'config hash differs'}); "
             f"resume with the same config or use a new --out directory"
         )
     for client_id, client in clients.items():

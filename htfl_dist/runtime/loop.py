@@ -36,8 +36,8 @@ from htfl_dist.models import architecture_for_client, build_model
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import (
     client_ranks,
-    describe_rank,
     clients_of_rank,
+    describe_rank,
     sample_participants,
 )
 from htfl_dist.runtime.preemption import PreemptionFlag

@@ -7,7 +7,7 @@ run goes on (``on_bad_upload: skip``); ``on_bad_upload: fail`` ends the job inst
 from __future__ import annotations
 
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

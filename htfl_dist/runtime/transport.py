@@ -44,10 +44,10 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def barrier(self) -> None: ...
 
-    def abort(self, exit_code: int) -> None:
+    def abort(self, exit_code: int) -> None:  # noqa: B027 (optional hook, no-op by default)
         """Bring the whole job down quickly (other ranks may be blocked in a collective)."""
 
-    def close(self) -> None: ...
+    def close(self) -> None: ...  # noqa: B027 (optional hook)
 
 
 class LocalTransport(Transport):
