@@ -73,7 +73,12 @@ class ModelConfig:
     """Heterogeneous model group: client i gets group[i mod len(group)]."""
 
     group: str = "HtCNN8"
+    """A named group (HtCNN8, HtFE8, HtFE8-HtC4, ...), one member ARCH or ARCH:HEAD, or a custom
+    group: a YAML list of members, or the same members comma-separated (a list is stored in that
+    comma form, so both spellings are one experiment)."""
     feature_dim: int = 512
+
+    LIST_KEYS = ("group",)  # not a field: keys that also accept a YAML list of strings
 
 
 @dataclass
@@ -185,6 +190,13 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     return value
 
 
+def _comma_joined(items: list[Any], key: str) -> str:
+    """A YAML list of names as one comma-separated string (the canonical form of list keys)."""
+    if not items or not all(isinstance(item, str) and item.strip() and "," not in item for item in items):
+        raise ConfigError(f"config key '{key}' must be a name or a non-empty list of names, got {items!r}")
+    return ",".join(item.strip() for item in items)
+
+
 def _resolved_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
@@ -213,6 +225,8 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             if not isinstance(value, dict):
                 raise ConfigError("config key 'algo' must be a mapping of algorithm options")
             kwargs[key] = dict(value)
+        elif key in getattr(cls, "LIST_KEYS", ()) and isinstance(value, list):
+            kwargs[key] = _comma_joined(value, dotted)
         else:
             kwargs[key] = _coerce(value, annotation, dotted)
     instance = cls(**kwargs)

@@ -118,24 +118,42 @@ def _spelling_hint() -> str:
     return f"optionally as ARCH{HEAD_SEPARATOR}HEAD with HEAD one of {', '.join(heads())}"
 
 
+MEMBER_SEPARATOR = ","
+"""Separates the members of a custom group (``htcnn1,htcnn2:fc512``)."""
+
+
 def resolve_group(group: str) -> tuple[str, ...]:
-    """The members of ``group``: a named group, or one ``ARCH`` / ``ARCH:HEAD`` as a group of one.
+    """The members of ``group``: a named group, one ``ARCH`` / ``ARCH:HEAD`` as a group of one,
+    or a custom group written as members separated by commas (``htcnn1:fc,htcnn2:fc512``, what
+    a YAML list in ``model.group`` becomes), e.g. HtCNN8 extractors with HtC4 heads on FMNIST.
 
     Raises:
-        ConfigError: ``group`` is neither a named group nor a registered architecture (with a
-            registered head, if it names one).
+        ConfigError: ``group`` is neither a named group nor made of registered architectures
+            (with registered heads, where members name one).
     """
     if group in _MODEL_GROUPS:
         return _MODEL_GROUPS[group]
-    arch, head = split_architecture(group)
+    members = tuple(member.strip() for member in group.split(MEMBER_SEPARATOR))
+    if len(members) > 1 and not all(members):
+        raise ConfigError(f"model group {group!r} has an empty member; separate ARCH[:HEAD] members by single commas")
+    for member in members:
+        _check_member(member, group)
+    return members
+
+
+def _check_member(member: str, group: str) -> None:
+    """One-line ConfigError unless ``member`` is ``ARCH`` or ``ARCH:HEAD`` of registered names."""
+    arch, head = split_architecture(member)
     if arch not in _ARCHITECTURES:
+        if member != group:
+            raise ConfigError(f"unknown architecture {arch!r} in model group {group!r}; allowed: "
+                              f"{', '.join(architectures())} ({_spelling_hint()})")
         raise ConfigError(
             f"unknown model group {group!r}; allowed: {', '.join(sorted(_MODEL_GROUPS, key=natural_key))}"
-            f" (or one architecture name for a homogeneous group: {', '.join(architectures())};"
-            f" {_spelling_hint()})"
+            f" (or one architecture name for a homogeneous group, or several comma-separated for a custom"
+            f" group: {', '.join(architectures())}; {_spelling_hint()})"
         )
-    check_head(head, group)
-    return (group,)
+    check_head(head, member)
 
 
 def architecture_for_client(group: str, client_id: int) -> str:
