@@ -34,22 +34,21 @@ from htfl_dist.algorithms.base import class_prototypes, euclidean_distances
 from htfl_dist.config import load_config
 from htfl_dist.errors import HtflError
 from htfl_dist.runtime.checkpoint import find_checkpoint
-from htfl_dist.runtime.loop import Federation, RoundTraffic, RunContext
+from htfl_dist.runtime.loop import Federation, RunContext
 from htfl_dist.runtime.transport import LocalTransport
 
 RULES = ("global", "global_own", "own_centroid", "head")
 GEOMETRY = ("d_own", "d_other", "feature_norm")
 
 
-def rebuild(run_dir: Path, scratch: Path) -> Federation:
-    """World-size-1 federation restored from the run's newest checkpoint."""
+def rebuild(run_dir: Path, scratch: Path) -> tuple[Federation, int]:
+    """World-size-1 federation restored from the run's newest checkpoint, and its round."""
     if find_checkpoint(run_dir) is None:
         raise HtflError(f"{run_dir}: no complete checkpoint; run with checkpoint_every > 0")
     config = load_config(run_dir / "config.yaml")
     context = RunContext(config, LocalTransport(), torch.device("cpu"), scratch, resume_from=run_dir)
     federation = Federation(context)
-    federation.completed_rounds = federation._maybe_resume()
-    return federation
+    return federation, federation.restore()
 
 
 @torch.no_grad()
@@ -81,8 +80,8 @@ def diagnose_client(federation: Federation, client, protos: torch.Tensor, class_
 
 def diagnose(run_dir: Path) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
-        federation = rebuild(run_dir, Path(scratch))
-        knowledge = federation._broadcast_knowledge(RoundTraffic())
+        federation, completed = rebuild(run_dir, Path(scratch))
+        knowledge = federation.knowledge()
         if "protos" not in knowledge or knowledge["class_ids"].numel() == 0:
             raise HtflError(f"{run_dir}: the algorithm downloads no global prototypes")
         protos, class_ids = knowledge["protos"].float(), knowledge["class_ids"]
@@ -90,7 +89,7 @@ def diagnose(run_dir: Path) -> dict:
         for client in federation.clients.values():
             for key, value in diagnose_client(federation, client, protos, class_ids).items():
                 totals[key] = totals.get(key, 0.0) + value
-        result = {"run": run_dir.name, "round": federation.completed_rounds}
+        result = {"run": run_dir.name, "round": completed}
         result.update({rule: totals[rule] / totals["samples"] for rule in RULES})
         result.update({key: totals[key] / totals["with_proto"] for key in ("d_own", "d_other")})
         result["feature_norm"] = totals["feature_norm"] / totals["samples"]

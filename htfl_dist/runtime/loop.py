@@ -196,6 +196,10 @@ class Federation:
 
     # ------------------------------------------------------------------ one round
 
+    def knowledge(self) -> Payload:
+        """What the clients would receive now (the server's download, through the transport)."""
+        return self._broadcast_knowledge(RoundTraffic())
+
     def _broadcast_knowledge(self, traffic: RoundTraffic) -> Payload:
         if not self.download_spec:
             return {}  # the algorithm shares nothing server → clients: nothing travels
@@ -273,7 +277,7 @@ class Federation:
 
     def run(self) -> dict[str, Any] | None:
         config = self.config
-        start_round = self._maybe_resume()
+        start_round = self.restore()
         knowledge: Payload | None = None  # what the clients of this rank last received
         round_seconds: list[float] = []
         for round_index in range(start_round, config.rounds):
@@ -376,7 +380,10 @@ class Federation:
         checkpoint.save(self.run_context.out_dir, completed_rounds, self.config, self.transport,
                         clients=self.clients, server=self.server)
 
-    def _maybe_resume(self) -> int:
+    def restore(self) -> int:
+        """Load the newest complete checkpoint of ``resume_from`` (clients, server, metrics so far)
+        and return the rounds it completed; 0 when there is nothing to resume. ``run`` calls it
+        first; inspection tools (bench/diagnose_prototypes.py) call it instead of ``run``."""
         source = self.run_context.resume_from
         if source is None:
             return 0
