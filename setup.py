@@ -7,7 +7,8 @@ setup(
     packages=find_packages(include=["htfl_dist", "htfl_dist.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.2", "torchvision>=0.17", "numpy", "pyyaml", "h5py", "mpi4py",
-                      "pillow", "scipy"],  # pillow: JPEG datasets; scipy: Flowers102's .mat files
+                      "pillow", "scipy",  # pillow: JPEG datasets; scipy: Flowers102's .mat files
+                      "matplotlib"],  # learning-curve plots of python -m htfl_dist.report (imported only there)
     extras_require={"test": ["pytest"], "mpi": ["mpich"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
 )

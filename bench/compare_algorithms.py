@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from htfl_dist.metrics.report import markdown_table, read_run, read_summary, summarise
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -82,8 +84,8 @@ def command(run: Run, args: argparse.Namespace) -> list[str]:
 
 
 def finished(run: Run, rounds: int) -> bool:
-    summary = run.out / "summary.json"
-    return summary.exists() and json.loads(summary.read_text()).get("rounds", 0) >= rounds
+    summary = read_summary(run.out)
+    return summary is not None and summary.get("rounds", 0) >= rounds
 
 
 def execute(runs: list[Run], args: argparse.Namespace) -> None:
@@ -111,22 +113,15 @@ def execute(runs: list[Run], args: argparse.Namespace) -> None:
             print(f"done: {run.out.name}", flush=True)
 
 
+REPORTED = ("best_test_acc", "best_round", "last_test_acc", "best_test_acc_head", "seconds_per_round", "server_s",
+            "bytes_up_per_round", "max_bytes_up_over_theory")  # of htfl_dist.metrics.report.summarise
+
+
 def report(run: Run) -> dict:
-    rows = [json.loads(line) for line in (run.out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    evaluated = [r for r in rows if r.get("test_acc") is not None]
-    ratio_up = [r["bytes_up"] / r["bytes_theory_up"] for r in rows if r["bytes_theory_up"]]
-    return {
-        "variant": run.variant, "partition": run.partition, "seed": run.seed,
-        "best_test_acc": max(r["test_acc"] for r in evaluated),
-        "best_round": max(evaluated, key=lambda r: r["test_acc"])["round"],
-        "last_test_acc": evaluated[-1]["test_acc"],
-        "best_test_acc_head": max(r.get("test_acc_head") or 0.0 for r in evaluated),
-        "seconds_per_round": statistics.fmean(r["seconds"] for r in rows),
-        "server_s": statistics.fmean(r["server_s"] for r in rows),
-        "bytes_up_per_round": statistics.fmean(r["bytes_up"] for r in rows),
-        "max_bytes_up_over_theory": max(ratio_up) if ratio_up else None,
-        "rounds": len(rows),
-    }
+    record = read_run(run.out)
+    summary = summarise(record)
+    return {"variant": run.variant, "partition": run.partition, "seed": run.seed,
+            **{key: summary[key] for key in REPORTED}, "rounds": len(record.rows)}
 
 
 def mean_std(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
@@ -134,36 +129,32 @@ def mean_std(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
     return f"{statistics.fmean(values) * scale:.{digits}f} ± {spread * scale:.{digits}f}"
 
 
-def markdown_header(columns: list[str]) -> str:
-    """A Markdown table's header row and separator."""
-    return "| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|"
-
-
 def print_tables(results: list[dict], args: argparse.Namespace) -> None:
     print(f"\nFMNIST HtCNN8, 20 clients, {args.rounds} rounds, {args.nproc} rank(s), overrides: {args.set or 'none'}")
-    print(markdown_header(["variant", "partition", "seed", "best acc (round)", "last acc", "best head acc",
-                           "s/round", "server s/round", "up/theory"]))
+    per_run = []
     for r in results:
         ratio = f"{r['max_bytes_up_over_theory']:.4f}" if r["max_bytes_up_over_theory"] else "-"
-        print(f"| {r['variant']} | {r['partition']} | {r['seed']} | {r['best_test_acc'] * 100:.2f} ({r['best_round']}) "
-              f"| {r['last_test_acc'] * 100:.2f} | {r['best_test_acc_head'] * 100:.2f} | {r['seconds_per_round']:.2f} "
-              f"| {r['server_s']:.3f} | {ratio} |")
+        per_run.append([r["variant"], r["partition"], r["seed"], f"{r['best_test_acc'] * 100:.2f} ({r['best_round']})",
+                        f"{r['last_test_acc'] * 100:.2f}", f"{r['best_test_acc_head'] * 100:.2f}",
+                        f"{r['seconds_per_round']:.2f}", f"{r['server_s']:.3f}", ratio])
+    print(markdown_table(["variant", "partition", "seed", "best acc (round)", "last acc", "best head acc",
+                          "s/round", "server s/round", "up/theory"], per_run))
     print()
-    print(markdown_header(["variant", "partition", "seeds", "best acc %", "last acc %", "s/round",
-                           "server s/round (share)", "bytes up/round", "up/theory"]))
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in results:
         groups.setdefault((r["variant"], r["partition"]), []).append(r)
+    per_group = []
     for (variant, partition), group in groups.items():
         seconds = statistics.fmean(r["seconds_per_round"] for r in group)
         server = statistics.fmean(r["server_s"] for r in group)
         ratios = [r["max_bytes_up_over_theory"] for r in group if r["max_bytes_up_over_theory"]]
         ratio = f"{max(ratios):.4f}" if ratios else "-"
-        print(f"| {variant} | {partition} | {len(group)} | {mean_std([r['best_test_acc'] for r in group], 100)} "
-              f"| {mean_std([r['last_test_acc'] for r in group], 100)} | {seconds:.2f} "
-              f"| {server:.3f} ({server / seconds * 100:.1f} %) "
-              f"| {statistics.fmean(r['bytes_up_per_round'] for r in group) / 1e6:.3f} MB "
-              f"| {ratio} |")
+        per_group.append([variant, partition, len(group), mean_std([r["best_test_acc"] for r in group], 100),
+                          mean_std([r["last_test_acc"] for r in group], 100), f"{seconds:.2f}",
+                          f"{server:.3f} ({server / seconds * 100:.1f} %)",
+                          f"{statistics.fmean(r['bytes_up_per_round'] for r in group) / 1e6:.3f} MB", ratio])
+    print(markdown_table(["variant", "partition", "seeds", "best acc %", "last acc %", "s/round",
+                          "server s/round (share)", "bytes up/round", "up/theory"], per_group))
 
 
 def main() -> int:
