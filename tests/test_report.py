@@ -16,6 +16,7 @@ import yaml
 
 from conftest import REPO
 from htfl_dist.metrics.report import (
+    MetricsFileError,
     ReportError,
     plot_curves,
     read_run,
@@ -130,7 +131,7 @@ def test_damaged_middle_line_is_an_error_naming_file_and_line(tmp_path):
     directory = _write_run(tmp_path / "damaged", ROWS)
     lines = (directory / "metrics.jsonl").read_text().splitlines(keepends=True)
     (directory / "metrics.jsonl").write_text(lines[0] + '{"round": 2, "test_' + "\n" + lines[2])
-    with pytest.raises(ReportError, match=r"damaged/metrics\.jsonl, line 2: not a metrics row") as error:
+    with pytest.raises(MetricsFileError, match=r"damaged/metrics\.jsonl, line 2: not a metrics row") as error:
         read_run(directory)
     assert "\n" not in str(error.value)
 

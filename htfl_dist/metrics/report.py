@@ -20,7 +20,7 @@ import yaml
 
 from htfl_dist.atomic import replaced_atomically
 from htfl_dist.errors import HtflError
-from htfl_dist.metrics.writer import write_atomic
+from htfl_dist.metrics.writer import MetricsFileError, read_rows, write_atomic
 
 METRICS_FILE, CONFIG_FILE, SUMMARY_FILE = "metrics.jsonl", "config.yaml", "summary.json"
 RUN_DIRECTORY = (f"a run directory is the --out of `python -m htfl_dist.main` and holds {METRICS_FILE}, "
@@ -34,6 +34,9 @@ TABLE_COLUMNS = ("run", "algorithm", "dataset", "partition", "model", "seed", "r
 
 class ReportError(HtflError):
     """A path or option of the report cannot be used (not a run directory, damaged file, unknown metric)."""
+
+
+__all__ = ["MetricsFileError", "ReportError", "RunRecord", "read_rows", "read_run", "read_summary", "summarise"]
 
 
 @dataclass(frozen=True)
@@ -80,32 +83,6 @@ def read_summary(path: str | Path) -> dict[str, Any] | None:
     except json.JSONDecodeError as exc:
         raise ReportError(f"{summary}: not valid JSON ({exc.msg}, line {exc.lineno}); "
                           f"delete it and the run counts as unfinished") from None
-
-
-def read_rows(metrics: Path) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl``. A running job appends whole lines, but a reader can catch
-    the last one half-written: an unparsable last line is skipped. Anywhere else it means the
-    file is damaged, which is an error naming the line."""
-    text = metrics.read_bytes().decode("utf-8", errors="replace")  # a cut can split a character
-    numbered = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
-    rows = []
-    for position, (number, line) in enumerate(numbered):
-        row = _parse_row(line)
-        if row is None:
-            if position == len(numbered) - 1:
-                break  # the line being written
-            raise ReportError(f"{metrics}, line {number}: not a metrics row (a JSON object with 'round'); "
-                              f"the file is damaged: repair or delete that line")
-        rows.append(row)
-    return rows
-
-
-def _parse_row(line: str) -> dict[str, Any] | None:
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return row if isinstance(row, dict) and "round" in row else None
 
 
 # ---------------------------------------------------------------------------------------- summaries

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from htfl_dist.atomic import replaced_atomically
+from htfl_dist.errors import HtflError
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -24,6 +25,36 @@ def write_atomic(path: Path, text: str) -> None:
 
 def write_json(path: Path, data: Any) -> None:
     write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+class MetricsFileError(HtflError):
+    """metrics.jsonl is damaged somewhere other than a half-written last line."""
+
+
+def read_rows(metrics: Path) -> list[dict[str, Any]]:
+    """The rows of ``metrics.jsonl``. A running job appends whole lines, but a reader can catch
+    the last one half-written: an unparsable last line is skipped. Anywhere else it means the
+    file is damaged, which is an error naming the line."""
+    text = metrics.read_bytes().decode("utf-8", errors="replace")  # a cut can split a character
+    numbered = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    rows = []
+    for position, (number, line) in enumerate(numbered):
+        row = _parse_row(line)
+        if row is None:
+            if position == len(numbered) - 1:
+                break  # the line being written
+            raise MetricsFileError(f"{metrics}, line {number}: not a metrics row (a JSON object with 'round'); "
+                                   f"the file is damaged: repair or delete that line")
+        rows.append(row)
+    return rows
+
+
+def _parse_row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and "round" in row else None
 
 
 class MetricsLog:
@@ -39,7 +70,7 @@ class MetricsLog:
         source = source if source is not None and source.exists() else self.path
         if not source.exists():
             return
-        rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        rows = read_rows(source)  # a run killed mid-append can leave its last line half-written
         self.rows = [row for row in rows if row["round"] <= up_to_round]
         write_atomic(self.path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
 
