@@ -89,28 +89,51 @@ def finished(run: Run, rounds: int) -> bool:
 
 
 def execute(runs: list[Run], args: argparse.Namespace) -> None:
-    """Launch up to ``--jobs`` runs at once; a failed run stops the benchmark with its log named."""
+    """Launch up to ``--jobs`` runs at once; a failed run stops the benchmark with its log named.
+
+    Whatever ends the loop (a failed run, Ctrl-C, an error) first stops the runs still going,
+    so none is left training unattended; they resume from their checkpoints next time."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     pending = [run for run in runs if not finished(run, args.rounds)]
     active: list[tuple[Run, subprocess.Popen, object]] = []
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    while pending or active:
-        while pending and len(active) < args.jobs:
-            run = pending.pop(0)
-            cmd = command(run, args)
-            print("launch:", " ".join(cmd), flush=True)
-            log = open(run.out.parent / f"{run.out.name}.log", "a")  # noqa: SIM115 (closed when the run ends)
-            active.append((run, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-        time.sleep(2)
-        for entry in list(active):
-            run, process, log = entry
-            if process.poll() is None:
-                continue
-            log.close()
-            active.remove(entry)
-            if process.returncode != 0:
-                sys.exit(f"bench: {run.out.name} failed with exit code {process.returncode}; see {log.name}")
-            print(f"done: {run.out.name}", flush=True)
+    try:
+        while pending or active:
+            while pending and len(active) < args.jobs:
+                run = pending.pop(0)
+                cmd = command(run, args)
+                print("launch:", " ".join(cmd), flush=True)
+                log = open(run.out.parent / f"{run.out.name}.log", "a")  # noqa: SIM115 (closed when the run ends)
+                active.append((run, subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT),
+                               log))
+            time.sleep(2)
+            for entry in list(active):
+                run, process, log = entry
+                if process.poll() is None:
+                    continue
+                log.close()
+                active.remove(entry)
+                if process.returncode != 0:
+                    sys.exit(f"bench: {run.out.name} failed with exit code {process.returncode}; see {log.name}")
+                print(f"done: {run.out.name}", flush=True)
+    finally:
+        stop(active)
+
+
+def stop(active: list[tuple[Run, subprocess.Popen, object]], grace_s: float = 10.0) -> None:
+    """Terminate every still-running process, give each ``grace_s`` to exit (torchrun passes
+    SIGTERM on to its ranks), then kill the ones that did not; close their logs."""
+    for _, process, _ in active:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for _, process, log in active:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
 
 
 REPORTED = ("best_test_acc", "best_round", "last_test_acc", "best_test_acc_head", "seconds_per_round", "server_s",

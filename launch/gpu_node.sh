@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One node, one rank per GPU (NCCL when every rank owns a GPU), e.g.
 #   launch/gpu_node.sh configs/fmnist_htcnn8_fedproto_dirichlet.yaml --out runs/fp
-# Rank 0 is the server; with G GPUs the clients spread over ranks 1..G-1 (rank 0 shares GPU 0).
+# Each rank runs on GPU LOCAL_RANK mod G, so with G GPUs rank 0 (the server) has GPU 0 to itself and
+# the clients spread over ranks 1..G-1, one GPU each (one GPU: a single process hosts everything).
+# NPROC=N ranks instead of G: N > G oversubscribes (rank G shares GPU 0 with the server, and so on)
+# and runtime.backend=auto picks Gloo; N < G leaves GPUs N..G-1 idle.
 set -euo pipefail
 config="${1:?usage: gpu_node.sh CONFIG [--out DIR] [key=value ...]}"
 shift

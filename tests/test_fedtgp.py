@@ -100,6 +100,21 @@ def test_round_zero_downloads_nothing_then_all_classes():
     assert server.download()["protos"].shape == (4, 2)
 
 
+def test_round_with_no_surviving_upload_keeps_the_global_prototypes():
+    """Every upload screened out: no training, no error, the same download as before."""
+    server = _server(server_epochs=2)
+    generator = torch_generator(0, "s")
+    assert server.update({}, 0, generator) == {}
+    assert server.download()["class_ids"].numel() == 0  # still untrained: clients keep CE only
+    server.update({0: _upload([0, 1], [[0.0, 0.0], [2.0, 4.0]])}, 1, generator)
+    before = server.download()
+    assert server.update({}, 2, generator) == {}
+    after = server.download()
+    assert after["class_ids"].tolist() == before["class_ids"].tolist() == [0, 1, 2, 3]
+    torch.testing.assert_close(after["protos"], before["protos"], rtol=0, atol=0)
+    assert server.theory_download_floats() == 4 * 2  # C · K, inherited from the prototype server
+
+
 def test_only_uploaded_pairs_train_the_prototypes():
     """With partial participation the server sees only participants' uploads; those pairs
     alone decide the update (same uploads -> same prototypes, whatever else exists)."""

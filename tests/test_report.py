@@ -145,6 +145,19 @@ def test_not_a_run_directory(tmp_path):
         assert "config.yaml" in str(error.value)  # says what a run directory holds
 
 
+@pytest.mark.parametrize("text,reason", [
+    ("algorithm: fedproto\nrounds: [3\n", "invalid YAML, line 3"),  # cut off mid-write
+    ("- fedproto\n- 3\n", "a YAML list, not a mapping"),
+])
+def test_damaged_config_is_a_one_line_error(tmp_path, text, reason):
+    directory = _write_run(tmp_path / "run", ROWS)
+    (directory / "config.yaml").write_text(text)
+    with pytest.raises(ReportError, match="not a run config") as error:
+        read_run(directory)
+    message = str(error.value)
+    assert str(directory / "config.yaml") in message and reason in message and "\n" not in message
+
+
 def test_csv_holds_every_run_s_rows_under_one_header(tmp_path):
     runs = [read_run(_write_run(tmp_path / "proto", ROWS)), read_run(_fedtgp_run(tmp_path / "tgp"))]
     table = list(csv.reader(rounds_csv(runs).splitlines()))

@@ -151,7 +151,20 @@ class FedProtoClient(PrototypeClient):
         return upload
 
 
-class FedProtoServer(ServerAlgorithm):
+class PrototypeServer(ServerAlgorithm):
+    """Server of the prototype methods (FedProto, FedTGP): downloads class-indexed global
+    prototypes, which the papers count as all C of them."""
+
+    @classmethod
+    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        return prototype_fields(context.feature_dim)
+
+    def theory_download_floats(self) -> int:
+        """K·C: every class's global prototype (FedProto's Table 5; FedTGP downloads all C as well)."""
+        return self.context.feature_dim * self.context.num_classes
+
+
+class FedProtoServer(PrototypeServer):
     """P̄^c = (weighted) mean of the uploaded P_i^c; classes nobody uploaded are absent."""
 
     def __init__(self, context: AlgorithmContext) -> None:
@@ -159,19 +172,13 @@ class FedProtoServer(ServerAlgorithm):
         self.class_ids = torch.empty(0, dtype=torch.int64)
         self.protos = torch.empty(0, context.feature_dim)
 
-    @classmethod
-    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return prototype_fields(context.feature_dim)
-
     def download(self) -> Payload:
         return {"class_ids": self.class_ids, "protos": self.protos}
 
-    def theory_download_floats(self) -> int:
-        """K·C (paper Table 5: every class's global prototype)."""
-        return self.context.feature_dim * self.context.num_classes
-
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, float]:
+        if not uploads:  # every upload screened out: a mean of nothing would erase every class
+            return {}
         means = ClassMeans(self.context.num_classes, self.context.feature_dim, dtype=torch.float64)
         for client_id in sorted(uploads):  # fixed order: the float64 sums do not depend on ranks
             payload = uploads[client_id]

@@ -23,7 +23,6 @@ from torch import nn
 from htfl_dist.algorithms.base import (
     AlgorithmContext,
     ClassMeans,
-    ServerAlgorithm,
     check_class_rows,
     euclidean_distances,
     global_prototype_diagnostics,
@@ -32,10 +31,10 @@ from htfl_dist.algorithms.base import (
 from htfl_dist.algorithms.fedproto import (
     PrototypeClient,
     PrototypeOptions,
-    prototype_fields,
+    PrototypeServer,
 )
 from htfl_dist.errors import ConfigError
-from htfl_dist.runtime.wire import Payload, PayloadSpec
+from htfl_dist.runtime.wire import Payload
 
 MARGINS = ("adaptive", "fixed", "none")
 GAP_UNSET = float("inf")
@@ -139,7 +138,7 @@ def class_margins(protos: torch.Tensor) -> torch.Tensor:
     return distances.min(dim=1).values
 
 
-class FedTGPServer(ServerAlgorithm):
+class FedTGPServer(PrototypeServer):
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
         options, dim = self.options, context.feature_dim
@@ -148,13 +147,6 @@ class FedTGPServer(ServerAlgorithm):
             context.num_classes, dim, options.hidden_dim or dim, options.use_mapping).to(self.device)
         self.trained = False  # round 0 clients get no global knowledge (CE only)
         self._cached_protos: torch.Tensor | None = None
-
-    @classmethod
-    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return prototype_fields(context.feature_dim)
-
-    def theory_download_floats(self) -> int:
-        return self.context.feature_dim * self.context.num_classes
 
     @torch.no_grad()
     def global_prototypes(self) -> torch.Tensor:
@@ -194,6 +186,8 @@ class FedTGPServer(ServerAlgorithm):
         return adaptive_margin(centres.dense(), centres.present(), options.tau)
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict:
+        if not uploads:  # every upload screened out: nothing to train on, keep P̂ as it is
+            return {}
         pairs, labels = self._pairs(uploads)
         if pairs.shape[0] == 0:
             return {}

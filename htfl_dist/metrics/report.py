@@ -25,6 +25,7 @@ from htfl_dist.metrics.writer import MetricsFileError, read_rows, write_atomic
 METRICS_FILE, CONFIG_FILE, SUMMARY_FILE = "metrics.jsonl", "config.yaml", "summary.json"
 RUN_DIRECTORY = (f"a run directory is the --out of `python -m htfl_dist.main` and holds {METRICS_FILE}, "
                  f"{CONFIG_FILE} and, once finished, {SUMMARY_FILE}")
+CONFIG_HINT = f"{CONFIG_FILE} is the resolved config `python -m htfl_dist.main` writes; restore it or leave the run out"
 # Columns every metrics row has, in the order README's "Outputs" lists them; CSV files put them first.
 CORE_COLUMNS = ("round", "test_acc", "test_acc_head", "test_acc_std", "train_loss", "bytes_up", "bytes_down",
                 "bytes_theory_up", "bytes_theory_down", "seconds", "client_s", "server_s", "comm_s")
@@ -65,11 +66,28 @@ def read_run(path: str | Path) -> RunRecord:
     config_file = path / CONFIG_FILE
     if not config_file.is_file():
         raise ReportError(f"{path} has {METRICS_FILE} but no {CONFIG_FILE}; {RUN_DIRECTORY}")
-    config = yaml.safe_load(config_file.read_text()) or {}
+    config = _read_config(config_file)
     summary = read_summary(path)
     if summary is not None and summary.get("rounds", 0) < config.get("rounds", 0):
         summary = None  # left by an earlier end of the run, before `--resume auto rounds=MORE`
     return RunRecord(path, config, summary, read_rows(metrics))
+
+
+def _read_config(config_file: Path) -> dict[str, Any]:
+    """The run's resolved config as a mapping; a damaged or foreign file is a one-line error,
+    not a YAML traceback here or an AttributeError where a key is looked up later."""
+    try:
+        config = yaml.safe_load(config_file.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)  # the parser's message spans lines; its position does not
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise ReportError(f"{config_file}: not a run config (invalid YAML{where}); {CONFIG_HINT}") from None
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ReportError(f"{config_file}: not a run config (a YAML {type(config).__name__}, not a mapping); "
+                          f"{CONFIG_HINT}")
+    return config
 
 
 def read_summary(path: str | Path) -> dict[str, Any] | None:
