@@ -141,6 +141,8 @@ class Config:
         data = self.to_dict()
         for key in ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload"):
             data.pop(key)  # plumbing and run length: a resumed run may extend `rounds`
+        for key in ("root", "cache_dir"):
+            data["data"].pop(key)  # where the data lives: moving it (another node, a new cache) is the same run
         return data
 
     def config_hash(self) -> str:
@@ -306,7 +308,12 @@ def _require(condition: bool, message: str) -> None:
 
 
 def validate(config: Config) -> None:
-    """Range checks that do not need the dataset or the registries."""
+    """Range checks that do not need the dataset or the registries (and ``~`` in path keys
+    expanded, which the shell does on a command line but YAML does not)."""
+    for key in ("root", "cache_dir", "pfllib_dir"):
+        value = getattr(config.data, key)
+        if value:
+            setattr(config.data, key, os.path.expanduser(value))
     _require(config.rounds >= 1, f"config key 'rounds' must be >= 1, got {config.rounds}")
     _require(config.num_clients >= 1, f"config key 'num_clients' must be >= 1, got {config.num_clients}")
     _require(

@@ -7,6 +7,7 @@ traceback of the failing rank, names the rank and its clients, and brings every 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -64,9 +65,13 @@ def _resume_source(resume: str, out: Path) -> Path | None:
     return source
 
 
-def _prepare_out_dir(out: Path, resume: bool) -> None:
-    if (out / "metrics.jsonl").exists() and not resume:
-        raise HtflError(f"run directory {out} already holds a run; pass a new --out or --resume auto")
+def _prepare_out_dir(out: Path, resume_from: Path | None) -> None:
+    """Refuse to write over another run: an existing run directory may only be continued from
+    its own checkpoints (``--resume auto``, or a path inside it)."""
+    continuing_itself = resume_from is not None and (resume_from == out or out in resume_from.parents)
+    if (out / "metrics.jsonl").exists() and not continuing_itself:
+        how = "--resume auto" if resume_from is None else f"a new --out (resuming from {resume_from})"
+        raise HtflError(f"run directory {out} already holds a run; pass {how}, or a new --out")
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".write-test"
@@ -88,11 +93,9 @@ def _make_deterministic(torch) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     import torch
-    import yaml
 
     from htfl_dist.algorithms import get_algorithm, parse_options
     from htfl_dist.config import load_config
-    from htfl_dist.metrics.writer import write_atomic
     from htfl_dist.models import architecture_for_client
     from htfl_dist.runtime.bootstrap import detect_launch, open_transport, pick_device
     from htfl_dist.runtime.loop import Federation, RunContext
@@ -101,7 +104,9 @@ def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     config = load_config(args.config, args.overrides)
     # Checks every rank makes identically, before any communication (errors print once).
-    parse_options(get_algorithm(config.algorithm), config.algo)
+    # Every option spelled out: config.yaml shows the values used, and writing a default
+    # explicitly does not make a different experiment (config hash).
+    config.algo = dataclasses.asdict(parse_options(get_algorithm(config.algorithm), config.algo))
     architecture_for_client(config.model.group, 0)
     launch = detect_launch()
     check_world_size(launch.world_size, config.num_clients)
@@ -111,8 +116,7 @@ def run(argv: list[str] | None = None) -> int:
     out = Path(args.out or Path("runs") / f"{config.algorithm}-{config.config_hash()}").resolve()
     resume_from = _resume_source(args.resume, out)
     if launch.rank == 0:
-        _prepare_out_dir(out, resume_from is not None)
-        write_atomic(out / "config.yaml", yaml.safe_dump(config.to_dict(), sort_keys=False))
+        _prepare_out_dir(out, resume_from)
     device = pick_device(config.runtime, launch)
     transport = open_transport(config.runtime, launch, device)
     context = RunContext(config, transport, device, out, resume_from,
@@ -124,6 +128,8 @@ def run(argv: list[str] | None = None) -> int:
             if launch.rank == 0:
                 print(f"preempted: checkpoint after round {federation.preempted_after} in {out}/checkpoints; "
                       f"continue with --resume auto", flush=True)
+        elif summary is not None and summary["best_test_acc"] is None:
+            print(f"done: no evaluated rounds to report; outputs in {out}", flush=True)
         elif summary is not None:
             print(f"done: best test_acc {summary['best_test_acc'] * 100:.2f}% at round {summary['best_round']}, "
                   f"last {summary['last_test_acc'] * 100:.2f}%; outputs in {out}", flush=True)

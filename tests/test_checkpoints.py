@@ -56,8 +56,62 @@ def test_corrupt_checkpoint_is_one_line_and_damages_nothing(checkpointed, tmp_pa
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "client_4.pt cannot be read" in lines[0] and "Traceback" not in result.stderr
-    after = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file() and p.name != "config.yaml"}
-    assert after == {p: b for p, b in before.items() if p.name != "config.yaml"}
+    after = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    assert after == before  # config.yaml included: it is only written once the resume is accepted
+
+
+def _copy_run(source, destination):
+    import shutil
+
+    shutil.copytree(source, destination)
+    return destination
+
+
+def test_resume_auto_without_a_checkpoint_starts_over(checkpointed, tmp_path, cache_dir):
+    """A run that died before its first checkpoint: --resume auto starts fresh and its rows
+    replace the dead run's (even a half-written last line), instead of being appended to them."""
+    copy = _copy_run(checkpointed, tmp_path / "run")
+    import shutil
+
+    shutil.rmtree(copy / "checkpoints")
+    (copy / "summary.json").unlink()
+    with open(copy / "metrics.jsonl", "a") as handle:
+        handle.write('{"round": 4, "test_a')  # killed mid-append
+    result = launch("single", 1, [*_args(copy, cache_dir), "--resume", "auto"])
+    assert result.returncode == 0, result.stderr
+    rows = read_metrics(copy)
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [r["test_acc"] for r in rows] == [r["test_acc"] for r in read_metrics(checkpointed)]
+
+
+def test_resume_past_the_planned_rounds_is_refused(checkpointed, tmp_path, cache_dir):
+    copy = _copy_run(checkpointed, tmp_path / "run")
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=2"), "--resume", "auto"])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is after round 3 but rounds=2; pass rounds=3 or more" in lines[0], result.stderr
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+
+
+def test_resume_from_elsewhere_never_overwrites_an_existing_run(checkpointed, tmp_path, cache_dir):
+    copy = _copy_run(checkpointed, tmp_path / "run")
+    before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
+    other = checkpointed / "checkpoints" / "round_00002"
+    result = launch("single", 1, [*_args(copy, cache_dir), "--resume", str(other)])
+    assert result.returncode == 2
+    assert "already holds a run" in result.stderr and "Traceback" not in result.stderr
+    assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
+
+
+def test_extending_a_finished_run_rewrites_its_summary(checkpointed, tmp_path, cache_dir):
+    import json
+
+    copy = _copy_run(checkpointed, tmp_path / "run")
+    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
+    assert result.returncode == 0, result.stderr
+    assert [r["round"] for r in read_metrics(copy)] == [1, 2, 3, 4]
+    assert json.loads((copy / "summary.json").read_text())["rounds"] == 4
 
 
 def test_unwritable_output_directory(tmp_path, cache_dir):
@@ -80,3 +134,24 @@ def test_prune_drops_old_and_incomplete_checkpoints(tmp_path):
     _prune(tmp_path, keep=2)
     # round 5 is incomplete but newer than the newest complete one: a save may be under way
     assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00004", "round_00005"]
+
+
+def test_manifests_of_older_versions_still_match_their_experiment():
+    """Older manifests kept data paths in the experiment and algo.* as typed; they still resume,
+    and a real change is still named."""
+    import dataclasses
+
+    from htfl_dist.algorithms import get_algorithm, parse_options
+    from htfl_dist.config import load_config
+    from htfl_dist.runtime.checkpoint import _changes_since
+
+    config = load_config(SMOKE, ["algorithm=fedtgp", "algo.tau=50"])
+    config.algo = dataclasses.asdict(parse_options(get_algorithm("fedtgp"), config.algo))  # as main does
+    old = config.to_dict()
+    for key in ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload"):
+        old.pop(key)
+    old["data"].update(root="/old/data", cache_dir="/old/cache")
+    old["algo"] = {"tau": 50.0}
+    assert _changes_since({"experiment": old}, config) == []
+    old["seed"] = 7
+    assert _changes_since({"experiment": old}, config) == ["seed: 7 -> 0"]

@@ -132,3 +132,4 @@ def test_diverged_clients_are_skipped_and_the_run_goes_on(tmp_path, cache_dir):
     rows = read_metrics(tmp_path)
     assert [r["round"] for r in rows] == [1, 2]
     assert rows[0]["skipped_clients"] == list(range(6))
+    assert rows[0]["server_skipped"] is True  # nothing left to learn from: last knowledge kept, not erased

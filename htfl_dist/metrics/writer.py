@@ -66,11 +66,13 @@ class MetricsLog:
 
     def load_existing(self, up_to_round: int, source: Path | None = None) -> None:
         """On resume: keep the rows of completed rounds (from ``source``, the checkpointed run's
-        metrics, by default this run's own) and drop any written after the checkpoint."""
+        metrics, by default this run's own) and drop any written after the checkpoint; with
+        ``up_to_round`` 0 (no checkpoint to resume from) the file is emptied."""
         source = source if source is not None and source.exists() else self.path
         if not source.exists():
             return
-        rows = read_rows(source)  # a run killed mid-append can leave its last line half-written
+        # up_to_round 0: a restart from scratch discards the rows, whatever state they are in
+        rows = read_rows(source) if up_to_round > 0 else []  # read_rows skips a half-written last line
         self.rows = [row for row in rows if row["round"] <= up_to_round]
         write_atomic(self.path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
 

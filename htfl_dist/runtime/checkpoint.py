@@ -2,7 +2,8 @@
 
 Layout under ``<out>/checkpoints/round_<NNNNN>/``: ``server.pt`` (rank 0), one
 ``client_<id>.pt`` per logical client (written by whichever rank hosts it), and
-``MANIFEST.json`` written by rank 0 *last*, after a barrier, by rename. A round directory
+``MANIFEST.json`` written by rank 0 *last*, after a barrier, by rename; every file and name is
+fsynced before the manifest vouches for it and before older checkpoints are pruned. A round directory
 without a manifest is incomplete and ignored, so a job killed mid-save never damages the
 previous checkpoint. Nothing is keyed by rank, so a job may resume on a different world size.
 
@@ -11,14 +12,19 @@ round number is all a resumed run needs to draw the same numbers.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+import errno
 import json
+import os
 import shutil
 from pathlib import Path
 
 import torch
 
+from htfl_dist.algorithms import get_algorithm, parse_options
 from htfl_dist.atomic import replaced_atomically
-from htfl_dist.config import experiment_differences
+from htfl_dist.config import Config, experiment_differences
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import write_json
 
@@ -28,8 +34,29 @@ def _round_dir(out_dir: Path, completed_rounds: int) -> Path:
 
 
 def _save_atomic(obj, path: Path) -> None:
-    with replaced_atomically(path) as tmp:
-        torch.save(obj, tmp)
+    """Write ``obj`` to ``path`` by rename, with its bytes on disk first: the manifest that
+    vouches for this file is fsynced and older checkpoints are pruned after it, so an unsynced
+    file could leave, after a node crash, a "complete" checkpoint of empty .pt files as the only one."""
+    with replaced_atomically(path) as tmp, open(tmp, "wb") as handle:
+        torch.save(obj, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the renames into ``directory`` durable (fsyncing a file does not persist its name).
+    Skipped where directories cannot be opened or synced (non-POSIX systems, some file systems)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 def save(out_dir: Path, completed_rounds: int, config, transport, *, clients, server) -> None:
@@ -48,6 +75,7 @@ def save(out_dir: Path, completed_rounds: int, config, transport, *, clients, se
         _save_atomic(state, directory / f"client_{client_id}.pt")
     if server is not None:
         _save_atomic({"server": server.state_dict()}, directory / "server.pt")
+    _fsync_directory(directory)  # each rank its own renames, before the manifest vouches for them
     transport.barrier()
     if transport.rank == 0:
         missing = [cid for cid in expected_clients if not (directory / f"client_{cid}.pt").exists()]
@@ -58,6 +86,9 @@ def save(out_dir: Path, completed_rounds: int, config, transport, *, clients, se
             "round": completed_rounds, "config_hash": config.config_hash(), "experiment": config.experiment(),
             "clients": expected_clients, "files": sorted(p.name for p in directory.glob("*.pt")),
         })
+        # the manifest's name and the round directory's, durable before older checkpoints are deleted
+        for synced in (directory, directory.parent):
+            _fsync_directory(synced)
         _prune(out_dir, config.checkpoint_keep)
     transport.barrier()
 
@@ -98,6 +129,22 @@ def _load(path: Path, device: torch.device):
                         f"delete {path.parent} to resume from an earlier one") from None
 
 
+def _changes_since(manifest: dict, config: Config) -> list[str]:
+    """What differs between the checkpoint's experiment and this run's, with a manifest written by
+    an older version brought to today's form first (data paths were part of the experiment, and
+    ``algo`` was kept as typed rather than with every option spelled out), so such checkpoints
+    still resume. An empty list means the same experiment."""
+    saved = copy.deepcopy(manifest.get("experiment", {}))
+    for key in ("root", "cache_dir"):
+        saved.get("data", {}).pop(key, None)
+    try:
+        entry = get_algorithm(saved.get("algorithm", config.algorithm))
+        saved["algo"] = dataclasses.asdict(parse_options(entry, saved.get("algo") or {}))
+    except HtflError:
+        pass  # an algorithm or option this version lacks: the comparison below names it
+    return experiment_differences(saved, config.experiment())
+
+
 def find_checkpoint(source: Path) -> Path | None:
     """``source`` is a run directory (newest complete checkpoint in it) or one checkpoint
     directory holding a MANIFEST.json."""
@@ -115,11 +162,11 @@ def load(directory: Path, config, *, clients, server, device: torch.device) -> i
     except (OSError, ValueError, KeyError):
         raise HtflError(f"checkpoint manifest {directory / 'MANIFEST.json'} is unreadable; "
                         f"delete {directory} to resume from an earlier one") from None
-    if manifest.get("config_hash") != config.config_hash():
-        changes = experiment_differences(manifest.get("experiment", {}), config.experiment())
+    changes = [] if manifest.get("config_hash") == config.config_hash() else _changes_since(manifest, config)
+    if changes:
         raise HtflError(
             f"checkpoint {directory} belongs to another experiment "
-            f"({'; '.join(changes[:4]) or 'config hash differs'}); "
+            f"({'; '.join(changes[:4])}); "
             f"resume with the same config or use a new --out directory"
         )
     for client_id, client in clients.items():

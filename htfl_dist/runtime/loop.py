@@ -14,6 +14,7 @@ Per round t (0-based; metrics call it round t+1):
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import yaml
 
 from htfl_dist.algorithms import (
     AlgorithmContext,
@@ -31,7 +33,7 @@ from htfl_dist.algorithms import (
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError
-from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_json
+from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
 from htfl_dist.models import architecture_for_client, build_model
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import (
@@ -67,7 +69,16 @@ REPORT_SPEC = (
 
 CONTROL_SPEC = (Field("stop", torch.int64),)  # rank 0's decision at each round boundary
 
-HANDSHAKE_SPEC = (Field("facts", torch.int64, (4,)),)  # [config hash, C, K, num_clients]
+HANDSHAKE_SPEC = (Field("facts", torch.int64, (5,)),)  # [config hash, C, K, num_clients, software]
+
+
+def software_fingerprint() -> int:
+    """The versions that decide the numbers (htfl_dist, torch, numpy), as one int64: ranks built
+    from different installs would break bitwise world-size invariance without an error."""
+    from htfl_dist import __version__
+
+    text = f"htfl_dist {__version__} torch {torch.__version__} numpy {np.__version__}"
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
 def _rows(values: list[float] | None, width: int) -> torch.Tensor:
@@ -180,7 +191,7 @@ class Federation:
         """Start-up check that every rank runs the same maths (config, classes, feature width)."""
         config_hash = int(self.config.config_hash()[:15], 16)
         facts = torch.tensor([[config_hash, self.partition.num_classes, self.config.model.feature_dim,
-                               self.config.num_clients]], dtype=torch.int64)
+                               self.config.num_clients, software_fingerprint()]], dtype=torch.int64)
         gathered = self.transport.gather(encode(HANDSHAKE_SPEC, {self.rank: {"facts": facts}}))
         if gathered is None:
             return
@@ -190,8 +201,9 @@ class Federation:
                 theirs = payload["facts"][0].tolist()
                 if theirs != mine:
                     raise HtflError(
-                        f"rank {rank} disagrees with rank 0 on (config hash, classes, K, clients): "
-                        f"{theirs} vs {mine}; start every rank with the same config and data"
+                        f"rank {rank} disagrees with rank 0 on (config hash, classes, K, clients, software): "
+                        f"{theirs} vs {mine}; start every rank with the same config, data and install "
+                        f"(htfl_dist, torch, numpy versions)"
                     )
 
     # ------------------------------------------------------------------ one round
@@ -278,6 +290,8 @@ class Federation:
     def run(self) -> dict[str, Any] | None:
         config = self.config
         start_round = self.restore()
+        if self.is_server:
+            self._publish_config()
         knowledge: Payload | None = None  # what the clients of this rank last received
         round_seconds: list[float] = []
         for round_index in range(start_round, config.rounds):
@@ -302,8 +316,11 @@ class Federation:
                                                    config.on_bad_upload, round_index + 1)
                 self.skipped_clients.extend(skipped)
                 server_began = time.perf_counter()
-                generator = torch_generator(config.seed, "server", round_index)
-                diagnostics = self.server.update(gathered, round_index, generator)
+                if gathered or not self.upload_spec:
+                    generator = torch_generator(config.seed, "server", round_index)
+                    diagnostics = self.server.update(gathered, round_index, generator)
+                else:  # every upload was screened out: keep last round's knowledge unchanged
+                    diagnostics = {"server_skipped": True}
                 server_seconds = time.perf_counter() - server_began
             knowledge = None
 
@@ -385,16 +402,26 @@ class Federation:
         and return the rounds it completed; 0 when there is nothing to resume. ``run`` calls it
         first; inspection tools (bench/diagnose_prototypes.py) call it instead of ``run``."""
         source = self.run_context.resume_from
-        if source is None:
+        directory = checkpoint.find_checkpoint(source) if source is not None else None
+        if directory is None:  # a fresh run, or --resume auto before any checkpoint: start over
+            if self.metrics is not None:
+                self.metrics.load_existing(0)  # rows of a run that died before its first checkpoint
             return 0
-        directory = checkpoint.find_checkpoint(source)
-        if directory is None:
-            return 0  # --resume auto on a run with no complete checkpoint yet: start fresh
         completed = checkpoint.load(directory, self.config, clients=self.clients, server=self.server,
                                     device=self.device)
+        if completed > self.config.rounds:
+            raise HtflError(f"checkpoint {directory} is after round {completed} but rounds={self.config.rounds}; "
+                            f"pass rounds={completed} or more to continue it")
         if self.metrics is not None:
             self.metrics.load_existing(completed, source=directory.parent.parent / "metrics.jsonl")
         return completed
+
+    def _publish_config(self) -> None:
+        """Rank 0 writes config.yaml once the run is known to go ahead (after a resume was accepted),
+        and removes a summary.json left by an earlier end of this run, which no longer describes it."""
+        out = self.run_context.out_dir
+        write_atomic(out / "config.yaml", yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+        (out / "summary.json").unlink(missing_ok=True)
 
     def _finish(self, round_seconds: list[float]) -> dict[str, Any]:
         best = self.metrics.best()
