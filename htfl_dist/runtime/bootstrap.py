@@ -41,6 +41,18 @@ def _int_env(name: str, default: int | None = None) -> int:
     return int(value)
 
 
+def _is_srun_task(env: os._Environ | dict[str, str]) -> bool:
+    """A task of a multi-task srun step. The step variables matter: a batch script (or an
+    salloc shell) also carries SLURM_PROCID=0 and SLURM_NTASKS=N, and a plain
+    ``python -m htfl_dist.main`` run there is one process, not rank 0 of N."""
+    if "SLURM_PROCID" not in env or "SLURM_STEP_NUM_TASKS" not in env:
+        return False
+    try:
+        return int(env["SLURM_STEP_NUM_TASKS"]) > 1
+    except ValueError:
+        return False
+
+
 def detect_launch() -> LaunchInfo:
     """Rank and world from the launcher's environment (no communication yet)."""
     env = os.environ
@@ -54,8 +66,8 @@ def detect_launch() -> LaunchInfo:
         comm = MPI.COMM_WORLD
         local = comm.Split_type(MPI.COMM_TYPE_SHARED)
         return LaunchInfo("mpi", comm.Get_rank(), comm.Get_size(), local.Get_rank(), local.Get_size())
-    if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
-        return LaunchInfo("slurm", _int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS"),
+    if _is_srun_task(env):
+        return LaunchInfo("slurm", _int_env("SLURM_PROCID"), _int_env("SLURM_STEP_NUM_TASKS"),
                           _int_env("SLURM_LOCALID", 0), _int_env("SLURM_NTASKS_PER_NODE", 1))
     return LaunchInfo("single", 0, 1, 0, 1)
 

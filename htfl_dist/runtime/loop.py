@@ -349,10 +349,10 @@ class Federation:
                 eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
                 progress(format_progress(round_index + 1, config.rounds, row, seconds, eta))
             stop = self._agree_to_stop(report)
-            self.watchdog.disarm()
             periodic = config.checkpoint_every and (round_index + 1) % config.checkpoint_every == 0
             if stop or periodic:
-                self._save_checkpoint(round_index + 1)
+                self._save_checkpoint(round_index + 1)  # inside the deadline: a stuck save must not hang MPI
+            self.watchdog.disarm()
             if stop:
                 self.preempted_after = round_index + 1
                 return None
