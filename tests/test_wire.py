@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from htfl_dist.errors import ProtocolError
-from htfl_dist.runtime.wire import Encoded, Field, decode, encode
+from htfl_dist.runtime.wire import Encoded, Field, PayloadDeclarationError, decode, encode
 
 SPEC = (Field("class_ids", torch.int64), Field("protos", torch.float32, (4,)))
 
@@ -27,11 +27,13 @@ def test_round_trip_variable_rows_in_client_order():
 
 
 def test_encode_rejects_undeclared_dtype_and_shape():
-    with pytest.raises(ProtocolError, match="dtype"):
+    """A payload off its own declaration is a bug in the sending algorithm: a TypeError with a
+    traceback, not a one-line user error."""
+    with pytest.raises(PayloadDeclarationError, match="dtype"):
         encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 4, dtype=torch.float64)}})
-    with pytest.raises(ProtocolError, match="shape"):
+    with pytest.raises(PayloadDeclarationError, match="shape"):
         encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 5)}})
-    with pytest.raises(ProtocolError, match="undeclared"):
+    with pytest.raises(PayloadDeclarationError, match="undeclared"):
         encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 4), "x": torch.ones(1)}})
 
 

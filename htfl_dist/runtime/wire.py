@@ -53,14 +53,20 @@ class Encoded:
         return self.header.numel() * 8 + self.body.numel()
 
 
+class PayloadDeclarationError(TypeError):
+    """An algorithm built a payload that does not match its own declaration: a bug in the code
+    that sends it, not bad input, so it keeps its traceback (a ProtocolError would be reported
+    as a one-line user error)."""
+
+
 def _check_field(field: Field, tensor: torch.Tensor, entry_id: int) -> None:
     if tensor.dtype != field.dtype:
-        raise ProtocolError(
+        raise PayloadDeclarationError(
             f"payload field '{field.name}' of client {entry_id} has dtype {tensor.dtype}, "
             f"declared {field.dtype}"
         )
     if tuple(tensor.shape[1:]) != field.trailing_shape:
-        raise ProtocolError(
+        raise PayloadDeclarationError(
             f"payload field '{field.name}' of client {entry_id} has shape {tuple(tensor.shape)}, "
             f"declared (rows, {', '.join(map(str, field.trailing_shape))})"
         )
@@ -75,7 +81,7 @@ def encode(spec: PayloadSpec, entries: dict[int, Payload]) -> Encoded:
         missing = [f.name for f in spec if f.name not in payload]
         extra = sorted(set(payload) - {f.name for f in spec})
         if missing or extra:
-            raise ProtocolError(
+            raise PayloadDeclarationError(
                 f"payload of client {entry_id} does not match its declaration "
                 f"(missing {missing}, undeclared {extra})"
             )
