@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from htfl_dist.algorithms import get_algorithm, parse_options
+from htfl_dist.algorithms import ClientState, ServerAlgorithm, get_algorithm, parse_options
 from htfl_dist.atomic import replaced_atomically
 from htfl_dist.config import Config, experiment_differences
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import write_json
+from htfl_dist.runtime.transport import Transport
 
 
 def _round_dir(out_dir: Path, completed_rounds: int) -> Path:
@@ -59,7 +60,8 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def save(out_dir: Path, completed_rounds: int, config, transport, *, clients, server) -> None:
+def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transport, *,
+         clients: dict[int, ClientState], server: ServerAlgorithm | None) -> None:
     """Every rank writes the clients it hosts (and rank 0 the server); rank 0 publishes the
     manifest after a barrier, then prunes all but the newest ``config.checkpoint_keep``."""
     expected_clients = list(range(config.num_clients))
@@ -154,7 +156,8 @@ def find_checkpoint(source: Path) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def load(directory: Path, config, *, clients, server, device: torch.device) -> int:
+def load(directory: Path, config: Config, *, clients: dict[int, ClientState], server: ServerAlgorithm | None,
+         device: torch.device) -> int:
     """Restore the checkpoint in ``directory``; returns its completed-round count."""
     try:
         manifest = json.loads((directory / "MANIFEST.json").read_text())

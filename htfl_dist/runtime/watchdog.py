@@ -7,10 +7,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 
 class RoundWatchdog:
-    def __init__(self, deadline_s: float, where: str, abort) -> None:
+    def __init__(self, deadline_s: float, where: str, abort: Callable[[int], None]) -> None:
         self._deadline_s, self._where, self._abort = deadline_s, where, abort
         self._round: int | None = None
         self._armed_at = 0.0
