@@ -138,7 +138,8 @@ def test_damaged_middle_line_is_an_error_naming_file_and_line(tmp_path):
 
 def test_not_a_run_directory(tmp_path):
     (tmp_path / "empty").mkdir()
-    for path, reason in ((tmp_path / "empty", "has no metrics.jsonl"), (tmp_path / "missing", "does not exist")):
+    for path, reason in ((tmp_path / "empty", "has neither metrics.jsonl nor config.yaml"),
+                         (tmp_path / "missing", "does not exist")):
         with pytest.raises(ReportError, match="is not a run directory") as error:
             read_run(path)
         assert str(path) in str(error.value) and reason in str(error.value)
@@ -234,3 +235,16 @@ def test_cli_user_errors_are_one_line_and_exit_code_2(tmp_path, args, needles):
     assert len(lines) == 1 and lines[0].startswith("htfl_dist: error: "), result.stderr
     for needle in needles:
         assert needle.format(tmp=tmp_path) in lines[0]
+
+
+def test_a_started_run_without_rows_is_listed(tmp_path):
+    """A run that has written config.yaml but not evaluated its first round yet is reported with
+    no numbers instead of failing the whole report (e.g. `report runs/*` during a sweep)."""
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "config.yaml").write_text(yaml.safe_dump(_config(5, "fedproto"), sort_keys=False))
+    record = read_run(started)
+    assert record.rows == [] and record.summary is None
+    summary = summarise(record)
+    assert summary["best_test_acc"] is None and summary["finished"] is False
+    assert "started" in report_table([record])

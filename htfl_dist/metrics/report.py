@@ -58,19 +58,19 @@ class RunRecord:
 def read_run(path: str | Path) -> RunRecord:
     """Read a run directory, finished or still running (see :func:`read_rows`)."""
     path = Path(path)
-    metrics = path / METRICS_FILE
-    if not metrics.is_file():
+    metrics, config_file = path / METRICS_FILE, path / CONFIG_FILE
+    if not metrics.is_file() and not config_file.is_file():
         reason = ("does not exist" if not path.exists() else "is a file" if not path.is_dir()
-                  else f"has no {METRICS_FILE}")
+                  else f"has neither {METRICS_FILE} nor {CONFIG_FILE}")
         raise ReportError(f"{path} is not a run directory: it {reason}; {RUN_DIRECTORY}")
-    config_file = path / CONFIG_FILE
     if not config_file.is_file():
         raise ReportError(f"{path} has {METRICS_FILE} but no {CONFIG_FILE}; {RUN_DIRECTORY}")
     config = _read_config(config_file)
     summary = read_summary(path)
     if summary is not None and summary.get("rounds", 0) < config.get("rounds", 0):
         summary = None  # left by an earlier end of the run, before `--resume auto rounds=MORE`
-    return RunRecord(path, config, summary, read_rows(metrics))
+    rows = read_rows(metrics) if metrics.is_file() else []  # started, first round not evaluated yet
+    return RunRecord(path, config, summary, rows)
 
 
 def _read_config(config_file: Path) -> dict[str, Any]:
