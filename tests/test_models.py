@@ -434,4 +434,8 @@ def test_register_rejects_separator_and_duplicate_heads() -> None:
         @register_architecture("cnn:wide")
         def _colon_arch(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
             raise AssertionError("never called")
-    assert "a:b" not in heads() and "cnn:wide" not in architectures()
+    with pytest.raises(ValueError, match="must not contain ','"):
+        @register_architecture("cnn,wide")
+        def _comma_arch(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+            raise AssertionError("never called")
+    assert "a:b" not in heads() and "cnn:wide" not in architectures() and "cnn,wide" not in architectures()

@@ -65,4 +65,14 @@ def natural_key(name: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-__all__ = ["SplitModel", "linear_head", "natural_key"]
+def check_new_name(kind: str, name: str, taken: dict[str, object]) -> None:
+    """Shared rule of the architecture and head registries: a name is registered once, and holds
+    neither ':' (it separates ARCH:HEAD) nor ',' (it separates the members of a custom group)."""
+    if name in taken:
+        raise ValueError(f"{kind} {name!r} is already registered")
+    for separator, role in ((":", "ARCH:HEAD"), (",", "the members of a custom group")):
+        if separator in name:
+            raise ValueError(f"{kind} name {name!r} must not contain {separator!r} (it separates {role})")
+
+
+__all__ = ["SplitModel", "check_new_name", "linear_head", "natural_key"]

@@ -26,7 +26,7 @@ from torch import nn
 
 from htfl_dist.errors import ConfigError
 
-from .base import linear_head, natural_key
+from .base import check_new_name, linear_head, natural_key
 
 HeadBuilder = Callable[[int, int], nn.Module]
 """``(feature_dim, num_classes) -> module`` mapping ``(B, K)`` features to ``(B, C)`` logits."""
@@ -46,10 +46,7 @@ def register_head(name: str) -> Callable[[HeadBuilder], HeadBuilder]:
     """Decorator registering a head builder under ``name``. Registering a name twice is a bug."""
 
     def decorator(builder: HeadBuilder) -> HeadBuilder:
-        if name in _HEADS:
-            raise ValueError(f"head {name!r} is already registered")
-        if ":" in name:
-            raise ValueError(f"head name {name!r} must not contain ':' (it separates ARCH:HEAD)")
+        check_new_name("head", name, _HEADS)
         _HEADS[name] = builder
         return builder
 

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from htfl_dist.errors import ConfigError
 
-from .base import SplitModel, natural_key
+from .base import SplitModel, check_new_name, natural_key
 from .heads import DEFAULT_HEAD, HEAD_GROUPS, build_head, check_head, heads
 
 
@@ -82,12 +82,9 @@ def register_architecture(name: str) -> Callable[[ArchitectureBuilder], Architec
     """Decorator registering ``builder`` under ``name``. Registering a name twice is a bug."""
 
     def decorator(builder: ArchitectureBuilder) -> ArchitectureBuilder:
-        if name in _ARCHITECTURES:
-            raise ValueError(f"architecture {name!r} is already registered")
+        check_new_name("architecture", name, _ARCHITECTURES)
         if name in _MODEL_GROUPS:
             raise ValueError(f"architecture name {name!r} clashes with a model group name")
-        if HEAD_SEPARATOR in name:
-            raise ValueError(f"architecture name {name!r} must not contain {HEAD_SEPARATOR!r} (it separates ARCH:HEAD)")
         _ARCHITECTURES[name] = builder
         return builder
 
