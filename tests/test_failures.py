@@ -135,3 +135,13 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path, cache_dir):
     assert result.returncode != 0
     assert "error on rank 1 (clients [0, 2, 4]): checkpoint file" in result.stderr
     assert "client_4.pt cannot be read" in result.stderr
+
+
+def test_start_up_is_inside_the_deadline(tmp_path, cache_dir):
+    """Data preparation, model building and the handshake are watched too: under MPI a rank stuck
+    there would otherwise hang the job. A deadline shorter than any start-up shows it is armed."""
+    result = launch("mpirun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                                  "runtime.round_deadline_s=0.2"], timeout=120)
+    assert result.returncode != 0
+    assert "start-up exceeded runtime.round_deadline_s=0.2" in result.stderr, result.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()

@@ -45,7 +45,7 @@ from htfl_dist.runtime.placement import (
 from htfl_dist.runtime.preemption import PreemptionFlag
 from htfl_dist.runtime.screening import screen_uploads
 from htfl_dist.runtime.transport import Transport
-from htfl_dist.runtime.watchdog import RoundWatchdog
+from htfl_dist.runtime.watchdog import STARTUP, RoundWatchdog
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, Payload, decode, encode
 from htfl_dist.seeding import seed_global_torch, torch_generator
 
@@ -130,6 +130,10 @@ class Federation:
         self.device = run.device
         self.rank, self.world_size = transport.rank, transport.world_size
         self.is_server = self.rank == 0
+        self.watchdog = RoundWatchdog(config.runtime.round_deadline_s,
+                                      describe_rank(self.rank, self.world_size, config.num_clients),
+                                      transport.abort)
+        self.watchdog.arm(STARTUP)  # a rank stuck in data preparation or the handshake must not hang MPI
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)
         self.partition = self._prepare_data()
@@ -147,11 +151,9 @@ class Federation:
         self.my_client_ids = clients_of_rank(self.rank, self.world_size, config.num_clients)
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
+        self.watchdog.disarm()
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
         self.preemption = PreemptionFlag(config.runtime.preempt_grace_s)
-        self.watchdog = RoundWatchdog(config.runtime.round_deadline_s,
-                                      describe_rank(self.rank, self.world_size, config.num_clients),
-                                      transport.abort)
         self.preempted_after: int | None = None
         self.skipped_clients: list[int] = []
 

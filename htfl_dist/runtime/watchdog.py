@@ -1,6 +1,7 @@
-"""Round deadline: a rank that waits longer than ``runtime.round_deadline_s`` for a round to end
-(a peer hung, a collective that never completes: MPI has no timeout of its own) ends the whole
-job with a message naming itself and the clients it hosts, instead of hanging forever."""
+"""Round deadline: a rank that waits longer than ``runtime.round_deadline_s`` for a round (or the
+start-up: data preparation, models, handshake) to end (a peer hung, a collective that never
+completes: MPI has no timeout of its own) ends the whole job with a message naming itself and the
+clients it hosts, instead of hanging forever."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+
+STARTUP = 0
+"""The 'round' armed while the federation is set up (data preparation, models, handshake)."""
 
 
 class RoundWatchdog:
@@ -34,7 +38,8 @@ class RoundWatchdog:
                 late = self._round is not None and time.monotonic() - self._armed_at > self._deadline_s
                 round_number = self._round
             if late:
-                print(f"htfl_dist: {self._where}: round {round_number} exceeded runtime.round_deadline_s="
+                what = "start-up" if round_number == STARTUP else f"round {round_number}"
+                print(f"htfl_dist: {self._where}: {what} exceeded runtime.round_deadline_s="
                       f"{self._deadline_s:g}; a rank is hung or too slow: ending the job", file=sys.stderr, flush=True)
                 try:
                     self._abort(1)
