@@ -7,6 +7,7 @@ are validated by the chosen algorithm's own options dataclass (see ``algorithms`
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -138,12 +139,7 @@ class Config:
 
     def experiment(self) -> dict[str, Any]:
         """The keys that define the experiment's maths (what a resumed run must not change)."""
-        data = self.to_dict()
-        for key in ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload"):
-            data.pop(key)  # plumbing and run length: a resumed run may extend `rounds`
-        for key in ("root", "cache_dir"):
-            data["data"].pop(key)  # where the data lives: moving it (another node, a new cache) is the same run
-        return data
+        return experiment_view(self.to_dict())
 
     def config_hash(self) -> str:
         """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal
@@ -378,6 +374,23 @@ def validate(config: Config) -> None:
              f"config key 'runtime.round_deadline_s' must be >= 0 (0 = none), got {runtime.round_deadline_s}")
     _require(runtime.preempt_grace_s > 0,
              f"config key 'runtime.preempt_grace_s' must be > 0, got {runtime.preempt_grace_s}")
+
+
+PLUMBING_KEYS = ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")
+"""Not part of the experiment: plumbing, and the run length (a resumed run may extend `rounds`)."""
+DATA_LOCATION_KEYS = ("root", "cache_dir")
+"""Where the data lives: moving it (another node, a new cache) is the same run."""
+
+
+def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
+    """The experiment part of a config dict (a copy). Tolerates keys that are absent, so it also
+    reads the experiments stored by older versions in checkpoint manifests."""
+    view = copy.deepcopy(tree)
+    for key in PLUMBING_KEYS:
+        view.pop(key, None)
+    for key in DATA_LOCATION_KEYS:
+        view.get("data", {}).pop(key, None)
+    return view
 
 
 def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:

@@ -7,7 +7,6 @@ traceback of the failing rank, names the rank and its clients, and brings every 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -94,7 +93,7 @@ def _make_deterministic(torch) -> None:
 def run(argv: list[str] | None = None) -> int:
     import torch
 
-    from htfl_dist.algorithms import get_algorithm, parse_options
+    from htfl_dist.algorithms import spelled_out_options
     from htfl_dist.config import load_config
     from htfl_dist.models import architecture_for_client
     from htfl_dist.runtime.bootstrap import detect_launch, open_transport, pick_device
@@ -106,7 +105,7 @@ def run(argv: list[str] | None = None) -> int:
     # Checks every rank makes identically, before any communication (errors print once).
     # Every option spelled out: config.yaml shows the values used, and writing a default
     # explicitly does not make a different experiment (config hash).
-    config.algo = dataclasses.asdict(parse_options(get_algorithm(config.algorithm), config.algo))
+    config.algo = spelled_out_options(config.algorithm, config.algo)
     architecture_for_client(config.model.group, 0)
     launch = detect_launch()
     check_world_size(launch.world_size, config.num_clients)

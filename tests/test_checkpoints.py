@@ -139,17 +139,13 @@ def test_prune_drops_old_and_incomplete_checkpoints(tmp_path):
 def test_manifests_of_older_versions_still_match_their_experiment():
     """Older manifests kept data paths in the experiment and algo.* as typed; they still resume,
     and a real change is still named."""
-    import dataclasses
-
-    from htfl_dist.algorithms import get_algorithm, parse_options
+    from htfl_dist.algorithms import spelled_out_options
     from htfl_dist.config import load_config
     from htfl_dist.runtime.checkpoint import _changes_since
 
     config = load_config(SMOKE, ["algorithm=fedtgp", "algo.tau=50"])
-    config.algo = dataclasses.asdict(parse_options(get_algorithm("fedtgp"), config.algo))  # as main does
-    old = config.to_dict()
-    for key in ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload"):
-        old.pop(key)
+    config.algo = spelled_out_options("fedtgp", config.algo)  # as main does
+    old = config.experiment()
     old["data"].update(root="/old/data", cache_dir="/old/cache")
     old["algo"] = {"tau": 50.0}
     assert _changes_since({"experiment": old}, config) == []

@@ -9,4 +9,5 @@ from htfl_dist.algorithms.base import (  # noqa: F401
     algorithm_names,
     get_algorithm,
     parse_options,
+    spelled_out_options,
 )

@@ -11,6 +11,7 @@ Payloads are declared (``download_spec`` / ``upload_spec``) so they travel as te
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -165,6 +166,12 @@ def parse_options(entry: AlgorithmEntry, raw: dict[str, Any]) -> Any:
     if check is not None:
         check()
     return options
+
+
+def spelled_out_options(algorithm: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """``algo.*`` validated and with every option written out: the form a config is stored and
+    compared in, so writing a default explicitly is not a different experiment."""
+    return dataclasses.asdict(parse_options(get_algorithm(algorithm), raw))
 
 
 # ----------------------------------------------------------------------------- shared maths

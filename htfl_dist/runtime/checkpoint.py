@@ -12,8 +12,7 @@ round number is all a resumed run needs to draw the same numbers.
 """
 from __future__ import annotations
 
-import copy
-import dataclasses
+import contextlib
 import errno
 import json
 import os
@@ -22,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from htfl_dist.algorithms import ClientState, ServerAlgorithm, get_algorithm, parse_options
+from htfl_dist.algorithms import ClientState, ServerAlgorithm, spelled_out_options
 from htfl_dist.atomic import replaced_atomically
-from htfl_dist.config import Config, experiment_differences
+from htfl_dist.config import Config, experiment_differences, experiment_view
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import write_json
 from htfl_dist.runtime.transport import Transport
@@ -136,14 +135,9 @@ def _changes_since(manifest: dict, config: Config) -> list[str]:
     an older version brought to today's form first (data paths were part of the experiment, and
     ``algo`` was kept as typed rather than with every option spelled out), so such checkpoints
     still resume. An empty list means the same experiment."""
-    saved = copy.deepcopy(manifest.get("experiment", {}))
-    for key in ("root", "cache_dir"):
-        saved.get("data", {}).pop(key, None)
-    try:
-        entry = get_algorithm(saved.get("algorithm", config.algorithm))
-        saved["algo"] = dataclasses.asdict(parse_options(entry, saved.get("algo") or {}))
-    except HtflError:
-        pass  # an algorithm or option this version lacks: the comparison below names it
+    saved = experiment_view(manifest.get("experiment", {}))
+    with contextlib.suppress(HtflError):  # an algorithm or option this version lacks: the comparison names it
+        saved["algo"] = spelled_out_options(saved.get("algorithm", config.algorithm), saved.get("algo") or {})
     return experiment_differences(saved, config.experiment())
 
 
