@@ -259,10 +259,15 @@ def test_tinyimagenet_root_as_folder_and_determinism(tmp_path, monkeypatch):
     assert np.array_equal(a.images, d.images) and np.array_equal(a.labels, d.labels)
 
 
-def _tiny_error(root, match: str) -> str:
+def _load_error(name: str, root, match: str) -> str:
+    """The one-line DataError that loading dataset ``name`` from ``root`` (None: unset) raises."""
     with pytest.raises(DataError, match=match) as exc:
-        load_dataset("tinyimagenet", None if root is None else str(root))
+        load_dataset(name, None if root is None else str(root))
     return _one_line(exc)
+
+
+def _tiny_error(root, match: str) -> str:
+    return _load_error("tinyimagenet", root, match)
 
 
 def test_tinyimagenet_errors(tmp_path):
@@ -364,9 +369,7 @@ def test_flowers102_root_as_folder_and_determinism(tmp_path):
 
 
 def _flowers_error(root, match: str) -> str:
-    with pytest.raises(DataError, match=match) as exc:
-        load_dataset("flowers102", None if root is None else str(root))
-    return _one_line(exc)
+    return _load_error("flowers102", root, match)
 
 
 def test_flowers102_errors(tmp_path):
