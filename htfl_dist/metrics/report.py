@@ -109,18 +109,17 @@ def summarise(run: RunRecord) -> dict[str, Any]:
     """The numbers that compare runs: what was run, how far it got, accuracy, time and traffic.
     Means are over the evaluated rounds (the rows), so an unfinished run summarises what it has;
     a value a run has no rows for yet is None."""
-    return {**_identity(run), **_accuracy(run.rows), **_cost(run.rows)}
+    return {**_identity(run), **accuracy_summary(run.rows), **_cost(run.rows)}
 
 
 def _identity(run: RunRecord) -> dict[str, Any]:
     data, model = run.config.get("data") or {}, run.config.get("model") or {}
-    group = model.get("group")
     return {
         "run": run.name,
         "algorithm": run.config.get("algorithm"),
         "dataset": data.get("dataset"),
         "partition": data.get("partition"),
-        "model_group": ",".join(group) if isinstance(group, list) else group,
+        "model_group": model.get("group"),  # a custom group is stored comma-separated
         "seed": run.config.get("seed"),
         "rounds_done": run.rows[-1]["round"] if run.rows else 0,
         "rounds_planned": run.config.get("rounds"),
@@ -128,7 +127,9 @@ def _identity(run: RunRecord) -> dict[str, Any]:
     }
 
 
-def _accuracy(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def accuracy_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Best (earliest of equal bests) and last accuracy of metrics rows: what summary.json and the
+    report both state, computed in this one place."""
     evaluated = [row for row in rows if _is_number(row.get("test_acc"))]
     best = max(evaluated, key=lambda row: row["test_acc"], default=None)  # the earliest of equal bests
     last = evaluated[-1] if evaluated else {}

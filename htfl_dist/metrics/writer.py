@@ -82,10 +82,6 @@ class MetricsLog:
             handle.write(json.dumps(row, sort_keys=True) + "\n")
             handle.flush()
 
-    def best(self) -> dict[str, Any] | None:
-        if not self.rows:
-            return None
-        return max(self.rows, key=lambda row: (row["test_acc"], -row["round"]))
 
 
 def format_progress(round_number: int, rounds: int, row: dict[str, Any] | None, seconds: float,

@@ -33,6 +33,7 @@ from htfl_dist.algorithms import (
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError
+from htfl_dist.metrics.report import accuracy_summary
 from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
 from htfl_dist.models import architecture_for_client, build_model
 from htfl_dist.runtime import checkpoint
@@ -426,13 +427,8 @@ class Federation:
         (out / "summary.json").unlink(missing_ok=True)
 
     def _finish(self, round_seconds: list[float]) -> dict[str, Any]:
-        best = self.metrics.best()
-        last = self.metrics.rows[-1] if self.metrics.rows else None
         summary = {
-            "best_test_acc": best["test_acc"] if best else None,
-            "best_round": best["round"] if best else None,
-            "last_test_acc": last["test_acc"] if last else None,
-            "last_test_acc_head": last["test_acc_head"] if last else None,
+            **accuracy_summary(self.metrics.rows),
             "rounds": self.config.rounds,
             "config_hash": self.config.config_hash(),
             "world_size": self.world_size,
