@@ -266,6 +266,7 @@ def jpeg_folder(name: str, root: str | None) -> str:
 
     ``root`` is the directory holding that folder or the folder itself (recognised by its
     name or by its marker file, wnids.txt / imagelabels.mat, so a renamed copy works too).
+    Its metadata files and image directories must all be there (one-line DataError naming them).
     """
     spec = _JPEG_SETS[name]
     if not root:
@@ -283,6 +284,7 @@ def jpeg_folder(name: str, root: str | None) -> str:
             f"{spec['title']} not found at {root}: expected {folder}/; set data.root=DIR to the "
             f"directory holding {spec['folder']}/ or {spec['get']}"
         )
+    _require(folder, name, _META[name])
     return folder
 
 
@@ -482,7 +484,6 @@ def _tiny_train(folder: str, wnids: list[str]) -> tuple[list[str], list[int]]:
 def tinyimagenet_files(root: str | None) -> list[str]:
     """The metadata files and image directories Tiny-ImageNet is read from."""
     folder = jpeg_folder("tinyimagenet", root)
-    _require(folder, "tinyimagenet", _TINY_META)
     wnids = _tiny_wnids(folder)
     dirs = [os.path.join(folder, "train", w, "images") for w in wnids]
     return [os.path.join(folder, "wnids.txt"), os.path.join(folder, "val", "val_annotations.txt"),
@@ -491,7 +492,6 @@ def tinyimagenet_files(root: str | None) -> list[str]:
 
 def _tinyimagenet_fingerprint(root: str | None) -> list[list]:
     folder = jpeg_folder("tinyimagenet", root)
-    _require(folder, "tinyimagenet", _TINY_META)
     wnids = _tiny_wnids(folder)
     class_dirs = []
     for wnid in wnids:
@@ -511,7 +511,6 @@ def _tinyimagenet_fingerprint(root: str | None) -> list[list]:
 def _load_tinyimagenet(root: str | None) -> DatasetArrays:
     """train (100,000) + val (10,000) images; the official test split has no labels."""
     folder = jpeg_folder("tinyimagenet", root)
-    _require(folder, "tinyimagenet", _TINY_META)
     wnids = _tiny_wnids(folder)
     index = {w: i for i, w in enumerate(wnids)}
     train_paths, train_labels = _tiny_train(folder, wnids)
@@ -526,6 +525,7 @@ def _load_tinyimagenet(root: str | None) -> DatasetArrays:
 
 _FLOWERS_META = ["jpg/", "imagelabels.mat", "setid.mat"]
 _FLOWERS_SPLITS = ("trnid", "valid", "tstid")  # torchvision's train / val / test keys
+_META = {"tinyimagenet": _TINY_META, "flowers102": _FLOWERS_META}  # what jpeg_folder requires
 
 
 def _read_mat(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -558,13 +558,11 @@ def _read_mat(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
 def flowers102_files(root: str | None) -> list[str]:
     """The metadata files and the image directory Flowers102 is read from."""
     folder = jpeg_folder("flowers102", root)
-    _require(folder, "flowers102", _FLOWERS_META)
     return [os.path.join(folder, e.rstrip("/")) for e in _FLOWERS_META]
 
 
 def _flowers102_fingerprint(root: str | None) -> list[list]:
     folder = jpeg_folder("flowers102", root)
-    _require(folder, "flowers102", _FLOWERS_META)
     return [
         ["preprocess", "RGB", IMAGE_SIZE["flowers102"], "PIL-bilinear"],
         _file_entry(folder, "imagelabels.mat"),
@@ -576,7 +574,6 @@ def _flowers102_fingerprint(root: str | None) -> list[list]:
 def _load_flowers102(root: str | None) -> DatasetArrays:
     """All 8189 images (torchvision's train + val + test, in that order, as PFLlib reads them)."""
     folder = jpeg_folder("flowers102", root)
-    _require(folder, "flowers102", _FLOWERS_META)
     fix = _JPEG_SETS["flowers102"]["fix"]
     labels_path = os.path.join(folder, "imagelabels.mat")
     setid_path = os.path.join(folder, "setid.mat")
