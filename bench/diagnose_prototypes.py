@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from htfl_dist.algorithms.base import class_prototypes, euclidean_distances
+from htfl_dist.algorithms.class_rows import class_prototypes, euclidean_distances
 from htfl_dist.config import load_config
 from htfl_dist.errors import HtflError
 from htfl_dist.runtime.checkpoint import find_checkpoint

@@ -160,6 +160,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], key)
+    if origin is typing.Literal:
+        allowed = [str(choice) for choice in args]
+        if str(value) not in allowed or isinstance(value, (dict, list)):
+            raise ConfigError(f"config key '{key}' is {value!r}; allowed: {', '.join(allowed)}")
+        return str(value)
     if annotation is bool:
         if isinstance(value, bool):
             return value

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
-from htfl_dist.algorithms.base import class_prototypes, global_prototype_diagnostics
+from htfl_dist.algorithms.class_rows import class_prototypes, global_prototype_diagnostics
 from htfl_dist.algorithms.fedproto import dense_prototypes, prototype_regulariser
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError

@@ -1,13 +1,33 @@
-"""Algorithms register themselves on import; importing this package loads all of them."""
+"""Algorithms: maths only. The interface (``interface``), the registry (``registry``), the shared
+maths (``class_rows``, ``training``, ``parameters``, ``losses``) and one module per algorithm,
+which registers itself on import; importing this package loads all of them."""
 from htfl_dist.algorithms import fedproto, fedtgp, local  # noqa: F401  (registration side effects)
-from htfl_dist.algorithms.base import (  # noqa: F401
+from htfl_dist.algorithms.interface import (
     AlgorithmContext,
     ClientAlgorithm,
     ClientState,
     ServerAlgorithm,
     TrainResult,
+)
+from htfl_dist.algorithms.registry import (
+    AlgorithmEntry,
     algorithm_names,
     get_algorithm,
     parse_options,
+    register_algorithm,
     spelled_out_options,
 )
+
+__all__ = [
+    "AlgorithmContext",
+    "AlgorithmEntry",
+    "ClientAlgorithm",
+    "ClientState",
+    "ServerAlgorithm",
+    "TrainResult",
+    "algorithm_names",
+    "get_algorithm",
+    "parse_options",
+    "register_algorithm",
+    "spelled_out_options",
+]

@@ -11,23 +11,25 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from htfl_dist.algorithms.base import (
-    AlgorithmContext,
+from htfl_dist.algorithms.class_rows import (
     ClassMeans,
-    ClientAlgorithm,
-    ClientState,
-    ServerAlgorithm,
-    TrainResult,
-    check_class_rows,
+    ClassMeanServer,
     class_prototypes,
+    class_row_fields,
     dense_prototypes,
     euclidean_distances,
     global_prototype_diagnostics,
-    register_algorithm,
-    run_local_training,
 )
+from htfl_dist.algorithms.interface import (
+    AlgorithmContext,
+    ClientAlgorithm,
+    ClientState,
+    TrainResult,
+)
+from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.errors import ConfigError, ProtocolError
-from htfl_dist.runtime.wire import Field, Payload, PayloadSpec
+from htfl_dist.payload import Field, Payload, PayloadSpec
 
 CLIENT_REGULARISERS = ("paper", "htfllib")
 PROTO_SOURCES = ("post_update", "pre_update", "during_training")
@@ -67,7 +69,7 @@ class FedProtoOptions(PrototypeOptions):
 
 def prototype_fields(feature_dim: int) -> PayloadSpec:
     """Class-indexed prototype rows: only the classes the sender has travel."""
-    return (Field("class_ids", torch.int64), Field("protos", torch.float32, (feature_dim,)))
+    return class_row_fields("protos", feature_dim)
 
 
 def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, labels: torch.Tensor,
@@ -101,18 +103,18 @@ class PrototypeClient(ClientAlgorithm):
         has_global = knowledge["class_ids"].numel() > 0
         table, available = dense_prototypes(knowledge, num_classes, client.device)
 
-        def loss_fn(features: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss = F.cross_entropy(logits, labels)
+        def loss_fn(batch: Batch) -> torch.Tensor:
+            loss = F.cross_entropy(batch.logits, batch.labels)
             if has_global:
-                loss = loss + prototype_regulariser(self.options, features, labels, table, available)
+                loss = loss + prototype_regulariser(self.options, batch.features, batch.labels, table, available)
             return loss
 
         source = self.options.proto_from
         pre_update = class_prototypes(client, num_classes) if source == "pre_update" else None
         seen_features = ClassMeans(num_classes, self.context.feature_dim, client.device) \
             if source == "during_training" else None
-        loss_sum, seen = run_local_training(client, self.context, loss_fn, generator,
-                                            on_batch=seen_features.add if seen_features else None)
+        on_batch = (lambda batch: seen_features.add(batch.features, batch.labels)) if seen_features else None
+        loss_sum, seen = run_local_training(client, self.context, loss_fn, generator, on_batch=on_batch)
         if pre_update is not None:
             class_ids, protos = pre_update
         elif seen_features is not None:
@@ -151,57 +153,28 @@ class FedProtoClient(PrototypeClient):
         return upload
 
 
-class PrototypeServer(ServerAlgorithm):
-    """Server of the prototype methods (FedProto, FedTGP): downloads class-indexed global
-    prototypes, which the papers count as all C of them."""
+class FedProtoServer(ClassMeanServer):
+    """P̄^c = mean of the uploaded P_i^c (weighted by class counts with ``weighted``); classes
+    nobody uploaded are absent."""
+
+    key = "protos"
 
     @classmethod
-    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return prototype_fields(context.feature_dim)
+    def row_width(cls, context: AlgorithmContext) -> int:
+        return context.feature_dim
 
-    def theory_download_floats(self) -> int:
-        """K·C: every class's global prototype (FedProto's Table 5; FedTGP downloads all C as well)."""
-        return self.context.feature_dim * self.context.num_classes
-
-
-class FedProtoServer(PrototypeServer):
-    """P̄^c = (weighted) mean of the uploaded P_i^c; classes nobody uploaded are absent."""
-
-    def __init__(self, context: AlgorithmContext) -> None:
-        super().__init__(context)
-        self.class_ids = torch.empty(0, dtype=torch.int64)
-        self.protos = torch.empty(0, context.feature_dim)
-
-    def download(self) -> Payload:
-        return {"class_ids": self.class_ids, "protos": self.protos}
-
-    def update(self, uploads: dict[int, Payload], round_index: int,
-               generator: torch.Generator) -> dict[str, float]:
-        if not uploads:  # every upload screened out: a mean of nothing would erase every class
-            return {}
-        means = ClassMeans(self.context.num_classes, self.context.feature_dim, dtype=torch.float64)
-        for client_id in sorted(uploads):  # fixed order: the float64 sums do not depend on ranks
-            payload = uploads[client_id]
-            means.add(payload["protos"], payload["class_ids"],
-                      payload["counts"] if self.options.weighted else None)
-        previous = self.download()
-        self.class_ids, protos = means.rows()
-        self.protos = protos.float()
-        return {"global_classes": float(self.class_ids.numel()),
-                **global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)}
+    def row_weights(self, upload: Payload) -> torch.Tensor | None:
+        return upload["counts"] if self.options.weighted else None
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
-        check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
+        super().validate_upload(client_id, upload)
         if self.options.weighted:
             counts = upload["counts"]
             if counts.shape[0] != upload["class_ids"].shape[0] or bool((counts <= 0).any()):
                 raise ProtocolError(f"client {client_id} sent invalid class counts")
 
-    def state_dict(self) -> dict:
-        return {"class_ids": self.class_ids, "protos": self.protos}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.class_ids, self.protos = state["class_ids"], state["protos"]
+    def diagnostics(self, uploads: dict[int, Payload], previous: Payload) -> dict[str, float]:
+        return global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)
 
 
 register_algorithm("fedproto", server=FedProtoServer, client=FedProtoClient, options=FedProtoOptions,

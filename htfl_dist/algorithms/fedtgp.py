@@ -20,21 +20,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from htfl_dist.algorithms.base import (
-    AlgorithmContext,
+from htfl_dist.algorithms.class_rows import (
     ClassMeans,
     check_class_rows,
     euclidean_distances,
     global_prototype_diagnostics,
-    register_algorithm,
 )
-from htfl_dist.algorithms.fedproto import (
-    PrototypeClient,
-    PrototypeOptions,
-    PrototypeServer,
-)
+from htfl_dist.algorithms.fedproto import PrototypeClient, PrototypeOptions, prototype_fields
+from htfl_dist.algorithms.interface import AlgorithmContext, ServerAlgorithm
+from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.training import train_on_pairs
 from htfl_dist.errors import ConfigError
-from htfl_dist.runtime.wire import Payload
+from htfl_dist.payload import Payload, PayloadSpec
 
 MARGINS = ("adaptive", "fixed", "none")
 GAP_UNSET = float("inf")
@@ -138,7 +135,15 @@ def class_margins(protos: torch.Tensor) -> torch.Tensor:
     return distances.min(dim=1).values
 
 
-class FedTGPServer(PrototypeServer):
+class FedTGPServer(ServerAlgorithm):
+    @classmethod
+    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        return prototype_fields(context.feature_dim)
+
+    def theory_download_floats(self) -> int:
+        """K·C: every class's global prototype."""
+        return self.context.feature_dim * self.context.num_classes
+
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
         options, dim = self.options, context.feature_dim
@@ -201,36 +206,18 @@ class FedTGPServer(PrototypeServer):
 
     def _train(self, pairs: torch.Tensor, labels: torch.Tensor, margin: float, generator: torch.Generator) -> float:
         """S epochs of shuffled mini-batch SGD on the pairs; returns the last epoch's mean loss.
-
-        The step count is fixed by the algorithm (S · ⌈pairs / batch⌉, ~1000 at S = 100), and on a
-        GPU each step is bound by kernel launches, not arithmetic, so the loop keeps per-step work
-        to the model and its loss: each epoch's shuffle is applied once (batches are then views),
-        the margin offsets are built once per round, and the loss is only accumulated in the
-        epoch that is reported."""
+        The margin offsets are built once per round and shuffled with the pairs."""
         options = self.options
-        batch_size = options.server_batch_size or self.context.train.batch_size
         optimizer = torch.optim.SGD(self.tgp.parameters(), lr=options.server_lr)  # re-created each round
         self._cached_protos = None
         self.tgp.train()
-        count = pairs.shape[0]
         offsets = margin_offsets(labels, self.context.num_classes, margin)
-        # every epoch's shuffle drawn up front: one host→device copy instead of S
-        orders = torch.stack([torch.randperm(count, generator=generator)
-                              for _ in range(options.server_epochs)]).to(self.device)
-        last_epoch = options.server_epochs - 1
-        epoch_loss = torch.zeros((), device=self.device)
-        for epoch, order in enumerate(orders):
-            epoch_pairs, epoch_labels, epoch_offsets = pairs[order], labels[order], offsets[order]
-            for start in range(0, count, batch_size):
-                batch = slice(start, start + batch_size)
-                loss = margin_contrastive_loss(epoch_pairs[batch], epoch_labels[batch], self.tgp(),
-                                               epoch_offsets[batch])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                if epoch == last_epoch:
-                    epoch_loss += loss.detach() * epoch_labels[batch].shape[0]
-        return float(epoch_loss) / count
+        return train_on_pairs(
+            pairs, labels, lambda rows, batch_labels, batch_offsets: margin_contrastive_loss(
+                rows, batch_labels, self.tgp(), batch_offsets),
+            optimizer, epochs=options.server_epochs,
+            batch_size=options.server_batch_size or self.context.train.batch_size,
+            generator=generator, per_pair=(offsets,))
 
     @torch.no_grad()
     def _diagnostics(self, uploads: dict[int, Payload]) -> dict:

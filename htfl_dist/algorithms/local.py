@@ -6,15 +6,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from htfl_dist.algorithms.base import (
-    ClientAlgorithm,
-    ClientState,
-    ServerAlgorithm,
-    TrainResult,
-    register_algorithm,
-    run_local_training,
-)
-from htfl_dist.runtime.wire import Payload
+from htfl_dist.algorithms.interface import ClientAlgorithm, ClientState, ServerAlgorithm, TrainResult
+from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.training import run_local_training
+from htfl_dist.payload import Payload
 
 
 @dataclass
@@ -26,7 +21,7 @@ class LocalClient(ClientAlgorithm):
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         loss_sum, seen = run_local_training(
-            client, self.context, lambda features, logits, y: F.cross_entropy(logits, y), generator
+            client, self.context, lambda batch: F.cross_entropy(batch.logits, batch.labels), generator
         )
         return TrainResult({}, loss_sum, seen)
 

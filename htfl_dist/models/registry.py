@@ -202,3 +202,16 @@ def build_model(
         model.head = build_head(head, feature_dim, num_classes)
     model.arch = arch
     return model
+
+
+def initial_client_model(group: str, client_id: int, seed: int, *, num_classes: int, feature_dim: int,
+                         in_channels: int, image_size: int) -> SplitModel:
+    """Client ``client_id``'s model as it is at the start of a run: its group member, initialised
+    from torch's global RNG seeded by (seed, "init", client id). The runtime builds every client
+    with it, and a server that starts from a client's initial weights (LG-FedAvg's global head is
+    client 0's initial head) rebuilds them with it. Reseeds the global RNG."""
+    from htfl_dist.seeding import seed_global_torch
+
+    seed_global_torch(seed, "init", client_id)
+    return build_model(architecture_for_client(group, client_id), num_classes=num_classes,
+                       feature_dim=feature_dim, in_channels=in_channels, image_size=image_size)

@@ -72,6 +72,7 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
             "architecture": client.architecture,
             "model": client.model.state_dict(),
             "optimizer": client.optimizer.state_dict(),
+            "modules": {name: module.state_dict() for name, module in client.modules.items()},
         }
         _save_atomic(state, directory / f"client_{client_id}.pt")
     if server is not None:
@@ -173,6 +174,12 @@ def load(directory: Path, config: Config, *, clients: dict[int, ClientState], se
                             f"{client.architecture}")
         client.model.load_state_dict(state["model"])
         client.optimizer.load_state_dict(state["optimizer"])
+        saved_modules = state.get("modules", {})
+        if set(saved_modules) != set(client.modules):
+            raise HtflError(f"checkpoint client {client_id} holds algorithm modules {sorted(saved_modules)}, "
+                            f"this algorithm has {sorted(client.modules)}")
+        for name, module in client.modules.items():
+            module.load_state_dict(saved_modules[name])
     if server is not None:
         server.load_state_dict(_load(directory / "server.pt", torch.device("cpu"))["server"])
     return completed_rounds

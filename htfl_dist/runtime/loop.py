@@ -35,7 +35,8 @@ from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.report import accuracy_summary
 from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
-from htfl_dist.models import architecture_for_client, build_model
+from htfl_dist.models import architecture_for_client, initial_client_model
+from htfl_dist.payload import Field, Payload
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import (
     client_ranks,
@@ -47,7 +48,7 @@ from htfl_dist.runtime.preemption import PreemptionFlag
 from htfl_dist.runtime.screening import screen_uploads
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.watchdog import STARTUP, RoundWatchdog
-from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, Payload, decode, encode
+from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
 from htfl_dist.seeding import seed_global_torch, torch_generator
 
 RANK_ENTRY = -1
@@ -141,7 +142,10 @@ class Federation:
         self.context = AlgorithmContext(
             num_classes=self.partition.num_classes, feature_dim=config.model.feature_dim,
             seed=config.seed, train=config.train, options=options, device=self.device,
+            num_clients=config.num_clients, model_group=config.model.group,
+            in_channels=self.partition.in_channels, image_size=self.partition.image_size,
         )
+        self.entry.client.check_models(self.context)
         self.client_algorithm = self.entry.client(self.context)
         self.server = None
         if self.is_server:
@@ -176,19 +180,21 @@ class Federation:
         config, info = self.config, self.partition
         split = load_client_split(info.path, client_id)
         architecture = architecture_for_client(config.model.group, client_id)
-        seed_global_torch(config.seed, "init", client_id)
-        model = build_model(
-            architecture, num_classes=info.num_classes, feature_dim=config.model.feature_dim,
-            in_channels=info.in_channels, image_size=info.image_size,
+        model = initial_client_model(
+            config.model.group, client_id, config.seed, num_classes=info.num_classes,
+            feature_dim=config.model.feature_dim, in_channels=info.in_channels, image_size=info.image_size,
         ).to(self.device)
         _check_feature_width(model, architecture, client_id, split.train_x[:2].to(self.device),
                              config.model.feature_dim)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
-        return ClientState(
+        client = ClientState(
             client_id=client_id, architecture=architecture, model=model, optimizer=optimizer,
             train_x=split.train_x.to(self.device), train_y=split.train_y.to(self.device),
             test_x=split.test_x.to(self.device), test_y=split.test_y.to(self.device), device=self.device,
         )
+        seed_global_torch(config.seed, "algorithm-init", client_id)
+        self.client_algorithm.init_client(client)
+        return client
 
     def _handshake(self) -> None:
         """Start-up check that every rank runs the same maths (config, classes, feature width)."""
@@ -242,6 +248,7 @@ class Federation:
     def _evaluate_clients(self, knowledge: Payload) -> dict[int, list[float]]:
         rows = {}
         for client_id, client in self.clients.items():
+            self.client_algorithm.prepare_evaluation(client, knowledge)
             client.model.eval()
             correct = correct_head = 0
             for start in range(0, client.test_y.shape[0], 1000):
@@ -295,6 +302,9 @@ class Federation:
         start_round = self.restore()
         if self.is_server:
             self._publish_config()
+        setup_traffic = RoundTraffic()
+        if start_round == 0:
+            self._setup_exchange(setup_traffic)
         knowledge: Payload | None = None  # what the clients of this rank last received
         round_seconds: list[float] = []
         for round_index in range(start_round, config.rounds):
@@ -347,6 +357,8 @@ class Federation:
                 if evaluate:
                     row = self._metrics_row(round_index, reports, traffic, diagnostics, seconds,
                                             max(rank_seconds), server_seconds)
+                    if setup_traffic.up:  # the one-off setup upload, reported with the first row
+                        row["bytes_setup_up"], setup_traffic.up = setup_traffic.up, 0
                     self.metrics.append(row)
                     self.skipped_clients = []
                 eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
@@ -360,6 +372,25 @@ class Federation:
                 self.preempted_after = round_index + 1
                 return None
         return self._finish(round_seconds) if self.is_server else None
+
+    def _setup_exchange(self, traffic: RoundTraffic) -> None:
+        """Before the first round of a fresh run, every client sends the algorithm's setup payload
+        (FedGen's label counts) and the server consumes them; a resumed run has it in the server's
+        checkpoint. Invalid setup uploads are screened like round uploads."""
+        spec = self.entry.client.setup_upload_fields(self.context)
+        if not spec:
+            return
+        entries = {cid: self.client_algorithm.setup_upload(client) for cid, client in self.clients.items()}
+        gathered = self.transport.gather(encode(spec, entries))
+        if gathered is None:
+            return
+        merged: dict[int, Payload] = {}
+        for message in gathered:
+            traffic.up += message.nbytes if int(message.header[0]) > 0 else 0
+            merged.update(decode(spec, message))
+        kept, _ = screen_uploads(dict(sorted(merged.items())), self.server.validate_setup_upload,
+                                 self.config.on_bad_upload, round_number=0)
+        self.server.setup(kept)
 
     def _agree_to_stop(self, report) -> bool:
         """Rank 0 decides (any rank saw SIGTERM) and tells everyone, so all stop at one boundary."""

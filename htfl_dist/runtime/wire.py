@@ -19,28 +19,15 @@ from dataclasses import dataclass
 import torch
 
 from htfl_dist.errors import ProtocolError
+from htfl_dist.payload import Field, Payload, PayloadSpec
+
+__all__ = ["BROADCAST_ENTRY", "Encoded", "Field", "Payload", "PayloadDeclarationError", "PayloadSpec",
+           "decode", "encode"]
 
 BROADCAST_ENTRY = -1
 """Entry id used for server → clients messages (they address every client)."""
 
 
-@dataclass(frozen=True)
-class Field:
-    """One declared tensor of a payload: ``rows × trailing_shape`` of ``dtype``."""
-
-    name: str
-    dtype: torch.dtype
-    trailing_shape: tuple[int, ...] = ()
-
-    def row_bytes(self) -> int:
-        numel = 1
-        for size in self.trailing_shape:
-            numel *= size
-        return numel * torch.empty((), dtype=self.dtype).element_size()
-
-
-PayloadSpec = tuple[Field, ...]
-Payload = dict[str, torch.Tensor]
 
 
 @dataclass

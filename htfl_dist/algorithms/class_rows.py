@@ -1,0 +1,215 @@
+"""Class-indexed rows: the knowledge most HtFL methods exchange.
+
+A client computes one row per class it holds (a prototype = mean feature, FedProto/FedTGP/FedGH;
+or a mean logit vector, FedDistill); only those classes travel, as (``class_ids``, rows). The
+server averages them per class (``ClassMeanServer``) or trains on them; clients gather the
+downloaded table per sample. One set of helpers for every such method, whatever the row is
+(features or logits) and whatever the payload key is.
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from htfl_dist.algorithms.interface import AlgorithmContext, ClientState, ServerAlgorithm
+from htfl_dist.errors import ProtocolError
+from htfl_dist.payload import Field, Payload, PayloadSpec
+
+RowSource = Literal["features", "logits"]
+
+
+def class_row_fields(key: str, width: int) -> PayloadSpec:
+    """(class_ids int64 [m], key float32 [m, width]): only the classes the sender has travel."""
+    return (Field("class_ids", torch.int64), Field(key, torch.float32, (width,)))
+
+
+class ClassMeans:
+    """Per-class (optionally weighted) means of rows, accumulated batch by batch.
+
+    The one implementation behind client prototypes and logit means (after or during training),
+    the class-mean servers and FedTGP's cluster centres. Sums are dense [C, D]: adding a batch has
+    no data-dependent shapes, so it never waits for the GPU."""
+
+    def __init__(self, num_classes: int, width: int, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.sums = torch.zeros(num_classes, width, device=device, dtype=dtype)
+        self.weights = torch.zeros(num_classes, device=device, dtype=dtype)
+
+    def add(self, rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        rows = rows.to(self.sums.dtype)
+        if weights is None:
+            self.sums.index_add_(0, labels, rows)
+            self.weights += torch.bincount(labels, minlength=self.weights.shape[0]).to(self.weights.dtype)
+        else:
+            weights = weights.to(self.sums.dtype)
+            self.sums.index_add_(0, labels, rows * weights.unsqueeze(1))
+            self.weights.index_add_(0, labels, weights)
+
+    def present(self) -> torch.Tensor:
+        """[C] bool: classes that received any weight."""
+        return self.weights > 0
+
+    def dense(self) -> torch.Tensor:
+        """[C, D] means; rows of absent classes are 0."""
+        denominator = torch.where(self.present(), self.weights, torch.ones_like(self.weights))
+        return self.sums / denominator.unsqueeze(1)
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(class ids int64 [m], means [m, D]) of the m present classes, on the CPU."""
+        present = torch.nonzero(self.present()).flatten()
+        return present.cpu(), (self.sums[present] / self.weights[present].unsqueeze(1)).cpu()
+
+
+@torch.no_grad()
+def class_means(client: ClientState, num_classes: int, source: RowSource = "features",
+                batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean of f_i(x) (``features``) or of h_i(f_i(x)) (``logits``) per class over the client's
+    training samples, in eval mode.
+
+    Returns (class ids int64 [m], rows float32 [m, D]) for the m classes it holds."""
+    model = client.model
+    was_training = model.training
+    model.eval()
+    means: ClassMeans | None = None
+    for start in range(0, client.train_y.shape[0], batch_size):
+        x = client.train_x[start : start + batch_size]
+        rows = model.features(x) if source == "features" else model(x)
+        if means is None:
+            means = ClassMeans(num_classes, rows.shape[1], client.device)
+        means.add(rows, client.train_y[start : start + batch_size])
+    model.train(was_training)
+    assert means is not None, "a client has training data (the partition guarantees it)"
+    return means.rows()
+
+
+def class_prototypes(client: ClientState, num_classes: int, batch_size: int = 512
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """P_i^c = mean of f_i(x) over the client's training samples of class c (eval mode)."""
+    return class_means(client, num_classes, "features", batch_size)
+
+
+def dense_class_table(knowledge: Payload, key: str, num_classes: int, device: torch.device | str = "cpu"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table [C, D], available mask [C]) from downloaded (class_ids, key) rows."""
+    class_ids, rows = knowledge["class_ids"], knowledge[key]
+    table = torch.zeros(num_classes, rows.shape[1], device=device)
+    available = torch.zeros(num_classes, dtype=torch.bool, device=device)
+    table[class_ids.to(device)] = rows.to(device)
+    available[class_ids.to(device)] = True
+    return table, available
+
+
+def dense_prototypes(knowledge: Payload, num_classes: int, device: torch.device | str = "cpu"
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(table [C, K], available mask [C]) from the downloaded (class_ids, protos) rows."""
+    return dense_class_table(knowledge, "protos", num_classes, device)
+
+
+def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:
+    """Semantic checks on an upload of class-indexed rows (the runtime already checked dtype,
+    shape and finiteness)."""
+    if class_ids.shape[0] != rows.shape[0]:
+        raise ProtocolError(f"client {client_id} sent {class_ids.shape[0]} class ids for {rows.shape[0]} rows")
+    if class_ids.numel() and (class_ids.min() < 0 or class_ids.max() >= num_classes):
+        raise ProtocolError(f"client {client_id} sent a class id outside [0, {num_classes})")
+    if torch.unique(class_ids).numel() != class_ids.numel():
+        raise ProtocolError(f"client {client_id} sent a class id twice")
+
+
+def euclidean_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """‖a_i − b_j‖₂, computed directly: torch.cdist's default switches to a less precise
+    matmul form above 25 rows (e.g. C = 100), which blurs close prototypes."""
+    return torch.cdist(a, b, compute_mode="donot_use_mm_for_euclid_dist")
+
+
+class ClassMeanServer(ServerAlgorithm):
+    """Ḡ^c = mean over the uploaders of class c of their row for c; classes nobody uploaded this
+    round are absent. Nothing is remembered across rounds except the last table.
+
+    A variant sets ``key`` and ``row_width`` and, if it needs them, overrides ``row_weights``
+    (weighted means) or ``diagnostics``. FedProto (prototypes) and FedDistill (logits) are two
+    such variants."""
+
+    key: ClassVar[str] = "rows"
+
+    @classmethod
+    def row_width(cls, context: AlgorithmContext) -> int:
+        raise NotImplementedError
+
+    @classmethod
+    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        return class_row_fields(cls.key, cls.row_width(context))
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        super().__init__(context)
+        self.class_ids = torch.empty(0, dtype=torch.int64)
+        self.rows = torch.empty(0, self.row_width(context))
+
+    def download(self) -> Payload:
+        return {"class_ids": self.class_ids, self.key: self.rows}
+
+    def theory_download_floats(self) -> int:
+        """D·C: the papers count a row for every class."""
+        return self.row_width(self.context) * self.context.num_classes
+
+    def validate_upload(self, client_id: int, upload: Payload) -> None:
+        check_class_rows(client_id, upload["class_ids"], upload[self.key], self.context.num_classes)
+
+    def row_weights(self, upload: Payload) -> torch.Tensor | None:
+        """Per-row weights of an upload (None: every uploader of a class weighs the same)."""
+        return None
+
+    def update(self, uploads: dict[int, Payload], round_index: int,
+               generator: torch.Generator) -> dict[str, Any]:
+        if not uploads:  # every upload screened out: a mean of nothing would erase every class
+            return {}
+        means = ClassMeans(self.context.num_classes, self.row_width(self.context), dtype=torch.float64)
+        for client_id in sorted(uploads):  # fixed order: the float64 sums do not depend on ranks
+            upload = uploads[client_id]
+            means.add(upload[self.key], upload["class_ids"], self.row_weights(upload))
+        previous = self.download()
+        self.class_ids, rows = means.rows()
+        self.rows = rows.float()
+        return {"global_classes": float(self.class_ids.numel()), **self.diagnostics(uploads, previous)}
+
+    def diagnostics(self, uploads: dict[int, Payload], previous: Payload) -> dict[str, Any]:
+        """Extra numbers for the metrics row, given the uploads and the table before this update."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"class_ids": self.class_ids, self.key: self.rows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.class_ids, self.rows = state["class_ids"], state[self.key]
+
+
+@torch.no_grad()
+def global_prototype_diagnostics(uploads: dict[int, Payload], num_classes: int, current: Payload,
+                                 previous: Payload) -> dict[str, float]:
+    """How the global prototypes (a download payload: class_ids, protos) sit against what clients
+    uploaded, and how far they moved since the previous round's download.
+
+    Nearest-global-prototype inference works only if client features fall in their own class's
+    cell, and clients train towards last round's prototypes, so these explain the accuracy:
+    ``upload_to_global``: mean ‖P_i^c − P̂^c‖ over the round's uploads; ``upload_nearest_own``:
+    share of uploads whose nearest global prototype is their own class's; ``proto_drift``: mean
+    ‖P̂_t^c − P̂_{t−1}^c‖ over the classes present in both rounds."""
+    protos, present = dense_prototypes(current, num_classes)
+    if not bool(present.any()):
+        return {}
+    result: dict[str, float] = {}
+    rows = torch.cat([payload["protos"].float().cpu() for payload in uploads.values()])
+    labels = torch.cat([payload["class_ids"].cpu() for payload in uploads.values()])
+    known = present[labels]
+    if bool(known.any()):
+        distances = euclidean_distances(rows[known], protos)
+        distances[:, ~present] = float("inf")
+        own = distances.gather(1, labels[known].unsqueeze(1)).squeeze(1)
+        result["upload_to_global"] = float(own.mean())
+        result["upload_nearest_own"] = float((distances.argmin(dim=1) == labels[known]).float().mean())
+    old, old_present = dense_prototypes(previous, num_classes)
+    both = present & old_present
+    if bool(both.any()):
+        result["proto_drift"] = float((protos[both] - old[both]).norm(dim=1).mean())
+    return result

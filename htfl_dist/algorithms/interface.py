@@ -1,0 +1,167 @@
+"""The algorithm interface: maths only, no processes, no files.
+
+An algorithm is a (``ServerAlgorithm``, ``ClientAlgorithm``) pair registered by name with an
+options dataclass (its ``algo.*`` config keys). The runtime owns the round loop:
+
+    (fresh run only) client.setup_upload(...) --gather--> server.setup(...)
+    server.download()  --broadcast-->  client.train(...) on each participant
+    client upload      --gather----->  server.update(uploads ordered by client id)
+    server.download()  --broadcast-->  client.prepare_evaluation(...), client.predict(...)
+                                       on every client's test split
+
+Payloads are declared (``download_fields`` / ``upload_fields`` / ``setup_upload_fields``) so
+they travel as tensors. A variant overrides the one method it changes (Flower's ``Strategy``
+pattern); the shared maths lives in ``class_rows``, ``training``, ``parameters`` and ``losses``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from htfl_dist.config import TrainConfig
+from htfl_dist.payload import Payload, PayloadSpec
+
+
+@dataclass(frozen=True)
+class AlgorithmContext:
+    """What an algorithm may know about the run: the same on every rank."""
+
+    num_classes: int
+    feature_dim: int
+    seed: int
+    train: TrainConfig
+    options: Any  # the algorithm's options dataclass instance
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable) where this rank computes
+    num_clients: int = 0
+    model_group: str = ""
+    """``model.group`` as configured; client i's member is ``architecture_for_client(model_group, i)``."""
+    in_channels: int = 1
+    image_size: int = 28
+
+
+@dataclass
+class ClientState:
+    """One logical client's private state; lives on the rank that hosts it."""
+
+    client_id: int
+    architecture: str
+    model: nn.Module  # htfl_dist.models.SplitModel
+    optimizer: torch.optim.Optimizer
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    device: torch.device
+    modules: dict[str, nn.Module] = field(default_factory=dict)
+    """Algorithm-owned modules that persist across rounds (FedKD's mentee and W_h); created by
+    ``ClientAlgorithm.init_client`` and checkpointed with the client."""
+
+    @property
+    def classes(self) -> torch.Tensor:
+        """Classes present in the training split (the C_i of the papers), sorted."""
+        return torch.unique(self.train_y)
+
+
+@dataclass
+class TrainResult:
+    upload: Payload
+    loss_sum: float
+    samples: int
+
+
+class ClientAlgorithm:
+    """Client half: local training and inference."""
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        self.context = context
+        self.options = context.options
+
+    @classmethod
+    def check_models(cls, context: AlgorithmContext) -> None:
+        """Raise ConfigError if the model group cannot run this algorithm (e.g. heads that a
+        head-sharing method cannot average). Called once at start-up on every rank."""
+
+    @classmethod
+    def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        """Declared upload payload (client → server); empty for algorithms that share nothing."""
+        return ()
+
+    @classmethod
+    def setup_upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        """Declared one-off upload of every client before the first round (FedGen's label counts)."""
+        return ()
+
+    def init_client(self, client: ClientState) -> None:
+        """Create the client's algorithm-owned ``client.modules`` (torch's global RNG is seeded
+        from (seed, client id) by the runtime)."""
+
+    def setup_upload(self, client: ClientState) -> Payload:
+        """This client's setup payload (see ``setup_upload_fields``)."""
+        return {}
+
+    def train(self, client: ClientState, knowledge: Payload, round_index: int,
+              generator: torch.Generator) -> TrainResult:
+        """Train one participating client for the round; ``generator`` (seeded from
+        seed, client id and round by the runtime) orders its batches."""
+        raise NotImplementedError
+
+    def theory_upload_floats(self, client: ClientState) -> int:
+        """The paper's count of floats this client uploads per round (for bytes_theory_up)."""
+        return 0
+
+    def prepare_evaluation(self, client: ClientState, knowledge: Payload) -> None:
+        """Install downloaded knowledge before the client is evaluated (the head-sharing methods
+        evaluate the global head on the local base)."""
+
+    def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
+                logits: torch.Tensor) -> torch.Tensor:
+        """The algorithm's own inference rule (default: the head's argmax)."""
+        return logits.argmax(dim=1)
+
+
+class ServerAlgorithm:
+    """Server half: turns the round's uploads into global knowledge."""
+
+    def __init__(self, context: AlgorithmContext) -> None:
+        self.context = context
+        self.options = context.options
+
+    @classmethod
+    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
+        """Declared download payload (server → clients); known to clients without a server."""
+        return ()
+
+    def download(self) -> Payload:
+        """Global knowledge sent to every client (empty for algorithms that share nothing)."""
+        return {}
+
+    def theory_download_floats(self) -> int:
+        """The paper's count of floats each participating client downloads per round."""
+        return 0
+
+    def validate_setup_upload(self, client_id: int, upload: Payload) -> None:
+        """Raise ProtocolError if a setup upload is semantically invalid."""
+
+    def setup(self, uploads: dict[int, Payload]) -> dict[str, Any]:
+        """Consume every client's setup upload (fresh runs only; the result is server state)."""
+        return {}
+
+    def validate_upload(self, client_id: int, upload: Payload) -> None:
+        """Raise ProtocolError if an upload is semantically invalid (the runtime has already
+        checked declared shapes, dtypes and finiteness); the runtime then skips or fails."""
+
+    def update(self, uploads: dict[int, Payload], round_index: int,
+               generator: torch.Generator) -> dict[str, Any]:
+        """Consume the uploads (keyed and ordered by client id); return diagnostics (numbers
+        or lists of numbers, logged in metrics.jsonl). ``generator`` is the server's random
+        stream for this round, derived from (seed, round) by the runtime."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None

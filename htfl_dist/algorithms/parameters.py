@@ -1,0 +1,93 @@
+"""Model parts on the wire: flattened parameter vectors, their averages, and the group checks
+that make averaging meaningful.
+
+The baselines whose papers share model parameters (LG-FedAvg's and FedGen's heads, FedGH's
+head, FML's and FedKD's shared model, FedGen's generator) declare each shared module as one
+payload field: a single row holding the module's parameters flattened in ``named_parameters``
+order. Never pickled modules, and the receiver knows the shape from its own copy.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from htfl_dist.algorithms.interface import AlgorithmContext
+from htfl_dist.errors import ConfigError
+from htfl_dist.models import SplitModel, architecture_for_client, build_head, initial_client_model
+from htfl_dist.models.registry import split_architecture
+from htfl_dist.payload import Field
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def parameter_field(name: str, module: nn.Module) -> Field:
+    """A payload field carrying ``module``'s parameters as one float32 row."""
+    return Field(name, torch.float32, (parameter_count(module),))
+
+
+@torch.no_grad()
+def parameter_row(module: nn.Module) -> torch.Tensor:
+    """``module``'s parameters as a float32 [1, P] row on the CPU (a copy)."""
+    return parameters_to_vector(module.parameters()).detach().float().cpu().reshape(1, -1).clone()
+
+
+@torch.no_grad()
+def load_parameter_row(module: nn.Module, row: torch.Tensor) -> None:
+    """Overwrite ``module``'s parameters with a row made by :func:`parameter_row`."""
+    first = next(module.parameters())
+    vector_to_parameters(row.reshape(-1).to(device=first.device, dtype=first.dtype), module.parameters())
+
+
+def average_rows(rows: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
+    """Σ_i w_i · row_i with w_i = weights_i / Σ weights (uniform without weights), summed in float64
+    in the given order (callers pass client-id order, so the mean does not depend on ranks)."""
+    if not rows:
+        raise ValueError("average of no rows")
+    shares = [1.0] * len(rows) if weights is None else [float(w) for w in weights]
+    total = sum(shares)
+    mean = torch.zeros_like(rows[0], dtype=torch.float64)
+    for row, share in zip(rows, shares, strict=True):
+        mean += row.double() * (share / total)
+    return mean.float()
+
+
+def head_signature(member: str, feature_dim: int, num_classes: int) -> dict[str, tuple[int, ...]]:
+    """Parameter names and shapes of a group member's head, built without allocating."""
+    _, head = split_architecture(member)
+    with torch.device("meta"):
+        module = build_head(head, feature_dim, num_classes)
+    return {name: tuple(p.shape) for name, p in module.named_parameters()}
+
+
+def require_identical_heads(context: AlgorithmContext, algorithm: str) -> None:
+    """One-line ConfigError unless every client's head has the same parameter names and shapes:
+    a method that averages or broadcasts a head cannot run on heterogeneous heads (HtC4)."""
+    def describe(signature: dict[str, tuple[int, ...]]) -> str:
+        return "{" + ", ".join(f"{name}:{list(shape)}" for name, shape in signature.items()) + "}"
+
+    first_member = architecture_for_client(context.model_group, 0)
+    first = head_signature(first_member, context.feature_dim, context.num_classes)
+    for client_id in range(1, context.num_clients):
+        member = architecture_for_client(context.model_group, client_id)
+        signature = head_signature(member, context.feature_dim, context.num_classes)
+        if signature != first:
+            raise ConfigError(
+                f"{algorithm} shares the head, so all heads must be identical; client {client_id} "
+                f"({member}) has {describe(signature)} but client 0 ({first_member}) has {describe(first)}. "
+                f"Use a group with homogeneous heads, or fd/fml/fedkd/fedproto/fedtgp."
+            )
+
+
+def initial_model_of(context: AlgorithmContext, client_id: int) -> SplitModel:
+    """Client ``client_id``'s initial model, rebuilt bit for bit on the server (on the context's
+    device) without disturbing the caller's global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        model = initial_client_model(context.model_group, client_id, context.seed,
+                                     num_classes=context.num_classes, feature_dim=context.feature_dim,
+                                     in_channels=context.in_channels, image_size=context.image_size)
+    return model.to(context.device)

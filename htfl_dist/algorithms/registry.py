@@ -1,0 +1,59 @@
+"""The one registry of algorithms: name → (server, client, options, what it shares)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from htfl_dist.algorithms.interface import ClientAlgorithm, ServerAlgorithm
+from htfl_dist.config import build_section
+from htfl_dist.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class AlgorithmEntry:
+    name: str
+    server: type[ServerAlgorithm]
+    client: type[ClientAlgorithm]
+    options: type
+    summary: str
+    shares_parameters: bool = False
+    """True only where the method's paper shares model parameters (a head, a shared model, a
+    generator); every other algorithm sends class knowledge only, and the conformance test holds
+    it to that."""
+
+
+_REGISTRY: dict[str, AlgorithmEntry] = {}
+
+
+def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type[ClientAlgorithm],
+                       options: type, summary: str, shares_parameters: bool = False) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"algorithm {name!r} registered twice")
+    _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters)
+
+
+def algorithm_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_algorithm(name: str) -> AlgorithmEntry:
+    key = name.lower()
+    if key not in _REGISTRY:
+        raise ConfigError(f"unknown algorithm {name!r}; allowed: {', '.join(algorithm_names())}")
+    return _REGISTRY[key]
+
+
+def parse_options(entry: AlgorithmEntry, raw: dict[str, Any]) -> Any:
+    """Validate ``algo.*`` against the algorithm's options dataclass."""
+    options = build_section(entry.options, raw, "algo.")
+    check = getattr(options, "validate", None)
+    if check is not None:
+        check()
+    return options
+
+
+def spelled_out_options(algorithm: str, raw: dict[str, Any]) -> dict[str, Any]:
+    """``algo.*`` validated and with every option written out: the form a config is stored and
+    compared in, so writing a default explicitly is not a different experiment."""
+    return dataclasses.asdict(parse_options(get_algorithm(algorithm), raw))
