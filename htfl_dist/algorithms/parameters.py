@@ -79,7 +79,7 @@ def require_identical_heads(context: AlgorithmContext, algorithm: str) -> None:
             raise ConfigError(
                 f"{algorithm} shares the head, so all heads must be identical; client {client_id} "
                 f"({member}) has {describe(signature)} but client 0 ({first_member}) has {describe(first)}. "
-                f"Use a group with homogeneous heads, or fd/fml/fedkd/fedproto/fedtgp."
+                f"Use a group with homogeneous heads, or feddistill/fml/fedkd/fedproto/fedtgp."
             )
 
 
