@@ -137,7 +137,8 @@ def stop(active: list[tuple[Run, subprocess.Popen, object]], grace_s: float = 10
 
 
 REPORTED = ("best_test_acc", "best_round", "last_test_acc", "best_test_acc_head", "seconds_per_round", "server_s",
-            "bytes_up_per_round", "max_bytes_up_over_theory")  # of htfl_dist.metrics.report.summarise
+            "bytes_up_per_round", "max_bytes_up_over_theory", "bytes_down_per_round",
+            "bytes_theory_down_per_round")  # of htfl_dist.metrics.report.summarise
 
 
 def report(run: Run) -> dict:
@@ -175,9 +176,12 @@ def print_tables(results: list[dict], args: argparse.Namespace) -> None:
         per_group.append([variant, partition, len(group), mean_std([r["best_test_acc"] for r in group], 100),
                           mean_std([r["last_test_acc"] for r in group], 100), f"{seconds:.2f}",
                           f"{server:.3f} ({server / seconds * 100:.1f} %)",
-                          f"{statistics.fmean(r['bytes_up_per_round'] for r in group) / 1e6:.3f} MB", ratio])
+                          f"{statistics.fmean(r['bytes_up_per_round'] for r in group) / 1e6:.3f} MB", ratio,
+                          f"{statistics.fmean(r['bytes_down_per_round'] for r in group) / 1e6:.3f} / "
+                          f"{statistics.fmean(r['bytes_theory_down_per_round'] for r in group) / 1e6:.3f} MB"])
     print(markdown_table(["variant", "partition", "seeds", "best acc %", "last acc %", "s/round",
-                          "server s/round (share)", "bytes up/round", "up/theory"], per_group))
+                          "server s/round (share)", "bytes up/round", "up/theory",
+                          "down/round: sent (one broadcast per client rank) / theory (per client)"], per_group))
 
 
 def main() -> int:

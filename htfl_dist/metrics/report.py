@@ -153,6 +153,9 @@ def _cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "server_share": server_s / seconds if seconds and server_s is not None else None,
         "bytes_up_per_round": _mean(rows, "bytes_up"),
         "max_bytes_up_over_theory": max(ratios, default=None),
+        # a broadcast counts once per client rank, the papers' count once per participating client
+        "bytes_down_per_round": _mean(rows, "bytes_down"),
+        "bytes_theory_down_per_round": _mean(rows, "bytes_theory_down"),
     }
 
 
