@@ -20,7 +20,7 @@ C = 2
 
 def _context(num_classes=C, **options):
     entry = get_algorithm("feddistill")
-    return entry, AlgorithmContext(num_classes=num_classes, feature_dim=3, seed=0, train=TrainConfig(batch_size=2, lr=0.0),
+    return entry, AlgorithmContext(num_classes=num_classes, feature_dim=7, seed=0, train=TrainConfig(batch_size=2, lr=0.0),
                                    options=parse_options(entry, options))
 
 
