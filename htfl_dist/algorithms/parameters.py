@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.nn.utils import parameters_to_vector, vector_to_parameters
+from torch.nn.utils import parameters_to_vector
 
 from htfl_dist.algorithms.interface import AlgorithmContext
 from htfl_dist.errors import ConfigError
@@ -38,9 +38,16 @@ def parameter_row(module: nn.Module) -> torch.Tensor:
 
 @torch.no_grad()
 def load_parameter_row(module: nn.Module, row: torch.Tensor) -> None:
-    """Overwrite ``module``'s parameters with a row made by :func:`parameter_row`."""
-    first = next(module.parameters())
-    vector_to_parameters(row.reshape(-1).to(device=first.device, dtype=first.dtype), module.parameters())
+    """Copy a row made by :func:`parameter_row` into ``module``'s parameters, in place: the
+    parameters keep their own storage (``vector_to_parameters`` would make them views of the row,
+    which is shared by every client of a rank)."""
+    vector = row.reshape(-1)
+    if vector.numel() != parameter_count(module):
+        raise ValueError(f"a row of {vector.numel()} values for a module of {parameter_count(module)} parameters")
+    offset = 0
+    for parameter in module.parameters():
+        parameter.copy_(vector[offset : offset + parameter.numel()].view_as(parameter))
+        offset += parameter.numel()
 
 
 def average_rows(rows: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
