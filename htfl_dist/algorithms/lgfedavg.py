@@ -1,0 +1,29 @@
+"""LG-FedAvg (Liang et al. 2020) as the baselines spec §2 describes it (HtFLlib ``LG``).
+
+Clients share only their head: each round the global head replaces every client's head
+(before evaluation and before training), participants train the whole model with CE and
+upload the trained head (K·C + C floats) with their sample count n_i. The server sets the
+global head to the sample-weighted mean of the uploaded heads (``head_avg: uniform`` is the
+official code's plain mean). The global head starts as client 0's initial head. All heads must
+have the same parameter names and shapes (checked at start-up).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from htfl_dist.algorithms.head_sharing import HeadAveragingOptions, HeadAveragingServer, HeadSharingClient
+from htfl_dist.algorithms.registry import register_algorithm
+
+
+@dataclass
+class LGFedAvgOptions(HeadAveragingOptions):
+    """``compat: htfllib`` changes nothing here: HtFLlib's sample-weighted mean is the default."""
+
+
+class LGFedAvgClient(HeadSharingClient):
+    algorithm_name = "LG-FedAvg"
+
+
+register_algorithm("lgfedavg", server=HeadAveragingServer, client=LGFedAvgClient, options=LGFedAvgOptions,
+                   summary="sample-weighted average of client heads, local bases (Liang et al. 2020)",
+                   shares_parameters=True)

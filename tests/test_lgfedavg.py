@@ -1,0 +1,168 @@
+"""LG-FedAvg: head averaging by hand, client 0's initial head, the head swap before evaluation and
+training, the identical-heads check, options, and one real run. The helpers here are shared with
+tests/test_fedgh.py and tests/test_fedgen.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import SMOKE, launch, read_metrics
+from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
+from htfl_dist.config import TrainConfig
+from htfl_dist.errors import ConfigError, ProtocolError
+from htfl_dist.models import initial_client_model
+from htfl_dist.seeding import torch_generator
+
+GROUP = "HtCNN8"
+
+
+def make_context(algorithm, *, num_classes=3, feature_dim=4, batch_size=4, lr=0.05, num_clients=2,
+                 group=GROUP, **options):
+    entry = get_algorithm(algorithm)
+    context = AlgorithmContext(num_classes=num_classes, feature_dim=feature_dim, seed=0,
+                               train=TrainConfig(batch_size=batch_size, lr=lr), options=parse_options(entry, options),
+                               num_clients=num_clients, model_group=group)
+    return entry, context
+
+
+def make_client(context, client_id=0, samples=9, data_seed=0):
+    """A client built as the runtime builds it, on random 28×28 images with every class present."""
+    model = initial_client_model(context.model_group, client_id, context.seed, num_classes=context.num_classes,
+                                 feature_dim=context.feature_dim, in_channels=1, image_size=28)
+    generator = torch.Generator().manual_seed(data_seed)
+    x = torch.randn(samples, 1, 28, 28, generator=generator)
+    y = torch.arange(samples) % context.num_classes
+    return ClientState(client_id=client_id, architecture=context.model_group, model=model,
+                       optimizer=torch.optim.SGD(model.parameters(), lr=context.train.lr),
+                       train_x=x, train_y=y, test_x=x, test_y=y, device=torch.device("cpu"))
+
+
+def head_row(module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in module.parameters()]).reshape(1, -1)
+
+
+def head_upload(values, num_samples):
+    return {"head": torch.tensor([values], dtype=torch.float32), "num_samples": torch.tensor([num_samples])}
+
+
+def launch_smoke(algorithm, tmp_path, cache_dir, *overrides):
+    out = tmp_path / algorithm
+    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(out), f"algorithm={algorithm}",
+                                  "rounds=2", f"data.cache_dir={cache_dir}", *overrides])
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = read_metrics(out)
+    assert [r["round"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["test_acc"] > 0.2  # 10 classes: chance is 0.1
+        assert 1.0 <= row["bytes_up"] / row["bytes_theory_up"] <= 1.05, row
+    return rows
+
+
+# --------------------------------------------------------------------------- server
+
+
+def _server(feature_dim=2, num_classes=2, **options):
+    entry, context = make_context("lgfedavg", feature_dim=feature_dim, num_classes=num_classes, **options)
+    return entry.server(context)
+
+
+def test_sample_weighted_average_by_hand():
+    server = _server()  # head Linear(2, 2): 6 parameters
+    uploads = {2: head_upload([4, 8, 0, 0, 0, 0], 3), 0: head_upload([0, 0, 0, 0, 0, 4], 1)}
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    # (1·[0,0,0,0,0,4] + 3·[4,8,0,0,0,0]) / 4
+    torch.testing.assert_close(server.download()["head"], torch.tensor([[3.0, 6.0, 0.0, 0.0, 0.0, 1.0]]))
+
+
+def test_uniform_average_by_hand():
+    server = _server(head_avg="uniform")
+    uploads = {0: head_upload([0, 0, 0, 0, 0, 4], 1), 2: head_upload([4, 8, 0, 0, 0, 0], 3)}
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    torch.testing.assert_close(server.download()["head"], torch.tensor([[2.0, 4.0, 0.0, 0.0, 0.0, 2.0]]))
+
+
+def test_initial_global_head_is_client_0s_initial_head():
+    entry, context = make_context("lgfedavg")
+    torch.manual_seed(123)  # the server must not depend on the global RNG's state
+    server = entry.server(context)
+    head = server.download()["head"]
+    assert head.shape == (1, 4 * 3 + 3)
+    torch.testing.assert_close(head, head_row(make_client(context, 0).model.head), rtol=0, atol=0)
+    assert not torch.equal(head, head_row(make_client(context, 1).model.head))
+
+
+def test_no_uploads_keep_the_head_and_bad_uploads_are_refused():
+    server = _server()
+    before = server.download()["head"].clone()
+    assert server.update({}, 0, torch_generator(0, "server", 0)) == {}
+    assert torch.equal(server.download()["head"], before)
+    with pytest.raises(ProtocolError, match="num_samples"):
+        server.validate_upload(3, head_upload([1, 2, 3, 4, 5, 6], 0))
+    with pytest.raises(ProtocolError, match="head rows"):
+        server.validate_upload(3, {"head": torch.zeros(2, 6), "num_samples": torch.tensor([5])})
+    server.validate_upload(3, head_upload([1, 2, 3, 4, 5, 6], 5))
+
+
+def test_state_round_trips():
+    server = _server()
+    server.update({0: head_upload([1, 2, 3, 4, 5, 6], 2)}, 0, torch_generator(0, "server", 0))
+    fresh = _server()
+    fresh.load_state_dict(server.state_dict())
+    assert torch.equal(fresh.download()["head"], torch.tensor([[1.0, 2, 3, 4, 5, 6]]))
+
+
+# --------------------------------------------------------------------------- client
+
+
+def _global_head(context, value=0.25):
+    return {"head": torch.full((1, context.feature_dim * context.num_classes + context.num_classes), value)}
+
+
+def test_head_is_replaced_before_evaluation():
+    entry, context = make_context("lgfedavg")
+    client = make_client(context, 1)
+    knowledge = _global_head(context)
+    entry.client(context).prepare_evaluation(client, knowledge)
+    torch.testing.assert_close(head_row(client.model.head), knowledge["head"])
+
+
+def test_head_is_replaced_before_training_and_the_trained_head_is_uploaded():
+    entry, context = make_context("lgfedavg", lr=0.0)
+    client = make_client(context, 1)
+    knowledge = _global_head(context)
+    result = entry.client(context).train(client, knowledge, 0, torch_generator(0, "batches", 1, 0))
+    torch.testing.assert_close(result.upload["head"], knowledge["head"])  # lr 0: the global head comes back
+    assert result.upload["num_samples"].tolist() == [9]  # n_i: the whole split, the untrained tail included
+    assert result.samples == 8  # batches 4, 4, and a final single sample that is skipped
+
+
+def test_training_changes_the_head_but_not_the_shared_download():
+    """Two clients of one rank load the same downloaded row: training one must not change it."""
+    entry, context = make_context("lgfedavg")
+    algorithm = entry.client(context)
+    knowledge = _global_head(context)
+    first = algorithm.train(make_client(context, 0), knowledge, 0, torch_generator(0, "batches", 0, 0))
+    assert torch.equal(knowledge["head"], _global_head(context)["head"])
+    assert not torch.equal(first.upload["head"], knowledge["head"])
+    assert algorithm.theory_upload_floats(make_client(context, 0)) == 4 * 3 + 3
+    assert entry.server(context).theory_download_floats() == 4 * 3 + 3
+
+
+def test_heterogeneous_heads_are_refused():
+    entry, context = make_context("lgfedavg", group="htcnn1:fc,htcnn2:fc512")
+    with pytest.raises(ConfigError, match="LG-FedAvg shares the head") as info:
+        entry.client.check_models(context)
+    assert "client 1" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("options,key", [({"head_avg": "median"}, "algo.head_avg"),
+                                         ({"compat": "flower"}, "algo.compat"),
+                                         ({"head_lr": 1.0}, "algo.head_lr")])
+def test_bad_options_name_their_key(options, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        parse_options(get_algorithm("lgfedavg"), options)
+
+
+def test_real_run(tmp_path, cache_dir):
+    rows = launch_smoke("lgfedavg", tmp_path, cache_dir)
+    assert all(r["test_acc"] == r["test_acc_head"] for r in rows)
