@@ -1,0 +1,257 @@
+"""FML: options, the shared-model rule and its setup check, the server mean by hand, the client's
+scratch copy of G, and one real run. The shared-model helpers here serve tests/test_fedkd.py too."""
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from test_lgfedavg import launch_smoke, make_client, make_context
+from torch import nn
+
+from htfl_dist.algorithms import get_algorithm, parse_options
+from htfl_dist.algorithms import parameters as params
+from htfl_dist.algorithms.shared_model import build_shared_model, check_shared_model, shared_member
+from htfl_dist.errors import ConfigError, ProtocolError
+from htfl_dist.models import SplitModel
+from htfl_dist.models import registry as model_registry
+from htfl_dist.seeding import seed_global_torch, torch_generator
+
+
+def roundtrip(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_defaults_are_the_tuned_values_and_compat_switches_kd():
+    options = parse_options(get_algorithm("fml"), {})
+    assert (options.alpha, options.beta, options.kd, options.avg, options.shared_model) == \
+        (0.5, 0.5, "dml", "uniform", None)
+    assert parse_options(get_algorithm("fml"), {"compat": "htfllib"}).kd == "htfllib"
+    assert parse_options(get_algorithm("fml"), {"compat": "htfllib", "kd": "dml"}).kd == "dml"
+
+
+@pytest.mark.parametrize("options,key", [
+    ({"alpha": 1.5}, "algo.alpha"), ({"beta": -0.1}, "algo.beta"), ({"kd": "mutual"}, "algo.kd"),
+    ({"avg": "median"}, "algo.avg"), ({"compat": "fedml"}, "algo.compat"),
+    ({"shared_model": "bogus"}, "algo.shared_model"), ({"shared_model": "HtCNN8"}, "algo.shared_model"),
+    ({"shared_model": "htcnn2:fc64"}, "algo.shared_model"),
+])
+def test_bad_options_name_their_key(options, key):
+    for algorithm in ("fml", "fedkd"):
+        if algorithm == "fedkd" and key in ("algo.alpha", "algo.beta", "algo.kd", "algo.avg"):
+            continue
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as info:
+            parse_options(get_algorithm(algorithm), options)
+        assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- the shared model
+
+
+def test_shared_model_is_client_0s_member_and_identical_everywhere():
+    _, context = make_context("fml", num_classes=10, feature_dim=16)
+    assert shared_member(context) == "htcnn1"  # HtCNN8: client 0, not the smallest (htcnn2)
+    first, second = build_shared_model(context), build_shared_model(context)
+    assert torch.equal(params.parameter_row(first), params.parameter_row(second))
+    before = torch.random.get_rng_state()
+    build_shared_model(context)
+    assert torch.equal(torch.random.get_rng_state(), before)  # the caller's stream does not move
+    _, other = make_context("fml", num_classes=10, feature_dim=16, shared_model="htcnn2")
+    assert shared_member(other) == "htcnn2" and build_shared_model(other).arch == "htcnn2"
+
+
+def test_shared_model_check_accepts_a_fitting_architecture():
+    for algorithm in ("fml", "fedkd"):
+        _, context = make_context(algorithm, num_classes=10, feature_dim=16, shared_model="resnet18")
+        check_shared_model(context, algorithm)
+        get_algorithm(algorithm).client.check_models(context)
+
+
+class _Narrow(nn.Module):
+    def forward(self, x):
+        return x.flatten(1)[:, :3]
+
+
+class _ThreeChannel(nn.Module):
+    def __init__(self, feature_dim):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 2, 3)
+        self.fc = nn.LazyLinear(feature_dim)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).flatten(1))
+
+
+@pytest.fixture
+def odd_architectures(monkeypatch):
+    """Two architectures registered for one test only: features 3 wide, and 3-channel input only."""
+    def narrow(*, num_classes, feature_dim, in_channels, image_size):
+        return SplitModel(_Narrow(), nn.Linear(3, num_classes), feature_dim)
+
+    def three_channel(*, num_classes, feature_dim, in_channels, image_size):
+        return SplitModel(_ThreeChannel(feature_dim), nn.Linear(feature_dim, num_classes), feature_dim)
+
+    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_narrow", narrow)
+    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_rgb_only", three_channel)
+
+
+@pytest.mark.parametrize("algorithm", ["fml", "fedkd"])
+@pytest.mark.parametrize("member,needle", [
+    ("test_narrow", "features of shape [3]"),
+    ("test_rgb_only", "cannot take input [1, 28, 28]"),
+])
+def test_shared_model_check_refuses_what_does_not_fit(odd_architectures, algorithm, member, needle):
+    _, context = make_context(algorithm, num_classes=10, feature_dim=16, shared_model=member)
+    with pytest.raises(ConfigError) as info:
+        get_algorithm(algorithm).client.check_models(context)
+    message = str(info.value)
+    assert needle in message and "algo.shared_model" in message and "\n" not in message
+
+
+def test_shared_model_check_refuses_an_image_too_small():
+    from dataclasses import replace
+
+    _, context = make_context("fml", num_classes=10, feature_dim=16)
+    with pytest.raises(ConfigError, match=r"algo\.shared_model") as info:
+        check_shared_model(replace(context, image_size=2), "FML")
+    assert "\n" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- server
+
+
+def _server(**options):
+    entry, context = make_context("fml", num_classes=10, feature_dim=16, **options)
+    return entry.server(context), context
+
+
+def test_server_starts_from_the_clients_initial_shared_model():
+    server, context = _server()
+    assert torch.equal(server.download()["shared"], params.parameter_row(build_shared_model(context)))
+    assert server.theory_download_floats() == params.parameter_count(build_shared_model(context))
+
+
+def test_uniform_mean_by_hand():
+    server, _ = _server()
+    width = server.shared.shape[1]
+    uploads = {0: {"shared": torch.full((1, width), 1.0)}, 3: {"shared": torch.full((1, width), 4.0)}}
+    for client_id, upload in uploads.items():
+        server.validate_upload(client_id, upload)
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    assert torch.allclose(server.download()["shared"], torch.full((1, width), 2.5))  # (1 + 4) / 2
+
+
+def test_sample_weighted_mean_by_hand():
+    server, _ = _server(avg="sample_weighted")
+    width = server.shared.shape[1]
+    uploads = {0: {"shared": torch.full((1, width), 1.0), "num_samples": torch.tensor([1])},
+               1: {"shared": torch.full((1, width), 4.0), "num_samples": torch.tensor([3])}}
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    assert torch.allclose(server.download()["shared"], torch.full((1, width), 3.25))  # (1·1 + 3·4) / 4
+
+
+def test_empty_round_keeps_g_bad_uploads_are_refused_and_state_round_trips():
+    server, context = _server(avg="sample_weighted")
+    width = server.shared.shape[1]
+    before = server.download()["shared"].clone()
+    assert server.update({}, 0, torch_generator(0, "server", 0)) == {}
+    assert torch.equal(server.download()["shared"], before)
+    with pytest.raises(ProtocolError, match="client 2"):
+        server.validate_upload(2, {"shared": torch.zeros(2, width), "num_samples": torch.tensor([5])})
+    with pytest.raises(ProtocolError, match="num_samples"):
+        server.validate_upload(2, {"shared": torch.zeros(1, width), "num_samples": torch.tensor([0])})
+    server.update({1: {"shared": torch.full((1, width), 7.0), "num_samples": torch.tensor([2])}}, 0,
+                  torch_generator(0, "server", 0))
+    fresh = get_algorithm("fml").server(context)
+    fresh.load_state_dict(roundtrip(server.state_dict()))
+    assert torch.equal(fresh.download()["shared"], server.download()["shared"])
+
+
+# --------------------------------------------------------------------------- client
+
+
+def test_client_trains_both_models_from_the_download_and_uploads_g():
+    entry, context = make_context("fml", num_classes=3, feature_dim=8, batch_size=4, avg="sample_weighted")
+    server = entry.server(context)
+    knowledge = {name: tensor.clone() for name, tensor in server.download().items()}
+    download = knowledge["shared"].clone()
+    algorithm = entry.client(context)
+    client = make_client(context, samples=9)
+    local_before = params.parameter_row(client.model)
+    seed_global_torch(0, "train", 0, 0)
+    result = algorithm.train(client, knowledge, 0, torch_generator(0, "batches", 0, 0))
+    assert torch.equal(knowledge["shared"], download)  # the shared download is not modified
+    assert not torch.equal(params.parameter_row(client.model), local_before)  # M_i trained
+    assert result.upload["shared"].shape == download.shape
+    assert not torch.equal(result.upload["shared"], download)  # G_i trained
+    assert result.upload["num_samples"].tolist() == [9]
+    assert algorithm.theory_upload_floats(client) == download.shape[1]
+    assert client.modules == {}  # FML keeps nothing between rounds
+    # a second client (or round) starts from the download again, not from the first client's G_i
+    seed_global_torch(0, "train", 0, 0)
+    again = algorithm.train(make_client(context, samples=9), knowledge, 0, torch_generator(0, "batches", 0, 0))
+    assert torch.equal(again.upload["shared"], result.upload["shared"])
+
+
+def test_both_models_are_clipped_to_norm_10():
+    """One batch of inputs scaled ×1000: each model moves by exactly lr·10 in its one SGD step."""
+    entry, context = make_context("fml", num_classes=3, feature_dim=8, batch_size=4, lr=0.05)
+    algorithm = entry.client(context)
+    client = make_client(context, samples=4)
+    client.train_x = client.train_x * 1000
+    knowledge = entry.server(context).download()
+    before = params.parameter_row(client.model)
+    seed_global_torch(0, "train", 0, 0)
+    result = algorithm.train(client, knowledge, 0, torch_generator(0, "batches", 0, 0))
+    assert float((params.parameter_row(client.model) - before).norm()) == pytest.approx(0.5, rel=1e-3)
+    assert float((result.upload["shared"] - knowledge["shared"]).norm()) == pytest.approx(0.5, rel=1e-3)
+
+
+class _WithBatchNorm(nn.Module):
+    def __init__(self, feature_dim):
+        super().__init__()
+        self.fc = nn.Linear(784, feature_dim)
+        self.norm = nn.BatchNorm1d(feature_dim)
+
+    def forward(self, x):
+        return self.norm(self.fc(x.flatten(1)))
+
+
+def test_g_buffers_restart_from_the_initial_g_every_round(monkeypatch):
+    """HtFLlib's server never changes G's buffers, so every client's G_i starts from the initial ones."""
+    def with_norm(*, num_classes, feature_dim, in_channels, image_size):
+        return SplitModel(_WithBatchNorm(feature_dim), nn.Linear(feature_dim, num_classes), feature_dim)
+
+    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_bn", with_norm)
+    entry, context = make_context("fml", num_classes=3, feature_dim=8, batch_size=4, shared_model="test_bn")
+    knowledge = entry.server(context).download()
+    initial = {name: b.clone() for name, b in build_shared_model(context).named_buffers()}
+
+    def train(algorithm, client_id):
+        seed_global_torch(0, "train", client_id, 0)
+        algorithm.train(make_client(context, client_id=client_id, samples=8, data_seed=client_id), knowledge, 0,
+                        torch_generator(0, "batches", client_id, 0))
+        return {name: b.clone() for name, b in algorithm.scratch.named_buffers()}
+
+    reused = entry.client(context)
+    after_first = train(reused, 0)
+    key = "feature_extractor.norm.running_mean"
+    assert not torch.equal(after_first[key], initial[key])  # training moved G_i's statistics
+    after_second = train(reused, 1)
+    fresh = train(entry.client(context), 1)
+    for name in initial:
+        assert torch.equal(after_second[name], fresh[name]), name  # client 1 did not inherit client 0's
+    for name, buffer in reused.download_shared(knowledge, torch.device("cpu")).named_buffers():
+        assert torch.equal(buffer, initial[name]), name
+
+
+def test_real_run(tmp_path, cache_dir):
+    rows = launch_smoke("fml", tmp_path, cache_dir)
+    assert all(r["test_acc"] == r["test_acc_head"] for r in rows)  # inference is M_i's own argmax
+    assert all(r["shared_uploads"] == 6 for r in rows)
