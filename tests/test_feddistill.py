@@ -20,8 +20,9 @@ C = 2
 
 def _context(num_classes=C, **options):
     entry = get_algorithm("feddistill")
-    return entry, AlgorithmContext(num_classes=num_classes, feature_dim=7, seed=0, train=TrainConfig(batch_size=2, lr=0.0),
-                                   options=parse_options(entry, options))
+    context = AlgorithmContext(num_classes=num_classes, feature_dim=7, seed=0,
+                               train=TrainConfig(batch_size=2, lr=0.0), options=parse_options(entry, options))
+    return entry, context
 
 
 def _table(rows: dict[int, list[float]], num_classes=C):
