@@ -9,6 +9,7 @@ setup(
     install_requires=["torch>=2.2", "torchvision>=0.17", "numpy", "pyyaml", "h5py", "mpi4py",
                       "pillow", "scipy",  # pillow: JPEG datasets; scipy: Flowers102's .mat files
                       "matplotlib"],  # learning-curve plots of python -m htfl_dist.report (imported only there)
-    extras_require={"test": ["pytest"], "mpi": ["mpich"]},
+    # tensorboard: optional event files (output.tensorboard); the tests read them back
+    extras_require={"test": ["pytest", "tensorboard"], "mpi": ["mpich"], "tensorboard": ["tensorboard"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
 )

@@ -112,6 +112,22 @@ class RuntimeConfig:
 
 
 @dataclass
+class OutputConfig:
+    """What a run writes and prints besides metrics.jsonl and summary.json; never changes the maths."""
+
+    tensorboard: bool = False
+    """Rank 0 writes TensorBoard scalars per evaluated round under RUN/tensorboard/ (needs the
+    ``tensorboard`` package: ``pip install -e .[tensorboard]``)."""
+    htfllib_h5: bool = False
+    """Rank 0 keeps RUN/<dataset>_<algorithm>_test_<seed>.h5 with HtFLlib's result arrays
+    (``rs_test_acc``, ``rs_train_loss``), rewritten after every evaluated round, so plotting
+    scripts written for HtFLlib read our runs."""
+    progress_every_s: float = 30.0
+    """A rank whose clients are still training this many seconds into a round prints how many
+    it has done (0 = never)."""
+
+
+@dataclass
 class Config:
     """One federated run."""
 
@@ -131,6 +147,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
     algo: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen algorithm (validated by the algorithm)."""
 
@@ -379,9 +396,11 @@ def validate(config: Config) -> None:
              f"config key 'runtime.round_deadline_s' must be >= 0 (0 = none), got {runtime.round_deadline_s}")
     _require(runtime.preempt_grace_s > 0,
              f"config key 'runtime.preempt_grace_s' must be > 0, got {runtime.preempt_grace_s}")
+    _require(config.output.progress_every_s >= 0,
+             f"config key 'output.progress_every_s' must be >= 0 (0 = never), got {config.output.progress_every_s}")
 
 
-PLUMBING_KEYS = ("runtime", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")
+PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")
 """Not part of the experiment: plumbing, and the run length (a resumed run may extend `rounds`)."""
 DATA_LOCATION_KEYS = ("root", "cache_dir")
 """Where the data lives: moving it (another node, a new cache) is the same run."""

@@ -95,6 +95,8 @@ def run(argv: list[str] | None = None) -> int:
 
     from htfl_dist.algorithms import spelled_out_options
     from htfl_dist.config import load_config
+    from htfl_dist.metrics.sinks import check_outputs_available
+    from htfl_dist.metrics.writer import progress
     from htfl_dist.models import architecture_for_client
     from htfl_dist.runtime.bootstrap import detect_launch, open_transport, pick_device
     from htfl_dist.runtime.loop import Federation, RunContext
@@ -107,6 +109,7 @@ def run(argv: list[str] | None = None) -> int:
     # explicitly does not make a different experiment (config hash).
     config.algo = spelled_out_options(config.algorithm, config.algo)
     architecture_for_client(config.model.group, 0)
+    check_outputs_available(config)
     launch = detect_launch()
     check_world_size(launch.world_size, config.num_clients)
     if config.runtime.threads:
@@ -118,6 +121,10 @@ def run(argv: list[str] | None = None) -> int:
         _prepare_out_dir(out, resume_from)
     device = pick_device(config.runtime, launch)
     transport = open_transport(config.runtime, launch, device)
+    if launch.rank == 0:
+        progress(f"htfl_dist: {config.algorithm}, {config.num_clients} clients, {config.rounds} rounds; "
+                 f"{launch.world_size} rank(s) via {launch.launcher} ({transport.name}, {device}); "
+                 f"run directory {out}")
     context = RunContext(config, transport, device, out, resume_from,
                          extra_summary={"versions": _versions(), "launcher": launch.launcher})
     try:

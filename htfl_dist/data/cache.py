@@ -199,7 +199,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
     return out
 
 
-def _prepare_generated(data: DataConfig, num_clients: int, seed: int) -> PartitionInfo:
+def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Report) -> PartitionInfo:
     known_classes = NUM_CLASSES.get(data.dataset)
     if data.partition == "pathological" and known_classes and data.classes_per_client > known_classes:
         # Fail before the dataset is read.
@@ -213,9 +213,14 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int) -> Partiti
     digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
     path = os.path.join(partition_cache_dir(data), f"{data.dataset}-{data.partition}-{digest}.h5")
     if _is_complete(path, key_json):
+        report(f"data: partition cache found ({path})")
         return read_partition_info(path)
 
+    report(f"data: no partition cache for this config yet; reading {data.dataset} "
+           f"from {root or 'its default location'}")
     arrays = load_dataset(data.dataset, root)
+    report(f"data: {arrays.labels.shape[0]} samples, {arrays.num_classes} classes; partitioning "
+           f"({data.partition}) into {num_clients} clients")
     splits = _build_indices(data, arrays.labels, arrays.num_classes, num_clients, seed)
     images, labels = arrays.images, arrays.labels
 
@@ -234,11 +239,12 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int) -> Partiti
         "x_format": "uint8",
         "key_json": key_json,
     }
+    report(f"data: writing the partition cache {path}")
     _write_cache(path, attrs, num_clients, arrays.num_classes, client_arrays)
     return read_partition_info(path)
 
 
-def _prepare_pfllib(data: DataConfig, num_clients: int) -> PartitionInfo:
+def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> PartitionInfo:
     directory = os.path.abspath(data.pfllib_dir or "")
     if not data.pfllib_dir:
         raise ConfigError("data.partition=pfllib needs data.pfllib_dir=DIR (a PFLlib dataset directory)")
@@ -264,8 +270,10 @@ def _prepare_pfllib(data: DataConfig, num_clients: int) -> PartitionInfo:
     digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
     path = os.path.join(partition_cache_dir(data), f"{label}-pfllib-{digest}.h5")
     if _is_complete(path, key_json):
+        report(f"data: partition cache found ({path})")
         return read_partition_info(path)
 
+    report(f"data: converting the PFLlib split {directory} into the partition cache {path}")
     first_x, _ = read_pfllib_file(os.path.join(directory, "train", "0.npz"), True, directory)
     shape = first_x.shape[1:]
     x_dtype = first_x.dtype
@@ -306,22 +314,30 @@ def _prepare_pfllib(data: DataConfig, num_clients: int) -> PartitionInfo:
     return read_partition_info(path)
 
 
-def prepare_partition(data: DataConfig, num_clients: int, seed: int) -> PartitionInfo:
+Report = Callable[[str], None]
+
+
+def _silent(line: str) -> None:
+    pass
+
+
+def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Report = _silent) -> PartitionInfo:
     """Build the partition cache for this config if it is missing; return its summary.
 
     Safe to call from every rank at once: the cache is written atomically and reused
-    when it already exists with the same key.
+    when it already exists with the same key. ``report`` receives one line per step (rank 0
+    prints them: building a cache from a large dataset takes minutes).
     """
     if num_clients < 1:
         raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
     if data.partition == "pfllib":
-        return _prepare_pfllib(data, num_clients)
+        return _prepare_pfllib(data, num_clients, report)
     if data.partition not in ("pathological", "dirichlet"):
         raise ConfigError(
             f"config key 'data.partition' is {data.partition!r}; allowed: pathological, "
             f"dirichlet, pfllib"
         )
-    return _prepare_generated(data, num_clients, seed)
+    return _prepare_generated(data, num_clients, seed, report)
 
 
 # --------------------------------------------------------------------------- reading

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,6 @@ class MetricsLog:
             handle.flush()
 
 
-
 def format_progress(round_number: int, rounds: int, row: dict[str, Any] | None, seconds: float,
                     eta_s: float) -> str:
     parts = [f"round {round_number}/{rounds}"]
@@ -103,3 +103,31 @@ def _clock(seconds: float) -> str:
 
 def progress(line: str) -> None:
     print(line, file=sys.stdout, flush=True)
+
+
+class TrainingProgress:
+    """Progress inside a long round: after ``every_s`` seconds of local training, and again every
+    ``every_s``, the rank says how many of its round's clients it has trained. Rank 0 cannot say
+    it for the others (uploads arrive together at the round's gather), so each client rank speaks
+    for itself, naming itself. Costs one clock read per client."""
+
+    def __init__(self, every_s: float, where: str = "") -> None:
+        self.every_s = every_s
+        self.where = where
+        self.round_number = self.total = self.done = 0
+        self.began = self.last_line = 0.0
+
+    def start(self, round_number: int, total: int) -> None:
+        self.round_number, self.total, self.done = round_number, total, 0
+        self.began = self.last_line = time.perf_counter()
+
+    def client_done(self) -> None:
+        self.done += 1
+        if not self.every_s or self.done >= self.total:
+            return
+        now = time.perf_counter()
+        if now - self.last_line >= self.every_s:
+            self.last_line = now
+            who = f" {self.where}" if self.where else ""
+            progress(f"round {self.round_number}:{who} trained {self.done}/{self.total} clients "
+                     f"({now - self.began:.0f}s)")

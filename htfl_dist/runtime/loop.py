@@ -34,13 +34,22 @@ from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.report import accuracy_summary
-from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
+from htfl_dist.metrics.sinks import MetricsSink, open_sinks
+from htfl_dist.metrics.writer import (
+    MetricsLog,
+    TrainingProgress,
+    format_progress,
+    progress,
+    write_atomic,
+    write_json,
+)
 from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.payload import Field, Payload
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import (
     client_ranks,
     clients_of_rank,
+    describe_placement,
     describe_rank,
     sample_participants,
 )
@@ -136,6 +145,9 @@ class Federation:
                                       describe_rank(self.rank, self.world_size, config.num_clients),
                                       transport.abort)
         self.watchdog.arm(STARTUP)  # a rank stuck in data preparation or the handshake must not hang MPI
+        started = time.perf_counter()
+        if self.is_server:
+            progress(describe_placement(self.world_size, config.num_clients))
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)
         self.partition = self._prepare_data()
@@ -157,10 +169,15 @@ class Federation:
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
         self.watchdog.disarm()
+        if self.is_server:
+            progress(f"start-up: every rank has its data and models ({time.perf_counter() - started:.1f}s)")
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
         self.preemption = PreemptionFlag(config.runtime.preempt_grace_s)
         self.preempted_after: int | None = None
         self.skipped_clients: list[int] = []
+        self.sinks: list[MetricsSink] = []
+        where = "" if self.world_size == 1 else f"rank {self.rank}"
+        self.training_progress = TrainingProgress(config.output.progress_every_s, where)
 
     # ------------------------------------------------------------------ set-up
 
@@ -171,9 +188,13 @@ class Federation:
         config = self.config
         if self.rank != 0:
             self.transport.barrier()
-        info = prepare_partition(config.data, config.num_clients, config.seed)
-        if self.rank == 0:
-            self.transport.barrier()
+            return prepare_partition(config.data, config.num_clients, config.seed)
+        began = time.perf_counter()
+        info = prepare_partition(config.data, config.num_clients, config.seed, report=progress)
+        progress(f"data: {config.data.dataset}, {config.num_clients} clients, {info.num_classes} classes, "
+                 f"{info.in_channels}x{info.image_size}x{info.image_size} images "
+                 f"({time.perf_counter() - began:.1f}s)")
+        self.transport.barrier()
         return info
 
     def _build_client(self, client_id: int) -> ClientState:
@@ -232,16 +253,17 @@ class Federation:
     def _train_participants(self, participants: list[int], knowledge: Payload, round_index: int
                             ) -> tuple[dict[int, Payload], dict[int, list[float]], int]:
         uploads, train_rows, theory = {}, {}, 0
-        for client_id in participants:
-            client = self.clients.get(client_id)
-            if client is None:
-                continue
+        mine = [client_id for client_id in participants if client_id in self.clients]
+        self.training_progress.start(round_index + 1, len(mine))
+        for client_id in mine:
+            client = self.clients[client_id]
             seed_global_torch(self.config.seed, "train", client_id, round_index)
             generator = torch_generator(self.config.seed, "batches", client_id, round_index)
             result = self.client_algorithm.train(client, knowledge, round_index, generator)
             uploads[client_id] = result.upload
             train_rows[client_id] = [result.loss_sum, float(result.samples)]
             theory += self.client_algorithm.theory_upload_floats(client) * 4
+            self.training_progress.client_done()
         return uploads, train_rows, theory
 
     @torch.no_grad()
@@ -302,6 +324,15 @@ class Federation:
         start_round = self.restore()
         if self.is_server:
             self._publish_config()
+            self.sinks = open_sinks(config, self.run_context.out_dir, start_round + 1)
+        try:
+            return self._run_rounds(start_round)
+        finally:
+            for sink in self.sinks:
+                sink.close()
+
+    def _run_rounds(self, start_round: int) -> dict[str, Any] | None:
+        config = self.config
         setup_traffic = RoundTraffic()
         if start_round == 0:
             self._setup_exchange(setup_traffic)
@@ -360,6 +391,8 @@ class Federation:
                     if setup_traffic.up:  # the one-off setup upload, reported with the first row
                         row["bytes_setup_up"], setup_traffic.up = setup_traffic.up, 0
                     self.metrics.append(row)
+                    for sink in self.sinks:
+                        sink.write(self.metrics.rows)
                     self.skipped_clients = []
                 eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
                 progress(format_progress(round_index + 1, config.rounds, row, seconds, eta))
@@ -439,6 +472,8 @@ class Federation:
         directory = checkpoint.find_checkpoint(source) if source is not None else None
         if directory is None:  # a fresh run, or --resume auto before any checkpoint: start over
             if self.metrics is not None:
+                if source is not None:
+                    progress(f"resume: no complete checkpoint in {source}; starting from round 1")
                 self.metrics.load_existing(0)  # rows of a run that died before its first checkpoint
             return 0
         completed = checkpoint.load(directory, self.config, clients=self.clients, server=self.server,
@@ -448,6 +483,7 @@ class Federation:
                             f"pass rounds={completed} or more to continue it")
         if self.metrics is not None:
             self.metrics.load_existing(completed, source=directory.parent.parent / "metrics.jsonl")
+            progress(f"resume: continuing after round {completed} from {directory}")
         return completed
 
     def _publish_config(self) -> None:

@@ -49,3 +49,18 @@ def sample_participants(seed: int, round_index: int, num_clients: int, join_rati
         return list(range(num_clients))
     chosen = numpy_rng(seed, "participants", round_index).choice(num_clients, size=count, replace=False)
     return sorted(int(c) for c in chosen)
+
+
+def describe_placement(world_size: int, num_clients: int, ranks_shown: int = 8) -> str:
+    """One line for the start-up log: which ranks host how many clients (the first ``ranks_shown``
+    ranks in full, then a count)."""
+    if world_size == 1:
+        return f"placement: rank 0 is the server and hosts all {num_clients} clients"
+    parts = []
+    for rank in client_ranks(world_size)[:ranks_shown]:
+        hosted = clients_of_rank(rank, world_size, num_clients)
+        shown = ",".join(str(cid) for cid in hosted[:6]) + (",..." if len(hosted) > 6 else "")
+        parts.append(f"rank {rank}: {len(hosted)} ({shown})")
+    rest = world_size - 1 - ranks_shown
+    more = f"; {rest} more ranks" if rest > 0 else ""
+    return f"placement: rank 0 is the server; clients per rank: {'; '.join(parts)}{more}"
