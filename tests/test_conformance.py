@@ -32,7 +32,8 @@ its 8-byte class id and the 24-byte per-client framing are 20-35 % on top of the
 
 
 def test_every_paper_algorithm_is_registered():
-    expected = {"fedproto", "fedtgp", "local", "feddistill", "lgfedavg", "fedgh", "fedgen", "fml", "fedkd"}
+    expected = {"fedproto", "fedtgp", "local", "feddistill", "lgfedavg", "fedgh", "fedgen", "fml", "fedkd", "fedoc",
+                "fedsa"}
     assert expected <= set(ALGORITHMS)
 
 

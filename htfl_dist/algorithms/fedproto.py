@@ -1,4 +1,4 @@
-"""FedProto (Tan et al., AAAI 2022) as specified in shared/specs/fedtgp.md §2–4, 6.
+"""FedProto (Tan et al., AAAI 2022) (docs/algorithms.md, "FedProto").
 
 Clients upload one prototype per class they hold; the server averages them per class;
 clients regularise their features towards the global prototypes and classify by the
@@ -6,6 +6,7 @@ nearest global prototype.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,16 @@ class PrototypeClient(ClientAlgorithm):
                 loss = loss + prototype_regulariser(self.options, batch.features, batch.labels, table, available)
             return loss
 
+        class_ids, protos, loss_sum, seen = self.train_with_prototypes(client, loss_fn, generator)
+        return TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
+
+    def train_with_prototypes(self, client: ClientState, loss_fn: Callable[[Batch], torch.Tensor],
+                              generator: torch.Generator
+                              ) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        """``run_local_training`` with ``loss_fn``, and the client's prototypes taken as
+        ``options.proto_from`` says (before, during or after the update). Returns (class ids,
+        prototypes, loss sum, samples)."""
+        num_classes = self.context.num_classes
         source = self.options.proto_from
         pre_update = class_prototypes(client, num_classes) if source == "pre_update" else None
         seen_features = ClassMeans(num_classes, self.context.feature_dim, client.device) \
@@ -121,7 +132,7 @@ class PrototypeClient(ClientAlgorithm):
             class_ids, protos = seen_features.rows()
         else:
             class_ids, protos = class_prototypes(client, num_classes)
-        return TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
+        return class_ids, protos, loss_sum, seen
 
     def make_upload(self, client: ClientState, class_ids: torch.Tensor, protos: torch.Tensor) -> Payload:
         return {"class_ids": class_ids, "protos": protos}

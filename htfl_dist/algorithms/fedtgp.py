@@ -1,5 +1,5 @@
 """FedTGP (Zhang et al., AAAI 2024): trainable global prototypes with adaptive-margin-enhanced
-contrastive learning, as specified in shared/specs/fedtgp.md §5.
+contrastive learning (docs/algorithms.md, "FedTGP").
 
 Clients are FedProto's (upload P_i^c for the classes they hold, regularise towards P̂, classify
 by the nearest global prototype). The server keeps one trainable vector per class and a shared
@@ -10,10 +10,13 @@ two-layer network F; P̂^c = F(vector_c). Each round it trains them for S epochs
 
 where δ(t) = min(max_c gap_c, τ) and gap_c is the distance from class c's cluster centre (the
 mean of the uploaded P_i^c) to the nearest other centre (Eq. 9, as the reference code reads it).
-All C global prototypes are downloaded; no class counts travel.
+All C global prototypes are downloaded; no class counts travel. The server machinery (the
+prototype generator, the pair-training loop, download and state) is ``TrainablePrototypeServer``,
+which FedOC shares with its own loss.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -64,14 +67,20 @@ class FedTGPOptions(PrototypeOptions):
             raise ConfigError("algo.margin=fixed needs algo.fixed_margin=VALUE (>= 0); the paper gives no default")
         if self.tau < 0:
             raise ConfigError(f"config key 'algo.tau' must be >= 0, got {self.tau}")
-        if self.server_epochs < 1:
-            raise ConfigError(f"config key 'algo.server_epochs' must be >= 1, got {self.server_epochs}")
-        if self.server_lr <= 0:
-            raise ConfigError(f"config key 'algo.server_lr' must be > 0, got {self.server_lr}")
-        for key in ("hidden_dim", "server_batch_size"):
-            value = getattr(self, key)
-            if value is not None and value < 1:
-                raise ConfigError(f"config key 'algo.{key}' must be >= 1, got {value}")
+        check_server_options(self)
+
+
+def check_server_options(options: object) -> None:
+    """The trainable-prototype server's knobs (FedTGP, FedOC): server_epochs >= 1, server_lr > 0,
+    hidden_dim and server_batch_size >= 1 when set."""
+    if options.server_epochs < 1:
+        raise ConfigError(f"config key 'algo.server_epochs' must be >= 1, got {options.server_epochs}")
+    if options.server_lr <= 0:
+        raise ConfigError(f"config key 'algo.server_lr' must be > 0, got {options.server_lr}")
+    for key in ("hidden_dim", "server_batch_size"):
+        value = getattr(options, key)
+        if value is not None and value < 1:
+            raise ConfigError(f"config key 'algo.{key}' must be >= 1, got {value}")
 
 
 class TrainableGlobalPrototypes(nn.Module):
@@ -135,7 +144,16 @@ def class_margins(protos: torch.Tensor) -> torch.Tensor:
     return distances.min(dim=1).values
 
 
-class FedTGPServer(ServerAlgorithm):
+class TrainablePrototypeServer(ServerAlgorithm):
+    """The server of the trainable-prototype methods (FedTGP, FedOC): P̂^c = F(vector_c) for all C
+    classes (:class:`TrainableGlobalPrototypes`), trained each round on the uploaded (P_i^c, c)
+    pairs, in client-id order, with plain SGD created afresh. Nothing goes down before the first
+    update (round-0 clients train with CE only); after it, every class's prototype does.
+
+    A variant supplies ``fit`` (its loss, through :meth:`train_prototypes`) and ``diagnostics``.
+    Options read: ``hidden_dim``, ``server_lr``, ``server_epochs``, ``server_batch_size`` and, if
+    the variant has it, ``use_mapping``."""
+
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         return prototype_fields(context.feature_dim)
@@ -148,8 +166,9 @@ class FedTGPServer(ServerAlgorithm):
         super().__init__(context)
         options, dim = self.options, context.feature_dim
         self.device = context.device
+        use_mapping = getattr(options, "use_mapping", True)  # FedTGP's "w/o F" ablation; FedOC always has F
         self.tgp = TrainableGlobalPrototypes(
-            context.num_classes, dim, options.hidden_dim or dim, options.use_mapping).to(self.device)
+            context.num_classes, dim, options.hidden_dim or dim, use_mapping).to(self.device)
         self.trained = False  # round 0 clients get no global knowledge (CE only)
         self._cached_protos: torch.Tensor | None = None
 
@@ -180,6 +199,52 @@ class FedTGPServer(ServerAlgorithm):
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
 
+    def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict:
+        if not uploads:  # every upload screened out: nothing to train on, keep P̂ as it is
+            return {}
+        pairs, labels = self._pairs(uploads)
+        if pairs.shape[0] == 0:
+            return {}
+        previous = self.download()
+        trained = self.fit(pairs, labels, generator)
+        self.trained = True
+        return {**trained, **self.diagnostics(uploads, pairs, labels, previous)}
+
+    def fit(self, pairs: torch.Tensor, labels: torch.Tensor, generator: torch.Generator) -> dict:
+        """Train the prototypes on the round's pairs; return numbers for the metrics row."""
+        raise NotImplementedError
+
+    def diagnostics(self, uploads: dict[int, Payload], pairs: torch.Tensor, labels: torch.Tensor,
+                    previous: Payload) -> dict:
+        """Extra numbers for the metrics row, after training (``previous``: the download before it)."""
+        return {}
+
+    def train_prototypes(self, pairs: torch.Tensor, labels: torch.Tensor,
+                         loss_fn: Callable[..., torch.Tensor], generator: torch.Generator,
+                         per_pair: Sequence[torch.Tensor] = ()) -> float:
+        """``server_epochs`` of shuffled mini-batch SGD (a new optimizer each round) on
+        ``loss_fn(batch_pairs, batch_labels, P̂, *batch_per_pair)``, with all C prototypes
+        regenerated at every step; returns the last epoch's mean loss."""
+        options = self.options
+        optimizer = torch.optim.SGD(self.tgp.parameters(), lr=options.server_lr)  # re-created each round
+        self._cached_protos = None
+        self.tgp.train()
+        return train_on_pairs(
+            pairs, labels, lambda rows, batch_labels, *extra: loss_fn(rows, batch_labels, self.tgp(), *extra),
+            optimizer, epochs=options.server_epochs,
+            batch_size=options.server_batch_size or self.context.train.batch_size,
+            generator=generator, per_pair=per_pair)
+
+    def state_dict(self) -> dict:
+        return {"tgp": self.tgp.state_dict(), "trained": torch.tensor(self.trained)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tgp.load_state_dict(state["tgp"])
+        self._cached_protos = None
+        self.trained = bool(state["trained"])
+
+
+class FedTGPServer(TrainablePrototypeServer):
     def _margin(self, pairs: torch.Tensor, labels: torch.Tensor) -> float:
         options = self.options
         if options.margin == "none":
@@ -190,34 +255,21 @@ class FedTGPServer(ServerAlgorithm):
         centres.add(pairs, labels)
         return adaptive_margin(centres.dense(), centres.present(), options.tau)
 
-    def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict:
-        if not uploads:  # every upload screened out: nothing to train on, keep P̂ as it is
-            return {}
-        pairs, labels = self._pairs(uploads)
-        if pairs.shape[0] == 0:
-            return {}
+    def fit(self, pairs: torch.Tensor, labels: torch.Tensor, generator: torch.Generator) -> dict:
         margin = self._margin(pairs, labels)
-        previous = self.download()
         server_loss = self._train(pairs, labels, margin, generator)
-        self.trained = True
-        return {"margin": margin, "server_loss": server_loss, "server_pairs": int(pairs.shape[0]),
-                **self._diagnostics(uploads),
-                **global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)}
+        return {"margin": margin, "server_loss": server_loss, "server_pairs": int(pairs.shape[0])}
 
     def _train(self, pairs: torch.Tensor, labels: torch.Tensor, margin: float, generator: torch.Generator) -> float:
         """S epochs of shuffled mini-batch SGD on the pairs; returns the last epoch's mean loss.
         The margin offsets are built once per round and shuffled with the pairs."""
-        options = self.options
-        optimizer = torch.optim.SGD(self.tgp.parameters(), lr=options.server_lr)  # re-created each round
-        self._cached_protos = None
-        self.tgp.train()
         offsets = margin_offsets(labels, self.context.num_classes, margin)
-        return train_on_pairs(
-            pairs, labels, lambda rows, batch_labels, batch_offsets: margin_contrastive_loss(
-                rows, batch_labels, self.tgp(), batch_offsets),
-            optimizer, epochs=options.server_epochs,
-            batch_size=options.server_batch_size or self.context.train.batch_size,
-            generator=generator, per_pair=(offsets,))
+        return self.train_prototypes(pairs, labels, margin_contrastive_loss, generator, per_pair=(offsets,))
+
+    def diagnostics(self, uploads: dict[int, Payload], pairs: torch.Tensor, labels: torch.Tensor,
+                    previous: Payload) -> dict:
+        return {**self._diagnostics(uploads),
+                **global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)}
 
     @torch.no_grad()
     def _diagnostics(self, uploads: dict[int, Payload]) -> dict:
@@ -235,15 +287,6 @@ class FedTGPServer(ServerAlgorithm):
             "class_margin_global": as_list(global_margin),
             "class_margin_client_max": as_list(client_best),
         }
-
-    def state_dict(self) -> dict:
-        return {"tgp": self.tgp.state_dict(), "trained": torch.tensor(self.trained)}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.tgp.load_state_dict(state["tgp"])
-        self._cached_protos = None
-        self.trained = bool(state["trained"])
-
 
 register_algorithm("fedtgp", server=FedTGPServer, client=PrototypeClient, options=FedTGPOptions,
                    summary="trainable global prototypes, adaptive-margin contrastive learning (Zhang et al. 2024)")
