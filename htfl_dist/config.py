@@ -125,6 +125,10 @@ class OutputConfig:
     progress_every_s: float = 30.0
     """A rank whose clients are still training this many seconds into a round prints how many
     it has done (0 = never)."""
+    prototypes_every: int = 0
+    """Every this many rounds rank 0 keeps the round's uploaded prototypes and the global class
+    vectors it sends down in RUN/prototypes/round_NNNNN.pt, for ``python -m htfl_dist.report RUN
+    --prototypes FILE.png`` (0 = never; only for algorithms that send class prototypes)."""
 
 
 @dataclass
@@ -398,6 +402,8 @@ def validate(config: Config) -> None:
              f"config key 'runtime.preempt_grace_s' must be > 0, got {runtime.preempt_grace_s}")
     _require(config.output.progress_every_s >= 0,
              f"config key 'output.progress_every_s' must be >= 0 (0 = never), got {config.output.progress_every_s}")
+    _require(config.output.prototypes_every >= 0,
+             f"config key 'output.prototypes_every' must be >= 0 (0 = never), got {config.output.prototypes_every}")
 
 
 PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")

@@ -1,4 +1,5 @@
-"""Compare runs: ``python -m htfl_dist.report RUN_DIR [RUN_DIR ...] [--metric M] [--plot F.png] [--csv F.csv]``.
+"""Compare runs: ``python -m htfl_dist.report RUN_DIR [RUN_DIR ...] [--metric M] [--plot F.png] [--csv F.csv]
+[--margins F.png] [--prototypes F.png] [--rounds R ...]``.
 
 Prints a Markdown table (one row per run) on stdout, so it can be pasted or redirected into notes;
 optionally writes learning curves and every run's rounds as CSV. Finished and running runs alike.
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from htfl_dist.errors import HtflError
 from htfl_dist.main import EXIT_USER_ERROR
+from htfl_dist.metrics.figures import plot_class_margins, plot_prototype_projection
 from htfl_dist.metrics.report import ReportError, plot_curves, read_run, report_table, write_csv
 
 DEFAULT_METRIC = "test_acc"
@@ -27,6 +29,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "test_acc, test_acc_head, train_loss, margin, server_loss, proto_drift, ...")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="write the metric's learning curves here")
     parser.add_argument("--csv", type=Path, metavar="FILE.csv", help="write every run's per-round rows here")
+    parser.add_argument("--margins", type=Path, metavar="FILE.png",
+                        help="FedTGP Fig. 1: per class, global prototype margin vs the best client's (fedtgp runs)")
+    parser.add_argument("--prototypes", type=Path, metavar="FILE.png",
+                        help="2-D PCA of the uploaded and global prototypes (runs with output.prototypes_every=N)")
+    parser.add_argument("--rounds", type=int, nargs="+", metavar="R",
+                        help="rounds for --margins and --prototypes (default: up to 4, first to last)")
     return parser.parse_args(argv)
 
 
@@ -36,14 +44,20 @@ def run(argv: list[str] | None = None) -> int:
     table = report_table(runs, None if args.metric == DEFAULT_METRIC else args.metric)
     try:
         if args.plot:
-            plot_curves(runs, args.metric, out=args.plot)
+            for labels in plot_curves(runs, args.metric, out=args.plot):
+                print(f"identical {args.metric} curves, drawn as one line: {' = '.join(labels)}", file=sys.stderr)
+        if args.margins:
+            plot_class_margins(runs, args.margins, args.rounds)
+        if args.prototypes:
+            plot_prototype_projection(runs, args.prototypes, args.rounds)
         if args.csv:
             write_csv(runs, args.csv)
     except OSError as exc:
         raise ReportError(f"cannot write {exc.filename or 'the output'} ({exc.strerror}); "
                           f"pass a path you can write to") from None
     print(table)
-    for kind, path in (("plot", args.plot), ("csv", args.csv)):
+    for kind, path in (("plot", args.plot), ("csv", args.csv), ("margins", args.margins),
+                       ("prototypes", args.prototypes)):
         if path:
             print(f"wrote {kind}: {path}", file=sys.stderr)
     return 0

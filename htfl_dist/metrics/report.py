@@ -286,18 +286,35 @@ def write_csv(runs: Sequence[RunRecord], out: Path) -> None:
     write_atomic(Path(out), rounds_csv(runs))
 
 
-def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Path) -> None:
-    """One line per run of ``metric`` against the round, as a PNG written atomically to ``out``;
-    accuracies are drawn in percent. Rounds that did not log the metric are left out."""
+def identical_curves(runs: Sequence[RunRecord], metric: str) -> list[list[str]]:
+    """Runs whose ``metric`` curves are the same points, grouped by label in the order given
+    (a group of one is a curve of its own). Same world-size-invariant run on 1 and 3 ranks, or two
+    seeds that did not change anything: a plot would draw them on top of each other."""
+    groups: dict[tuple, list[str]] = {}
+    for label, run in zip(run_labels(runs), runs, strict=True):
+        points = tuple((row["round"], row[metric]) for row in run.rows if _is_number(row.get(metric)))
+        groups.setdefault(points, []).append(label)
+    return [labels for points, labels in groups.items() if points]
+
+
+def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Path) -> list[list[str]]:
+    """One line per distinct curve of ``metric`` against the round, as a PNG written atomically
+    to ``out``; accuracies are drawn in percent. Rounds that did not log the metric are left out.
+    Runs with identical curves share one line labelled "a = b (identical)"; those groups are
+    returned so the caller can say so too."""
     check_metric(runs, metric)
-    figure = _new_figure()
+    figure = new_figure()
     axes = figure.add_subplot()
     scale = 100.0 if is_percent(metric) else 1.0
-    for label, run in zip(run_labels(runs), runs, strict=True):
+    by_label = dict(zip(run_labels(runs), runs, strict=True))
+    groups = identical_curves(runs, metric)
+    for labels in groups:
+        run = by_label[labels[0]]
         points = [(row["round"], row[metric] * scale) for row in run.rows if _is_number(row.get(metric))]
-        if points:
-            rounds, values = zip(*points, strict=True)
-            axes.plot(rounds, values, label=label, marker="o" if len(points) <= 30 else None, markersize=3)
+        rounds, values = zip(*points, strict=True)
+        label = labels[0] if len(labels) == 1 else " = ".join(labels) + " (identical)"
+        axes.plot(rounds, values, label=label, marker="o" if len(points) <= 30 else None, markersize=3,
+                  linestyle="-" if len(labels) == 1 else "--")
     axes.set_title(f"{metric} per round")
     axes.set_xlabel("round")
     axes.set_ylabel(f"{metric} (%)" if is_percent(metric) else metric)
@@ -306,9 +323,10 @@ def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Pat
     axes.legend(fontsize="small")
     with replaced_atomically(out) as tmp:
         figure.savefig(tmp, format="png")
+    return [labels for labels in groups if len(labels) > 1]
 
 
-def _new_figure():
+def new_figure(size: tuple[float, float] = (8, 5)):
     """A matplotlib figure on the Agg canvas (no display, no pyplot state); matplotlib is
     imported here so that reading and tabulating runs do not pay for it."""
     try:
@@ -316,6 +334,6 @@ def _new_figure():
         from matplotlib.figure import Figure
     except ImportError:
         raise ReportError("plots need matplotlib, which is not installed: pip install matplotlib") from None
-    figure = Figure(figsize=(8, 5), dpi=120, layout="constrained")
+    figure = Figure(figsize=size, dpi=120, layout="constrained")
     FigureCanvasAgg(figure)
     return figure

@@ -33,6 +33,7 @@ from htfl_dist.algorithms import (
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError
+from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_payloads
 from htfl_dist.metrics.report import accuracy_summary
 from htfl_dist.metrics.sinks import MetricsSink, open_sinks
 from htfl_dist.metrics.writer import (
@@ -165,6 +166,9 @@ class Federation:
             self.server = self.entry.server(self.context)
         self.download_spec = self.entry.server.download_fields(self.context)
         self.upload_spec = self.entry.client.upload_fields(self.context)
+        if config.output.prototypes_every:  # every rank: a mistake stops them all before they talk
+            check_prototype_payloads(config.algorithm, self.upload_spec, self.download_spec)
+        self.snapshots = PrototypeSnapshots(run.out_dir, config.output.prototypes_every)
         self.my_client_ids = clients_of_rank(self.rank, self.world_size, config.num_clients)
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
@@ -366,6 +370,8 @@ class Federation:
                 else:  # every upload was screened out: keep last round's knowledge unchanged
                     diagnostics = {"server_skipped": True}
                 server_seconds = time.perf_counter() - server_began
+                if self.snapshots.due(round_index + 1):
+                    self.snapshots.save(round_index + 1, gathered, self.server.download())
             knowledge = None
 
             evaluate = (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds
