@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -204,9 +205,12 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         return int(as_float)
     if annotation is float:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
+        if not math.isfinite(number):  # .inf would overflow a timedelta, nan passes every comparison
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+        return number
     if annotation is str:
         if value is None or isinstance(value, (dict, list)):
             raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
@@ -300,13 +304,17 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not file.is_file():
             raise ConfigError(f"config file {str(file)!r} does not exist; pass --config PATH")
         try:
-            loaded = yaml.safe_load(file.read_text())
+            loaded = yaml.safe_load(file.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config file {str(file)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+                              f"at offset {exc.start}); save it as UTF-8") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
             raise ConfigError(f"config file {str(file)!r} is not valid YAML{where}") from None
-        if loaded is None:
-            loaded = {}
+        if loaded is None:  # a run of every default is never what an empty file meant
+            raise ConfigError(f"config file {str(file)!r} is empty; write at least 'algorithm: NAME', "
+                              f"or leave out --config to run the defaults")
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(file)!r} must hold a mapping of keys")
         raw = loaded

@@ -10,9 +10,11 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 import traceback
+import typing
 from pathlib import Path
 
 from htfl_dist.errors import HtflError
@@ -21,8 +23,17 @@ EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        """``--rounds 3`` is a config key written as an option: say how to write it."""
+        match = re.search(r"unrecognized arguments: --([A-Za-z_][\w.]*)(?:=(\S+))?", message)
+        if match:
+            message += f"; config keys are key=value without dashes: write {match[1]}={match[2] or 'VALUE'}"
+        super().error(message)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         prog="python -m htfl_dist.main",
         description="Prototype-based heterogeneous federated learning, one SPMD program.",
     )

@@ -151,3 +151,32 @@ def test_manifests_of_older_versions_still_match_their_experiment():
     assert _changes_since({"experiment": old}, config) == []
     old["seed"] = 7
     assert _changes_since({"experiment": old}, config) == ["seed: 7 -> 0"]
+
+
+def test_foreign_directories_among_checkpoints_are_ignored_and_kept(checkpointed, tmp_path, cache_dir):
+    """A user's backup copy (round_00003.bak) and a stray round_old are not checkpoints: resume
+    uses the real newest one, and saving and pruning leave them alone."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(checkpointed, copy)
+    root = copy / "checkpoints"
+    shutil.copytree(root / "round_00003", root / "round_00003.bak")
+    (root / "round_old").mkdir()
+    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4", "checkpoint_every=1", "checkpoint_keep=2"),
+                                  "--resume", "auto"])
+    assert result.returncode == 0, result.stderr
+    assert "continuing after round 3" in result.stdout + result.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00003.bak", "round_00004", "round_old"]
+
+
+def test_manifest_that_is_not_a_mapping_is_one_line(checkpointed, tmp_path, cache_dir):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(checkpointed, copy)
+    (copy / "checkpoints" / "round_00003" / "MANIFEST.json").write_text("[1, 2]")
+    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "MANIFEST.json is unreadable" in lines[0]

@@ -31,6 +31,8 @@ def _assert_one_line(result, *needles):
     (["rounds=abc"], ["'rounds'", "integer"]),
     (["algo.client_reg=foo"], ["algo.client_reg", "paper"]),
     (["data.dataset=cifar10", "data.root=/nonexistent"], ["/nonexistent"]),
+    (["runtime.timeout_s=.inf"], ["runtime.timeout_s", "finite"]),
+    (["train.lr=.nan"], ["train.lr", "finite"]),
 ])
 def test_bad_config_values(tmp_path, overrides, needles):
     _assert_one_line(_single(tmp_path, *overrides), *needles)
@@ -96,3 +98,22 @@ def test_feature_width_mismatch_is_refused():
     model = build_model("htcnn1", num_classes=10, feature_dim=256, in_channels=1, image_size=28)
     with pytest.raises(HtflError, match=r"client 3's htcnn1 gives features of shape \(256,\).*model.feature_dim=512"):
         _check_feature_width(model, "htcnn1", 3, torch.zeros(2, 1, 28, 28), 512)
+
+
+@pytest.mark.parametrize("content,needles", [
+    (b"", ["is empty", "algorithm: NAME"]),
+    (b"# only a comment\n", ["is empty"]),
+    (b"rounds: 2\n\xff\xfe: 1\n", ["not UTF-8", "0xff", "offset 10"]),
+])
+def test_empty_or_undecodable_config_file(tmp_path, content, needles):
+    """An empty file would otherwise run the whole default experiment."""
+    config = tmp_path / "c.yaml"
+    config.write_bytes(content)
+    _assert_one_line(launch("single", 1, ["--config", str(config), "--out", str(tmp_path / "run")], timeout=60),
+                     *needles)
+
+
+def test_config_key_written_as_an_option_says_how_to_write_it(tmp_path):
+    result = launch("single", 1, ["--config", str(SMOKE), "--rounds", "3"], timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("write rounds=VALUE")

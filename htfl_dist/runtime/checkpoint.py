@@ -16,6 +16,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from htfl_dist.config import Config, experiment_differences, experiment_view
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import write_json
 from htfl_dist.runtime.transport import Transport
+
+_ROUND_DIR = re.compile(r"round_(\d+)")
 
 
 def _round_dir(out_dir: Path, completed_rounds: int) -> Path:
@@ -95,15 +98,22 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
     transport.barrier()
 
 
-def _complete_rounds(out_dir: Path) -> list[tuple[int, Path]]:
+def _checkpoint_dirs(out_dir: Path) -> list[tuple[int, Path]]:
+    """(round, directory) of every ``round_<digits>`` directory; anything else a user or a tool
+    left there (``round_00003.bak``, ``round_old``) is not ours and is ignored, never deleted."""
     root = out_dir / "checkpoints"
     if not root.is_dir():
         return []
     found = []
-    for directory in root.glob("round_*"):
-        if (directory / "MANIFEST.json").is_file():
-            found.append((int(directory.name.split("_")[1]), directory))
+    for directory in root.iterdir():
+        match = _ROUND_DIR.fullmatch(directory.name)
+        if match and directory.is_dir():
+            found.append((int(match.group(1)), directory))
     return sorted(found)
+
+
+def _complete_rounds(out_dir: Path) -> list[tuple[int, Path]]:
+    return [(number, d) for number, d in _checkpoint_dirs(out_dir) if (d / "MANIFEST.json").is_file()]
 
 
 def _prune(out_dir: Path, keep: int) -> None:
@@ -115,8 +125,8 @@ def _prune(out_dir: Path, keep: int) -> None:
     if not complete:
         return
     newest = complete[-1][0]
-    for directory in (out_dir / "checkpoints").glob("round_*"):
-        if not (directory / "MANIFEST.json").is_file() and int(directory.name.split("_")[1]) < newest:
+    for number, directory in _checkpoint_dirs(out_dir):
+        if not (directory / "MANIFEST.json").is_file() and number < newest:
             shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -156,8 +166,8 @@ def load(directory: Path, config: Config, *, clients: dict[int, ClientState], se
     """Restore the checkpoint in ``directory``; returns its completed-round count."""
     try:
         manifest = json.loads((directory / "MANIFEST.json").read_text())
-        completed_rounds = int(manifest["round"])
-    except (OSError, ValueError, KeyError):
+        completed_rounds = int(manifest["round"])  # a list or a string here is a foreign file
+    except (OSError, ValueError, KeyError, TypeError):
         raise HtflError(f"checkpoint manifest {directory / 'MANIFEST.json'} is unreadable; "
                         f"delete {directory} to resume from an earlier one") from None
     changes = [] if manifest.get("config_hash") == config.config_hash() else _changes_since(manifest, config)
