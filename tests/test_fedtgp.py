@@ -131,17 +131,60 @@ def test_only_uploaded_pairs_train_the_prototypes():
 
 
 def test_fig1_diagnostics():
+    """Client margins by hand (3-4-5 triangles, so every distance is exact): client 0 holds (0, 0)
+    and (3, 4), margins 5 and 5; client 1 holds (0, 0), (6, 8), (6, 0), margins 6, 8 and 6.
+    The per-class maximum over clients is 6, 8, 6 and none for class 3, which nobody holds."""
     server = _server(num_classes=4, feature_dim=2, server_epochs=1)
     uploads = {0: _upload([0, 1], [[0.0, 0.0], [3.0, 4.0]]),
-               1: _upload([0, 1, 2], [[0.0, 0.0], [6.0, 8.0], [0.0, 1.0]])}
+               1: _upload([0, 1, 2], [[0.0, 0.0], [6.0, 8.0], [6.0, 0.0]])}
     diagnostics = server.update(uploads, 0, torch_generator(0, "s"))
-    # client 0: margins 5, 5; client 1: class 0 -> 1, class 1 -> sqrt(36+49), class 2 -> 1
-    assert diagnostics["class_margin_client_max"][0] == pytest.approx(5.0)
-    assert diagnostics["class_margin_client_max"][1] == pytest.approx(math.sqrt(85.0), rel=1e-5)
-    assert diagnostics["class_margin_client_max"][2] == pytest.approx(1.0)
-    assert diagnostics["class_margin_client_max"][3] is None  # nobody holds class 3
+    assert diagnostics["class_margin_client_max"] == [6.0, 8.0, 6.0, None]
     assert len(diagnostics["class_margin_global"]) == 4
-    assert diagnostics["proto_min_dist"] == pytest.approx(min(diagnostics["class_margin_global"]))
+
+
+def test_global_prototype_diagnostics_of_set_prototypes():
+    """P̂ set by hand (no F): (0, 0), (3, 4), (6, −8), (6, 8). Nearest other prototype: 5, 5, 10
+    (to (0, 0)), 5, so the smallest margin is 5. The uploads (0, 0), (3, 4), (6, 8), (6, 0) of
+    classes 0, 1, 1, 2 sit at 0, 0, 5 and 8 from their own class's P̂ (mean 13/4); (6, 8) is
+    nearest P̂^3 and (6, 0) nearest P̂^1 (at 5), so 2 of 4 are nearest their own. Every number is
+    exact in float32, so the comparisons are too."""
+    server = _server(num_classes=4, feature_dim=2, use_mapping=False)
+    with torch.no_grad():
+        server.tgp.vectors.weight.copy_(torch.tensor([[0.0, 0.0], [3.0, 4.0], [6.0, -8.0], [6.0, 8.0]]))
+    server.trained = True
+    uploads = {0: _upload([0, 1], [[0.0, 0.0], [3.0, 4.0]]), 1: _upload([1, 2], [[6.0, 8.0], [6.0, 0.0]])}
+    pairs, labels = server._pairs(uploads)
+    nothing = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 2)}
+    diagnostics = server.diagnostics(uploads, pairs, labels, previous=nothing)
+    assert diagnostics["class_margin_global"] == [5.0, 5.0, 10.0, 5.0]
+    assert diagnostics["proto_min_dist"] == 5.0
+    assert diagnostics["upload_to_global"] == 13 / 4
+    assert diagnostics["upload_nearest_own"] == 2 / 4
+    assert "proto_drift" not in diagnostics  # no previous round
+
+
+@pytest.mark.parametrize("use_mapping,expected", [
+    # F: v → Linear(2, 3) → ReLU → Linear(3, 2) (hidden_dim = 3), weights below:
+    # v0 = (−1, 2) → (−1, 2, 0) → ReLU (0, 2, 0) → (0.5, 2); without the ReLU it would be (−0.5, 2)
+    # v1 = (3, −4) → (3, −4, −2) → ReLU (3, 0, 0) → (3.5, 0); without the ReLU (1.5, −6)
+    (True, [[0.5, 2.0], [3.5, 0.0]]),
+    (False, [[-1.0, 2.0], [3.0, -4.0]]),  # "w/o F": the vectors themselves
+])
+def test_global_prototypes_are_f_of_the_class_vectors_by_hand(use_mapping, expected):
+    server = _server(num_classes=2, feature_dim=2, use_mapping=use_mapping, hidden_dim=3)
+    with torch.no_grad():
+        server.tgp.vectors.weight.copy_(torch.tensor([[-1.0, 2.0], [3.0, -4.0]]))
+        if use_mapping:
+            first, second = (layer for layer in server.tgp.mapping if isinstance(layer, torch.nn.Linear))
+            assert first.weight.shape == (3, 2)  # hidden_dim = H
+            first.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+            first.bias.copy_(torch.tensor([0.0, 0.0, -1.0]))
+            second.weight.copy_(torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]]))
+            second.bias.copy_(torch.tensor([0.5, 0.0]))
+    server.trained = True
+    download = server.download()
+    assert download["class_ids"].tolist() == [0, 1]
+    torch.testing.assert_close(download["protos"], torch.tensor(expected), rtol=0, atol=0)
 
 
 def test_options_are_validated():

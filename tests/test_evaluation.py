@@ -1,0 +1,110 @@
+"""The evaluation metric of the round loop, by hand: a real ``Federation`` (one process, local
+transport) whose data and models are replaced by tiny hand-made clients.
+
+test_acc is pooled over clients (Σ correct / Σ samples), test_acc_std is the population std of
+the per-client accuracies, test_acc_head uses the head's argmax, and every client (participant
+or not) is evaluated in eval mode with the knowledge after this round's server update.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import SMOKE, read_metrics
+from htfl_dist.algorithms import ClientState
+from htfl_dist.config import load_config
+from htfl_dist.models import SplitModel
+from htfl_dist.runtime.loop import Federation, RunContext
+from htfl_dist.runtime.placement import sample_participants
+from htfl_dist.runtime.transport import LocalTransport
+
+NUM_CLIENTS = 4
+
+TRAIN_X = [[-1.0, -1.0], [-1.0, 1.0], [1.0, -1.0], [1.0, 1.0]]
+TRAIN_Y = [0, 0, 1, 1]
+"""Every client's training split: class means (−1, 0) and (1, 0), so whoever participates,
+FedProto's global prototypes are P̂^0 = (−1, 0) and P̂^1 = (1, 0): the nearest one is class 1
+exactly when the first feature is positive."""
+
+TEST_SPLITS = {  # client: (first features of x, labels); the second feature alternates ±1
+    0: ([-2.0, -1.0, 3.0, 5.0], [0, 0, 0, 1]),  # predicted 0 0 1 1: 3 of 4 right
+    1: ([1.0, 2.0, 3.0, 6.0, 7.0, 11.0], [0, 0, 0, 0, 0, 1]),  # all predicted 1: 1 of 6
+    2: ([-3.0, 4.0], [0, 1]),  # 2 of 2
+    3: ([2.0, -2.0, 4.0, -4.0], [0, 1, 0, 1]),  # all wrong: 0 of 4
+}
+"""Per-client accuracy 3/4, 1/6, 1, 0 (mean 23/48); pooled 6/16. The zero head predicts class 0
+everywhere: 3 + 5 + 1 + 2 = 11 of 16. Client 1's first features are all positive: a BatchNorm in
+train mode would centre them on their mean 5 and turn 1, 2, 3 into class 0."""
+
+
+def _client(client_id: int) -> ClientState:
+    """BatchNorm extractor, the identity up to 1/√(1 + eps) in eval mode (running statistics
+    0 and 1, kept by momentum 0); a zero head; lr 0, so nothing trains."""
+    extractor = nn.BatchNorm1d(2, momentum=0.0)
+    head = nn.Linear(2, 2)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    model = SplitModel(extractor, head, feature_dim=2)
+    first, labels = TEST_SPLITS[client_id]
+    test_x = torch.tensor([[value, (-1.0) ** index] for index, value in enumerate(first)])
+    return ClientState(client_id, "tiny", model, torch.optim.SGD(model.parameters(), lr=0.0),
+                       torch.tensor(TRAIN_X), torch.tensor(TRAIN_Y), test_x, torch.tensor(labels),
+                       torch.device("cpu"))
+
+
+def _federation(monkeypatch, out, *overrides: str) -> Federation:
+    """FedProto, 4 clients, half of them training in each round."""
+    monkeypatch.setattr(Federation, "_prepare_data",
+                        lambda self: SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None))
+    monkeypatch.setattr(Federation, "_build_client", lambda self, client_id: _client(client_id))
+    config = load_config(SMOKE, ["algorithm=fedproto", "rounds=1", f"num_clients={NUM_CLIENTS}",
+                                 "join_ratio=0.5", "model.feature_dim=2", *overrides])
+    return Federation(RunContext(config, LocalTransport(), torch.device("cpu"), out))
+
+
+@pytest.fixture
+def federation(monkeypatch, tmp_path) -> Federation:
+    return _federation(monkeypatch, tmp_path)
+
+
+def test_accuracy_is_pooled_over_all_clients_with_the_updated_knowledge(federation, tmp_path):
+    """Round 1 starts with no global prototypes (every prediction would be −1, accuracy 0): the
+    accuracies of TEST_SPLITS hold only with the prototypes the server made from this round's
+    uploads, and only if all 4 clients are counted, though only 2 trained."""
+    assert len(sample_participants(0, 0, NUM_CLIENTS, 0.5)) == 2
+    federation.run()
+    (row,) = read_metrics(tmp_path)
+    assert row["test_acc"] == 6 / 16  # pooled, not the mean of the per-client accuracies (23/48)
+    assert row["test_acc_head"] == 11 / 16
+    # population std of 36/48, 8/48, 48/48, 0/48 around 23/48: √(13² + 15² + 25² + 23²) / 48 / √4
+    assert row["test_acc_std"] == pytest.approx(math.sqrt(1548) / 96, rel=1e-12)
+    expected = torch.tensor([[-1.0, 0.0], [1.0, 0.0]]) / math.sqrt(1.0 + 1e-5)  # eval-mode BatchNorm
+    torch.testing.assert_close(federation.server.download()["protos"], expected)
+
+
+def test_every_client_is_evaluated_in_eval_mode_with_the_download(federation):
+    """What each client reports: [correct by nearest prototype, correct by the head, samples]."""
+    federation.run()
+    rows = federation._evaluate_clients(federation.knowledge())
+    assert rows == {0: [3.0, 3.0, 4.0], 1: [1.0, 5.0, 6.0], 2: [2.0, 1.0, 2.0], 3: [0.0, 2.0, 4.0]}
+
+
+def test_a_round_without_evaluation_still_hands_its_knowledge_to_the_next(monkeypatch, tmp_path):
+    """eval_every = 2: round 1 ends without the broadcast that evaluation does, yet round 2's
+    participants must train towards the prototypes of round 1, not the empty round-0 download."""
+    federation = _federation(monkeypatch, tmp_path, "rounds=2", "eval_every=2")
+    seen = {}
+    train = federation.client_algorithm.train
+
+    def recording_train(client, knowledge, round_index, generator):
+        seen[round_index] = knowledge["class_ids"].tolist()
+        return train(client, knowledge, round_index, generator)
+
+    monkeypatch.setattr(federation.client_algorithm, "train", recording_train)
+    federation.run()
+    assert seen == {0: [], 1: [0, 1]}
+    assert [row["round"] for row in read_metrics(tmp_path)] == [2]
