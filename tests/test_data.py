@@ -119,6 +119,17 @@ def test_idx_reader_rejects_bad_magic_and_truncation(tmp_path):
     _one_line(exc)
 
 
+def test_idx_header_whose_size_overflows_int64_is_refused(tmp_path):
+    """2^31 · 2^31 · 4 = 2^64 wraps to 0 in int64, which an empty body would have matched."""
+    _fake_fmnist(tmp_path, gz=False)
+    dims = (2**31, 2**31, 4)
+    header = b"\x00\x00\x08\x03" + b"".join(d.to_bytes(4, "big") for d in dims)
+    (tmp_path / "train-images-idx3-ubyte").write_bytes(header)
+    with pytest.raises(DataError, match="needs 18446744073709551616") as exc:
+        load_dataset("fmnist", str(tmp_path))
+    _one_line(exc)
+
+
 def test_missing_fmnist_root_message(tmp_path):
     missing = tmp_path / "nowhere"
     with pytest.raises(DataError) as exc:
@@ -788,6 +799,25 @@ def test_pfllib_needs_allow_pickle(tmp_path):
     assert "PFLlib .npz files hold pickled Python objects" in text
     assert f"set data.allow_pickle=true if you trust {source}" in text
     assert not (tmp_path / "c").exists() or not os.listdir(tmp_path / "c")
+
+
+def test_pfllib_file_whose_pickle_is_corrupt_is_one_line(tmp_path):
+    """allow_pickle=true was given, but the pickle inside names a module that does not exist."""
+    import io
+    import zipfile
+
+    source = tmp_path / "pfl"
+    _fake_pfllib(source)
+    victim = source / "train" / "1.npz"
+    payload = io.BytesIO()  # an object .npy: header, then a pickle (GLOBAL no_such_module.Thing)
+    np.lib.format.write_array_header_1_0(payload, {"descr": "|O", "fortran_order": False, "shape": ()})
+    payload.write(b"\x80\x02cno_such_module\nThing\n.")
+    with zipfile.ZipFile(victim, "w") as archive:
+        archive.writestr("data.npy", payload.getvalue())
+    cfg = DataConfig(partition="pfllib", pfllib_dir=str(source), allow_pickle=True, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError, match=r"1\.npz") as exc:
+        prepare_partition(cfg, 3, seed=0)
+    assert "replace the file" in _one_line(exc)
 
 
 def test_pfllib_num_clients_mismatch_and_missing_files(tmp_path):

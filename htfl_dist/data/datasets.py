@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import math
 import os
 import threading
 import zlib
@@ -129,7 +130,7 @@ def parse_idx(path: str, expected_ndim: int) -> np.ndarray:
     if len(raw) < header:
         raise DataError(f"{path} is truncated inside its IDX header; replace the file")
     dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim)]
-    expected = int(np.prod(dims, dtype=np.int64)) if dims else 0
+    expected = math.prod(dims) if dims else 0  # Python ints: four 32-bit dims overflow int64
     body = len(raw) - header
     if body != expected:
         raise DataError(

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import zipfile
 
 import numpy as np
 
@@ -90,7 +89,9 @@ def read_pfllib_file(path: str, allow_pickle: bool, directory: str) -> tuple[np.
             if "data" not in archive.files:
                 raise DataError(f"{path} has no 'data' entry (entries: {', '.join(archive.files)})")
             payload = archive["data"]
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+    except DataError:
+        raise
+    except Exception as exc:  # a consented pickle can fail in any way (UnpicklingError, missing module, ...)
         raise DataError(f"cannot read {path} ({type(exc).__name__}: {exc}); replace the file") from None
     if isinstance(payload, np.ndarray) and payload.dtype == object and payload.shape == ():
         payload = payload.item()
