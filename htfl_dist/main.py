@@ -3,6 +3,8 @@
 The same program runs under torchrun, srun and mpirun, or alone (world size 1).
 User mistakes end the job with one line and exit code 2; any other failure prints the
 traceback of the failing rank, names the rank and its clients, and brings every rank down.
+A run stopped by SIGTERM after every rank checkpointed exits with 75 and leaves ``PREEMPTED``
+in the run directory (torchrun reports any worker status as 1, so batch scripts read the file).
 """
 from __future__ import annotations
 
@@ -21,6 +23,8 @@ from htfl_dist.errors import HtflError
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
+EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: checkpointed on SIGTERM, run again with --resume auto
+PREEMPTED_MARKER = "PREEMPTED"
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -138,24 +142,42 @@ def run(argv: list[str] | None = None) -> int:
                  f"run directory {out}")
     context = RunContext(config, transport, device, out, resume_from,
                          extra_summary={"versions": _versions(), "launcher": launch.launcher})
+    code = 0
     try:
         federation = Federation(context)
         summary = federation.run()
         if federation.preempted_after is not None:
-            if launch.rank == 0:
-                print(f"preempted: checkpoint after round {federation.preempted_after} in {out}/checkpoints; "
-                      f"continue with --resume auto", flush=True)
-        elif summary is not None and summary["best_test_acc"] is None:
-            print(f"done: no evaluated rounds to report; outputs in {out}", flush=True)
+            _report_preemption(federation.preempted_after, out, launch.rank, transport)
+            code = EXIT_PREEMPTED
         elif summary is not None:
-            print(f"done: best test_acc {summary['best_test_acc'] * 100:.2f}% at round {summary['best_round']}, "
-                  f"last {summary['last_test_acc'] * 100:.2f}%; outputs in {out}", flush=True)
+            _report_finish(summary, out)
     except BaseException as exc:
         if transport.world_size > 1 and not isinstance(exc, KeyboardInterrupt):
             _fail(exc, launch.rank, transport, config)  # does not return
         raise
     transport.close()
-    return 0
+    return code
+
+
+def _report_preemption(after_round: int, out: Path, rank: int, transport) -> None:
+    """Rank 0 says where the checkpoint is and leaves the marker a batch script can test (the exit
+    status does not survive torchrun); no rank leaves before it is written, so a launcher that ends
+    the job when the first rank exits (srun --kill-on-bad-exit) cannot lose it."""
+    if rank == 0:
+        line = f"preempted: checkpoint after round {after_round} in {out}/checkpoints; continue with --resume auto"
+        (out / PREEMPTED_MARKER).write_text(line + "\n")
+        print(line, flush=True)
+    transport.barrier()
+
+
+def _report_finish(summary: dict, out: Path) -> None:
+    """Rank 0, run complete: an earlier attempt's ``PREEMPTED`` marker no longer applies."""
+    (out / PREEMPTED_MARKER).unlink(missing_ok=True)
+    if summary["best_test_acc"] is None:
+        print(f"done: no evaluated rounds to report; outputs in {out}", flush=True)
+    else:
+        print(f"done: best test_acc {summary['best_test_acc'] * 100:.2f}% at round {summary['best_round']}, "
+              f"last {summary['last_test_acc'] * 100:.2f}%; outputs in {out}", flush=True)
 
 
 def _fail(exc: BaseException, rank: int, transport, config) -> None:

@@ -15,6 +15,11 @@ BIN = Path(sys.executable).parent
 SMOKE = REPO / "configs" / "smoke.yaml"
 
 
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "slurm: starts a throw-away SLURM cluster (root, slurm-wlm, munge); "
+                                       "deselect with -m 'not slurm'")
+
+
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
