@@ -137,8 +137,9 @@ def run(argv: list[str] | None = None) -> int:
     device = pick_device(config.runtime, launch)
     transport = open_transport(config.runtime, launch, device)
     if launch.rank == 0:
-        progress(f"htfl_dist: {config.algorithm}, {config.num_clients} clients, {config.rounds} rounds; "
-                 f"{launch.world_size} rank(s) via {launch.launcher} ({transport.name}, {device}); "
+        progress(f"htfl_dist: {config.algorithm}, {_count(config.num_clients, 'client')}, "
+                 f"{_count(config.rounds, 'round')}; {_count(launch.world_size, 'rank')} via {launch.launcher} "
+                 f"({transport.name}, {device}); "
                  f"run directory {out}")
     context = RunContext(config, transport, device, out, resume_from,
                          extra_summary={"versions": _versions(), "launcher": launch.launcher})
@@ -157,6 +158,10 @@ def run(argv: list[str] | None = None) -> int:
         raise
     transport.close()
     return code
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _report_preemption(after_round: int, out: Path, rank: int, transport) -> None:

@@ -71,12 +71,12 @@ def two_rounds_then_resume(tmp_path_factory, cache_dir):
 
 def test_start_up_is_narrated(two_rounds_then_resume):
     out, first, resumed = two_rounds_then_resume
-    assert first.startswith("htfl_dist: fedproto, 6 clients, 1 rounds; 1 rank(s) via single")
+    assert first.startswith("htfl_dist: fedproto, 6 clients, 1 round; 1 rank via single")
     assert f"run directory {out}" in first.splitlines()[0]
     for expected in ("placement: rank 0 is the server and hosts all 6 clients", "data: fmnist, 6 clients, 10 classes",
                      "start-up: every rank has its data and models"):
         assert expected in first
-    assert "3 rank(s) via torchrun" in resumed
+    assert "3 ranks via torchrun" in resumed
     assert "placement: rank 0 is the server; clients per rank: rank 1: 3 (0,2,4); rank 2: 3 (1,3,5)" in resumed
     assert "resume: continuing after round 1 from" in resumed
     # every client rank tells how far its clients are inside a round

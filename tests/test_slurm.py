@@ -283,7 +283,7 @@ def test_cpu_script_on_two_nodes_matches_a_single_process(cluster, reference, tm
     sbatch, _ = cluster.submit("cpu.sbatch", out, CPU_RANKS, f"data.cache_dir={cache_dir}", f"rounds={ROUNDS}")
     assert sbatch.wait(timeout=150) == 0, _log(out)
     assert "2 node(s) x 2 rank(s) x 1 thread(s), rendezvous node1:" in _log(out)
-    assert "4 rank(s) via torchrun" in _log(out)
+    assert "4 ranks via torchrun" in _log(out)
     _same_metrics(read_metrics(out), reference)
     assert not (out / "PREEMPTED").exists()
 
@@ -302,7 +302,7 @@ def test_gpu_script_takes_its_ranks_from_the_allocation_and_a_cancel_ends_it(clu
     sbatch.wait(timeout=60)  # returns once the job is CANCELLED, while its script may still be ending
     _wait(lambda: f"job {job} is " in _log(out) and "not requeued" in _log(out), "the end of the batch script", 60)
     log = _log(out)
-    assert "2 node(s) x 2 rank(s) on 2 GPU(s) x 1 thread(s)" in log and "4 rank(s) via torchrun" in log, log
+    assert "2 node(s) x 2 rank(s) on 2 GPU(s) x 1 thread(s)" in log and "4 ranks via torchrun" in log, log
     assert f"{job} PENDING" not in cluster.run("squeue", "-h", "-o", "%i %T")
     rows = read_metrics(out)
     assert 1 <= len(rows) < ROUNDS and (out / "PREEMPTED").exists()
