@@ -108,3 +108,39 @@ def test_a_round_without_evaluation_still_hands_its_knowledge_to_the_next(monkey
     federation.run()
     assert seen == {0: [], 1: [0, 1]}
     assert [row["round"] for row in read_metrics(tmp_path)] == [2]
+
+
+def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch, tmp_path, capsys):
+    """The message of rank 0 (the only rank) claims client 999 instead of its participants: with
+    on_bad_upload=skip the round goes on without them, named in a warning and in the row;
+    with fail the job ends with that line."""
+    from htfl_dist.errors import ProtocolError
+    from htfl_dist.runtime.wire import encode
+
+    def forge_uploads(federation: Federation) -> None:
+        """The uploads' gather returns the forged message; other gathers (reports) pass through."""
+        forged = encode(federation.upload_spec, {999: {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, 2)}})
+        gather, gather_uploads, uploading = federation.transport.gather, federation._gather_uploads, []
+
+        def uploads_then_flag(*args):
+            uploading.append(True)
+            try:
+                return gather_uploads(*args)
+            finally:
+                uploading.clear()
+
+        monkeypatch.setattr(federation.transport, "gather", lambda message: [forged] if uploading else gather(message))
+        monkeypatch.setattr(federation, "_gather_uploads", uploads_then_flag)
+
+    federation = _federation(monkeypatch, tmp_path)
+    assert [field.name for field in federation.upload_spec] == ["class_ids", "protos"]
+    forge_uploads(federation)
+    federation.run()
+    participants = sample_participants(0, 0, NUM_CLIENTS, 0.5)
+    (row,) = read_metrics(tmp_path)
+    assert row["skipped_clients"] == participants and row.get("server_skipped") is True
+    assert f"left out rank 0 (clients [0, 1, 2, 3])'s clients {participants}" in capsys.readouterr().err
+    strict = _federation(monkeypatch, tmp_path / "strict", "on_bad_upload=fail")
+    forge_uploads(strict)
+    with pytest.raises(ProtocolError, match=r"sent uploads for clients \[999\]"):
+        strict.run()

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from htfl_dist.errors import ProtocolError
+from htfl_dist.runtime.screening import unpack_rank_message
 from htfl_dist.runtime.wire import Encoded, Field, PayloadDeclarationError, decode, encode
 
 SPEC = (Field("class_ids", torch.int64), Field("protos", torch.float32, (4,)))
@@ -45,3 +46,32 @@ def test_decode_rejects_truncated_or_padded_body():
         decode(SPEC, Encoded(message.header, torch.cat([message.body, torch.zeros(3, dtype=torch.uint8)])))
     with pytest.raises(ProtocolError, match="header"):
         decode(SPEC, Encoded(message.header[:-1], message.body))
+
+
+def _upload(*client_ids):
+    return encode(SPEC, {cid: {"class_ids": torch.tensor([1]), "protos": torch.ones(1, 4)} for cid in client_ids})
+
+
+def test_decode_rejects_a_client_twice():
+    """A repeated entry would otherwise replace the first one silently."""
+    message = _upload(3, 4)
+    header = message.header.clone()
+    header[1 + 3] = 3  # the second entry's id (1 count, then id + 2 row counts per entry)
+    with pytest.raises(ProtocolError, match="client 3 twice"):
+        decode(SPEC, Encoded(header, message.body))
+
+
+@pytest.mark.parametrize("sent,why", [((1, 999), "a client that does not exist"),
+                                      ((1, 2), "another rank's client"),
+                                      ((1,), "one of its participants missing")])
+def test_a_rank_speaks_only_for_its_own_participants(sent, why):
+    with pytest.raises(ProtocolError, match=r"rank 2 \(clients \[1, 3\]\) sent uploads for clients") as exc:
+        unpack_rank_message(SPEC, _upload(*sent), [1, 3], "rank 2 (clients [1, 3])")
+    assert "expected its participants [1, 3]" in str(exc.value), why
+    assert sorted(unpack_rank_message(SPEC, _upload(3, 1), [1, 3], "rank 2")) == [1, 3]
+
+
+def test_a_malformed_message_names_its_sender():
+    message = _upload(1)
+    with pytest.raises(ProtocolError, match="rank 2 sent a malformed message: message body too short"):
+        unpack_rank_message(SPEC, Encoded(message.header, message.body[:-1]), [1], "rank 2")

@@ -15,6 +15,7 @@ Per round t (0-based; metrics call it round t+1):
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +33,7 @@ from htfl_dist.algorithms import (
 )
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
-from htfl_dist.errors import HtflError
+from htfl_dist.errors import HtflError, ProtocolError
 from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_payloads
 from htfl_dist.metrics.report import accuracy_summary
 from htfl_dist.metrics.sinks import MetricsSink, open_sinks
@@ -52,10 +53,11 @@ from htfl_dist.runtime.placement import (
     clients_of_rank,
     describe_placement,
     describe_rank,
+    hosting_rank,
     sample_participants,
 )
 from htfl_dist.runtime.preemption import PreemptionFlag
-from htfl_dist.runtime.screening import screen_uploads
+from htfl_dist.runtime.screening import screen_uploads, unpack_rank_message
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.watchdog import STARTUP, RoundWatchdog
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
@@ -286,7 +288,8 @@ class Federation:
             rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0])]
         return rows
 
-    def _gather_uploads(self, uploads: dict[int, Payload], traffic: RoundTraffic) -> dict[int, Payload] | None:
+    def _gather_uploads(self, uploads: dict[int, Payload], participants: list[int], round_index: int,
+                        traffic: RoundTraffic) -> dict[int, Payload] | None:
         spec = self.upload_spec
         if not spec:
             return {} if self.is_server else None  # nothing declared, nothing travels
@@ -294,10 +297,21 @@ class Federation:
         if gathered is None:
             return None
         merged: dict[int, Payload] = {}
-        for message in gathered:
-            if int(message.header[0]) > 0:
+        for rank, message in enumerate(gathered):  # the transport gathers ranks in order, rank 0 first
+            expected = [cid for cid in participants if hosting_rank(cid, self.world_size) == rank]
+            sender = describe_rank(rank, self.world_size, self.config.num_clients)
+            try:
+                entries = unpack_rank_message(spec, message, expected, sender)
+            except ProtocolError as exc:
+                if self.config.on_bad_upload == "fail":
+                    raise
+                print(f"htfl_dist: warning: round {round_index + 1}: left out {sender}'s clients "
+                      f"{expected}: {exc}", file=sys.stderr, flush=True)
+                self.skipped_clients.extend(expected)
+                continue
+            if entries:
                 traffic.up += message.nbytes
-            merged.update(decode(spec, message))
+            merged.update(entries)
         return dict(sorted(merged.items()))
 
     def _gather_reports(self, train_rows, eval_rows, seconds: float, theory_up: int, stop_requested: bool):
@@ -356,7 +370,7 @@ class Federation:
             uploads, train_rows, theory_up = self._train_participants(participants, knowledge, round_index)
             client_seconds = time.perf_counter() - compute_began
 
-            gathered = self._gather_uploads(uploads, traffic)
+            gathered = self._gather_uploads(uploads, participants, round_index, traffic)
             server_seconds = 0.0
             diagnostics: dict[str, Any] = {}
             if self.is_server:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from htfl_dist.errors import ProtocolError
-from htfl_dist.runtime.wire import Payload
+from htfl_dist.runtime.wire import Encoded, Payload, PayloadSpec, decode
 
 
 def check_finite(client_id: int, upload: Payload) -> None:
@@ -40,3 +40,18 @@ def screen_uploads(uploads: dict[int, Payload], validate: Callable[[int, Payload
             continue
         kept[client_id] = upload
     return kept, skipped
+
+
+def unpack_rank_message(spec: PayloadSpec, message: Encoded, expected_ids: list[int], sender: str
+                        ) -> dict[int, Payload]:
+    """Decode one rank's message and check it holds exactly the clients that rank hosts and that
+    take part this round, each once: a rank must not speak for another rank's clients (it would
+    replace their uploads) nor for clients that do not exist. ``sender`` names the rank."""
+    try:
+        entries = decode(spec, message)
+    except ProtocolError as exc:
+        raise ProtocolError(f"{sender} sent a malformed message: {exc}") from None
+    if sorted(entries) != sorted(expected_ids):
+        raise ProtocolError(f"{sender} sent uploads for clients {sorted(entries)}, "
+                            f"expected its participants {sorted(expected_ids)}")
+    return entries

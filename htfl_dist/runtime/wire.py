@@ -96,6 +96,8 @@ def decode(spec: PayloadSpec, message: Encoded, device: torch.device | str = "cp
     for _ in range(count):
         entry_id = header[cursor]
         cursor += 1
+        if entry_id in entries:  # a repeat would silently replace the first
+            raise ProtocolError(f"message holds client {entry_id} twice")
         payload: Payload = {}
         for field in spec:
             rows = header[cursor]
