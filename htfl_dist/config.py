@@ -110,6 +110,9 @@ class RuntimeConfig:
     safety net against a hung peer, also under MPI, which has no collective timeout."""
     preempt_grace_s: float = 120.0
     """After SIGTERM, the job checkpoints at the next round boundary; past this it exits anyway."""
+    max_message_mb: float = 1024.0
+    """Largest message rank 0 accepts from one client rank per gather (checked before allocating
+    it); raise it only for shared models larger than this."""
 
 
 @dataclass
@@ -408,6 +411,8 @@ def validate(config: Config) -> None:
              f"config key 'runtime.round_deadline_s' must be >= 0 (0 = none), got {runtime.round_deadline_s}")
     _require(runtime.preempt_grace_s > 0,
              f"config key 'runtime.preempt_grace_s' must be > 0, got {runtime.preempt_grace_s}")
+    _require(runtime.max_message_mb > 0,
+             f"config key 'runtime.max_message_mb' must be > 0, got {runtime.max_message_mb}")
     _require(config.output.progress_every_s >= 0,
              f"config key 'output.progress_every_s' must be >= 0 (0 = never), got {config.output.progress_every_s}")
     _require(config.output.prototypes_every >= 0,

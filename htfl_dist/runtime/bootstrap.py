@@ -136,6 +136,12 @@ def _mpi_rendezvous_for_torch() -> str:
 
 
 def open_transport(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.device) -> Transport:
+    transport = _open_transport(runtime, launch, device)
+    transport.max_message_bytes = int(runtime.max_message_mb * (1 << 20))
+    return transport
+
+
+def _open_transport(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.device) -> Transport:
     backend = pick_backend(runtime, launch, device)
     if backend == "local":
         return LocalTransport()

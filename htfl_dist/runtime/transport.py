@@ -21,9 +21,23 @@ import time
 import numpy as np
 import torch
 
+from htfl_dist.errors import ProtocolError
 from htfl_dist.runtime.wire import Encoded
 
 _ABORT_DRAIN_S = 1.0  # long enough for mpirun to forward a rank's last stderr line
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+
+def checked_sizes(sizes: list[int], source: int, limit_bytes: int) -> tuple[int, int]:
+    """The (header values, body bytes) a rank announced, refused before anything is allocated
+    when negative, headerless or larger than ``limit_bytes`` (runtime.max_message_mb): a peer's
+    word alone must not make rank 0 allocate gigabytes or crash on a negative size."""
+    header_len, body_len = (int(v) for v in sizes)
+    if header_len < 1 or body_len < 0 or header_len * 8 + body_len > limit_bytes:
+        raise ProtocolError(
+            f"rank {source} announced a message of {header_len} header values and {body_len} body bytes; "
+            f"refused before allocating it (limit: runtime.max_message_mb={limit_bytes >> 20})")
+    return header_len, body_len
 
 
 class Transport(abc.ABC):
@@ -32,6 +46,8 @@ class Transport(abc.ABC):
     rank: int
     world_size: int
     name: str
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """The largest message rank 0 accepts from one rank in a gather."""
 
     @abc.abstractmethod
     def broadcast(self, message: Encoded | None) -> Encoded:
@@ -121,7 +137,7 @@ class TorchTransport(Transport):
         for source in range(1, self.world_size):
             sizes = torch.empty(2, dtype=torch.int64, device=self.comm_device)
             dist.recv(sizes, src=source)
-            header_len, body_len = (int(v) for v in sizes.tolist())
+            header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes)
             header = torch.empty(header_len, dtype=torch.int64, device=self.comm_device)
             dist.recv(header, src=source)
             body = torch.empty(body_len, dtype=torch.uint8, device=self.comm_device)
@@ -192,9 +208,10 @@ class MPITransport(Transport):
         for source in range(1, self.world_size):
             sizes = np.empty(2, dtype=np.int64)
             comm.Recv(sizes, source=source, tag=1)
-            header = np.empty(int(sizes[0]), dtype=np.int64)
+            header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes)
+            header = np.empty(header_len, dtype=np.int64)
             comm.Recv(header, source=source, tag=2)
-            body = np.empty(int(sizes[1]), dtype=np.uint8)
+            body = np.empty(body_len, dtype=np.uint8)
             if body.size:
                 comm.Recv(body, source=source, tag=3)
             received.append(Encoded(torch.from_numpy(header), torch.from_numpy(body)))
