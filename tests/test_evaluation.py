@@ -142,5 +142,5 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
     assert f"left out rank 0 (clients [0, 1, 2, 3])'s clients {participants}" in capsys.readouterr().err
     strict = _federation(monkeypatch, tmp_path / "strict", "on_bad_upload=fail")
     forge_uploads(strict)
-    with pytest.raises(ProtocolError, match=r"sent uploads for clients \[999\]"):
+    with pytest.raises(ProtocolError, match=r"^rank 0 \(clients \[0, 1, 2, 3\]\) sent uploads for clients \[999\]"):
         strict.run()

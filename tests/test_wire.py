@@ -65,13 +65,13 @@ def test_decode_rejects_a_client_twice():
                                       ((1, 2), "another rank's client"),
                                       ((1,), "one of its participants missing")])
 def test_a_rank_speaks_only_for_its_own_participants(sent, why):
-    with pytest.raises(ProtocolError, match=r"rank 2 \(clients \[1, 3\]\) sent uploads for clients") as exc:
-        unpack_rank_message(SPEC, _upload(*sent), [1, 3], "rank 2 (clients [1, 3])")
+    with pytest.raises(ProtocolError, match=r"^sent uploads for clients") as exc:
+        unpack_rank_message(SPEC, _upload(*sent), [1, 3])
     assert "expected its participants [1, 3]" in str(exc.value), why
-    assert sorted(unpack_rank_message(SPEC, _upload(3, 1), [1, 3], "rank 2")) == [1, 3]
+    assert sorted(unpack_rank_message(SPEC, _upload(3, 1), [1, 3])) == [1, 3]
 
 
-def test_a_malformed_message_names_its_sender():
+def test_a_malformed_message_is_a_protocol_error():
     message = _upload(1)
-    with pytest.raises(ProtocolError, match="rank 2 sent a malformed message: message body too short"):
-        unpack_rank_message(SPEC, Encoded(message.header, message.body[:-1]), [1], "rank 2")
+    with pytest.raises(ProtocolError, match=r"^sent a malformed message: message body too short"):
+        unpack_rank_message(SPEC, Encoded(message.header, message.body[:-1]), [1])

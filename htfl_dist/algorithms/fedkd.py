@@ -59,6 +59,7 @@ from htfl_dist.algorithms.shared_model import (
     build_shared_model,
     check_member_name,
     check_shared_model,
+    clip_gradients,
     parameter_shapes,
 )
 from htfl_dist.algorithms.training import Batch, run_local_training
@@ -66,7 +67,6 @@ from htfl_dist.errors import ConfigError, HtflError, ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 Compress = Literal["update", "weights"]
-CLIP_NORM = 10.0
 
 
 @dataclass
@@ -126,10 +126,6 @@ class SyncState(nn.Module):
         super().__init__()
         self.register_buffer("version", torch.zeros((), dtype=torch.int64))
         self.register_buffer("row", row)
-
-
-def clip_gradients(module: nn.Module, max_norm: float = CLIP_NORM) -> None:
-    torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:

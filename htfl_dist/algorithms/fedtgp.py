@@ -151,8 +151,7 @@ class TrainablePrototypeServer(ServerAlgorithm):
     update (round-0 clients train with CE only); after it, every class's prototype does.
 
     A variant supplies ``fit`` (its loss, through :meth:`train_prototypes`) and ``diagnostics``.
-    Options read: ``hidden_dim``, ``server_lr``, ``server_epochs``, ``server_batch_size`` and, if
-    the variant has it, ``use_mapping``."""
+    Options read: ``hidden_dim``, ``server_lr``, ``server_epochs``, ``server_batch_size``."""
 
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
@@ -166,9 +165,8 @@ class TrainablePrototypeServer(ServerAlgorithm):
         super().__init__(context)
         options, dim = self.options, context.feature_dim
         self.device = context.device
-        use_mapping = getattr(options, "use_mapping", True)  # FedTGP's "w/o F" ablation; FedOC always has F
         self.tgp = TrainableGlobalPrototypes(
-            context.num_classes, dim, options.hidden_dim or dim, use_mapping).to(self.device)
+            context.num_classes, dim, options.hidden_dim or dim, self.use_mapping()).to(self.device)
         self.trained = False  # round 0 clients get no global knowledge (CE only)
         self._cached_protos: torch.Tensor | None = None
 
@@ -198,6 +196,10 @@ class TrainablePrototypeServer(ServerAlgorithm):
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
+
+    def use_mapping(self) -> bool:
+        """Whether P̂ = F(P̃) (True) or P̃ itself; only FedTGP's "w/o F" ablation says False."""
+        return True
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict:
         if not uploads:  # every upload screened out: nothing to train on, keep P̂ as it is
@@ -245,6 +247,9 @@ class TrainablePrototypeServer(ServerAlgorithm):
 
 
 class FedTGPServer(TrainablePrototypeServer):
+    def use_mapping(self) -> bool:
+        return self.options.use_mapping
+
     def _margin(self, pairs: torch.Tensor, labels: torch.Tensor) -> float:
         options = self.options
         if options.margin == "none":

@@ -40,6 +40,7 @@ from htfl_dist.algorithms.shared_model import (
     build_shared_model,
     check_member_name,
     check_shared_model,
+    clip_gradients,
     shared_model_template,
 )
 from htfl_dist.algorithms.training import Batch, run_local_training
@@ -47,7 +48,6 @@ from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 Average = Literal["uniform", "sample_weighted"]
-CLIP_NORM = 10.0
 
 
 @dataclass
@@ -84,10 +84,6 @@ def sample_count(client: ClientState) -> torch.Tensor:
 
 def shared_field(context: AlgorithmContext) -> Field:
     return parameters.parameter_field("shared", shared_model_template(context))
-
-
-def clip_gradients(module: nn.Module, max_norm: float = CLIP_NORM) -> None:
-    torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
 
 
 class FMLClient(ClientAlgorithm):

@@ -23,6 +23,13 @@ from htfl_dist.models import (
 )
 from htfl_dist.seeding import seed_global_torch
 
+CLIP_NORM = 10.0
+"""FML's and FedKD's reference code clip every model's gradient norm to 10 before each step."""
+
+
+def clip_gradients(module: torch.nn.Module, max_norm: float = CLIP_NORM) -> None:
+    torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm)
+
 
 def check_member_name(value: str | None) -> None:
     """``algo.shared_model`` must name one registered ARCH or ARCH:HEAD (not a group)."""

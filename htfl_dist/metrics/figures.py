@@ -12,9 +12,8 @@ from typing import Any
 
 import torch
 
-from htfl_dist.atomic import replaced_atomically
 from htfl_dist.metrics.prototypes import GLOBAL_FIELDS, Snapshot, load_snapshot, snapshot_rounds
-from htfl_dist.metrics.report import ReportError, RunRecord, new_figure, run_labels
+from htfl_dist.metrics.report import ReportError, RunRecord, new_figure, run_labels, save_figure
 
 MARGIN_KEYS = ("class_margin_global", "class_margin_client_max")
 MAX_DEFAULT_PANELS = 4
@@ -49,11 +48,6 @@ def _grid(panels_per_row: Sequence[int]):
                      for col in range(count)] for row, count in enumerate(panels_per_row)]
 
 
-def _save(figure, out: Path) -> None:
-    with replaced_atomically(out) as tmp:
-        figure.savefig(tmp, format="png")
-
-
 # ---------------------------------------------------------------------------------- FedTGP Fig. 1
 
 def margin_rows(run: RunRecord) -> dict[int, dict[str, Any]]:
@@ -77,7 +71,7 @@ def plot_class_margins(runs: Sequence[RunRecord], out: Path, rounds: Sequence[in
             _margin_bars(ax, row)
             ax.set_title(f"{label}: round {row['round']}", fontsize="small")
     axes[0][0].legend(fontsize="small")
-    _save(figure, out)
+    save_figure(figure, out)
 
 
 def _margin_bars(ax, row: dict[str, Any]) -> None:
@@ -118,7 +112,7 @@ def plot_prototype_projection(runs: Sequence[RunRecord], out: Path, rounds: Sequ
             _projection_panel(ax, load_snapshot(run.path, round_number))
             ax.set_title(f"{label}: round {round_number}", fontsize="small")
     axes[0][0].legend(fontsize="small", title="colour = class", title_fontsize="small")
-    _save(figure, out)
+    save_figure(figure, out)
 
 
 def _projection_panel(ax, snap: Snapshot) -> None:

@@ -321,9 +321,14 @@ def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Pat
     axes.xaxis.get_major_locator().set_params(integer=True)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
+    save_figure(figure, out)
+    return [labels for labels in groups if len(labels) > 1]
+
+
+def save_figure(figure, out: Path) -> None:
+    """Write ``figure`` as a PNG at ``out`` atomically: a reader never sees half an image."""
     with replaced_atomically(out) as tmp:
         figure.savefig(tmp, format="png")
-    return [labels for labels in groups if len(labels) > 1]
 
 
 def new_figure(size: tuple[float, float] = (8, 5)):

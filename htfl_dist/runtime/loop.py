@@ -299,14 +299,14 @@ class Federation:
         merged: dict[int, Payload] = {}
         for rank, message in enumerate(gathered):  # the transport gathers ranks in order, rank 0 first
             expected = [cid for cid in participants if hosting_rank(cid, self.world_size) == rank]
-            sender = describe_rank(rank, self.world_size, self.config.num_clients)
             try:
-                entries = unpack_rank_message(spec, message, expected, sender)
+                entries = unpack_rank_message(spec, message, expected)
             except ProtocolError as exc:
+                sender = describe_rank(rank, self.world_size, self.config.num_clients)
                 if self.config.on_bad_upload == "fail":
-                    raise
+                    raise ProtocolError(f"{sender} {exc}") from None
                 print(f"htfl_dist: warning: round {round_index + 1}: left out {sender}'s clients "
-                      f"{expected}: {exc}", file=sys.stderr, flush=True)
+                      f"{expected}: {sender} {exc}", file=sys.stderr, flush=True)
                 self.skipped_clients.extend(expected)
                 continue
             if entries:

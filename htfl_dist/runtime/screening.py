@@ -42,16 +42,16 @@ def screen_uploads(uploads: dict[int, Payload], validate: Callable[[int, Payload
     return kept, skipped
 
 
-def unpack_rank_message(spec: PayloadSpec, message: Encoded, expected_ids: list[int], sender: str
-                        ) -> dict[int, Payload]:
+def unpack_rank_message(spec: PayloadSpec, message: Encoded, expected_ids: list[int]) -> dict[int, Payload]:
     """Decode one rank's message and check it holds exactly the clients that rank hosts and that
     take part this round, each once: a rank must not speak for another rank's clients (it would
-    replace their uploads) nor for clients that do not exist. ``sender`` names the rank."""
+    replace their uploads) nor for clients that do not exist. The error reads after the sender's
+    name ("rank 2 (clients ...) sent ..."), which the caller builds only when there is one."""
     try:
         entries = decode(spec, message)
     except ProtocolError as exc:
-        raise ProtocolError(f"{sender} sent a malformed message: {exc}") from None
+        raise ProtocolError(f"sent a malformed message: {exc}") from None
     if sorted(entries) != sorted(expected_ids):
-        raise ProtocolError(f"{sender} sent uploads for clients {sorted(entries)}, "
+        raise ProtocolError(f"sent uploads for clients {sorted(entries)}, "
                             f"expected its participants {sorted(expected_ids)}")
     return entries
