@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from htfl_dist.errors import ConfigError
+from htfl_dist.generators.base import GeneratorConfig
 
 DEFAULT_FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 
@@ -156,6 +157,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""
     algo: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen algorithm (validated by the algorithm)."""
 
@@ -347,6 +350,8 @@ def validate(config: Config) -> None:
         value = getattr(config.data, key)
         if value:
             setattr(config.data, key, os.path.expanduser(value))
+    if config.generator.path:
+        config.generator.path = os.path.expanduser(config.generator.path)
     _require(config.rounds >= 1, f"config key 'rounds' must be >= 1, got {config.rounds}")
     _require(config.num_clients >= 1, f"config key 'num_clients' must be >= 1, got {config.num_clients}")
     _require(
@@ -429,6 +434,8 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     """The experiment part of a config dict (a copy). Tolerates keys that are absent, so it also
     reads the experiments stored by older versions in checkpoint manifests."""
     view = copy.deepcopy(tree)
+    if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
+        view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
     for key in PLUMBING_KEYS:
         view.pop(key, None)
     for key in DATA_LOCATION_KEYS:

@@ -41,4 +41,10 @@ if ! (cd / && "$py" -c "import htfl_dist, mpi4py, h5py, yaml, pytest, PIL, scipy
   echo "setup: installing htfl_dist (editable) with test and MPI extras"
   "$py" -m pip install -q -e "$repo[test,mpi]"
 fi
+# FedKTL's built-in generator: the DCGAN weights in the gan-face-generate wheel (MIT, 14 MB). Its
+# declared dependencies (wandb, requests, ...) are not needed to read the weights, hence --no-deps.
+if ! (cd / && "$py" -c "import importlib.metadata as m; assert m.version('gan-face-generate') == '1.1.1'" 2>/dev/null); then
+  echo "setup: installing gan-face-generate 1.1.1 (FedKTL's pre-trained generator, no dependencies)"
+  "$py" -m pip install -q --no-deps gan-face-generate==1.1.1
+fi
 echo "setup: ready ($venv)"

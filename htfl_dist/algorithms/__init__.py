@@ -1,7 +1,20 @@
 """Algorithms: maths only. The interface (``interface``), the registry (``registry``), the shared
 maths (``class_rows``, ``training``, ``parameters``, ``losses``) and one module per algorithm,
 which registers itself on import; importing this package loads all of them."""
-from htfl_dist.algorithms import feddistill, fedgen, fedgh, fedkd, fedoc, fedproto, fedsa, fedtgp, fml, lgfedavg, local  # noqa: F401  (registration side effects)
+from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
+    feddistill,
+    fedgen,
+    fedgh,
+    fedkd,
+    fedktl,
+    fedoc,
+    fedproto,
+    fedsa,
+    fedtgp,
+    fml,
+    lgfedavg,
+    local,
+)
 from htfl_dist.algorithms.interface import (
     AlgorithmContext,
     ClientAlgorithm,

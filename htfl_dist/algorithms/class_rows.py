@@ -63,9 +63,10 @@ class ClassMeans:
 
 @torch.no_grad()
 def class_means(client: ClientState, num_classes: int, source: RowSource = "features",
-                batch_size: int = 512) -> tuple[torch.Tensor, torch.Tensor]:
+                batch_size: int = 512, unit_rows: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean of f_i(x) (``features``) or of h_i(f_i(x)) (``logits``) per class over the client's
-    training samples, in eval mode.
+    training samples, in eval mode; ``unit_rows`` L2-normalises every row before it is averaged
+    (FedKTL's prototypes live on the unit sphere of its ETF classifier).
 
     Returns (class ids int64 [m], rows float32 [m, D]) for the m classes it holds."""
     model = client.model
@@ -75,6 +76,8 @@ def class_means(client: ClientState, num_classes: int, source: RowSource = "feat
     for start in range(0, client.train_y.shape[0], batch_size):
         x = client.train_x[start : start + batch_size]
         rows = model.features(x) if source == "features" else model(x)
+        if unit_rows:
+            rows = torch.nn.functional.normalize(rows, dim=1)
         if means is None:
             means = ClassMeans(num_classes, rows.shape[1], client.device)
         means.add(rows, client.train_y[start : start + batch_size])

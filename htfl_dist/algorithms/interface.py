@@ -40,6 +40,8 @@ class AlgorithmContext:
     """``model.group`` as configured; client i's member is ``architecture_for_client(model_group, i)``."""
     in_channels: int = 1
     image_size: int = 28
+    latent_dim: int = 0
+    """H, the latent width of the server's generator (FedKTL); 0 where the algorithm uses none."""
 
 
 @dataclass

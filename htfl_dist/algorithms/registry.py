@@ -21,16 +21,20 @@ class AlgorithmEntry:
     """True only where the method's paper shares model parameters (a head, a shared model, a
     generator); every other algorithm sends class knowledge only, and the conformance test holds
     it to that."""
+    uses_generator: bool = False
+    """True for FedKTL: rank 0 loads ``generator.*`` and passes it to the server as
+    ``server(context, generator=...)``; every rank learns its latent width (``context.latent_dim``)."""
 
 
 _REGISTRY: dict[str, AlgorithmEntry] = {}
 
 
 def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type[ClientAlgorithm],
-                       options: type, summary: str, shares_parameters: bool = False) -> None:
+                       options: type, summary: str, shares_parameters: bool = False,
+                       uses_generator: bool = False) -> None:
     if name in _REGISTRY:
         raise ValueError(f"algorithm {name!r} registered twice")
-    _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters)
+    _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator)
 
 
 def algorithm_names() -> list[str]:

@@ -68,11 +68,15 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
 def train_on_pairs(rows: torch.Tensor, labels: torch.Tensor,
                    loss_fn: Callable[..., torch.Tensor], optimizer: torch.optim.Optimizer, *,
                    epochs: int, batch_size: int, generator: torch.Generator,
-                   per_pair: Sequence[torch.Tensor] = ()) -> float:
+                   per_pair: Sequence[torch.Tensor] = (),
+                   before_step: Callable[[], None] | None = None,
+                   skip_single: bool = False) -> float:
     """``epochs`` of shuffled mini-batch steps on (row, label) pairs; returns the last epoch's mean
     loss. ``loss_fn(batch_rows, batch_labels, *batch_per_pair)``; ``per_pair`` are extra tensors
     with one row per pair, shuffled with them (FedTGP's margin offsets). The last batch may be
-    smaller (``drop_last=False``, as the reference servers do).
+    smaller (``drop_last=False``, as the reference servers do); ``skip_single`` leaves out a batch
+    of one pair, on which a BatchNorm layer cannot train (FedKTL's F; HtFLlib drops it too).
+    ``before_step`` runs between backward and step (gradient clipping).
 
     The step count can be large (FedTGP: S · ⌈pairs / batch⌉ ≈ 1000) and on a GPU each step is
     bound by kernel launches, so per-step work is kept to the model and its loss: each epoch's
@@ -88,9 +92,13 @@ def train_on_pairs(rows: torch.Tensor, labels: torch.Tensor,
         epoch_extra = [tensor[order] for tensor in per_pair]
         for start in range(0, count, batch_size):
             batch = slice(start, start + batch_size)
+            if skip_single and count - start == 1:
+                break
             loss = loss_fn(epoch_rows[batch], epoch_labels[batch], *(t[batch] for t in epoch_extra))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if before_step is not None:
+                before_step()
             optimizer.step()
             if epoch == last_epoch:
                 epoch_loss += loss.detach() * epoch_labels[batch].shape[0]

@@ -34,6 +34,8 @@ from htfl_dist.algorithms import (
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError, ProtocolError
+from htfl_dist.generators import build_generator, generator_latent_dim
+from htfl_dist.metrics.generated import GeneratedImageGrids
 from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_payloads
 from htfl_dist.metrics.report import accuracy_summary
 from htfl_dist.metrics.sinks import MetricsSink, open_sinks
@@ -154,23 +156,25 @@ class Federation:
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)
         self.partition = self._prepare_data()
+        latent_dim = generator_latent_dim(config.generator) if self.entry.uses_generator else 0
         self.context = AlgorithmContext(
             num_classes=self.partition.num_classes, feature_dim=config.model.feature_dim,
             seed=config.seed, train=config.train, options=options, device=self.device,
             num_clients=config.num_clients, model_group=config.model.group,
             in_channels=self.partition.in_channels, image_size=self.partition.image_size,
+            latent_dim=latent_dim,
         )
         self.entry.client.check_models(self.context)
         self.client_algorithm = self.entry.client(self.context)
         self.server = None
         if self.is_server:
-            seed_global_torch(config.seed, "server-init")  # server parameters, if any
-            self.server = self.entry.server(self.context)
+            self.server = self._build_server()
         self.download_spec = self.entry.server.download_fields(self.context)
         self.upload_spec = self.entry.client.upload_fields(self.context)
         if config.output.prototypes_every:  # every rank: a mistake stops them all before they talk
             check_prototype_payloads(config.algorithm, self.upload_spec, self.download_spec)
         self.snapshots = PrototypeSnapshots(run.out_dir, config.output.prototypes_every)
+        self.image_grids = GeneratedImageGrids(run.out_dir, self.download_spec)
         self.my_client_ids = clients_of_rank(self.rank, self.world_size, config.num_clients)
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
@@ -187,6 +191,22 @@ class Federation:
 
     # ------------------------------------------------------------------ set-up
 
+
+    def _build_server(self):
+        """The server half; FedKTL's gets the pre-trained generator, loaded here (rank 0 only),
+        and its provenance goes into summary.json."""
+        resources = {}
+        if self.entry.uses_generator:
+            began = time.perf_counter()
+            generator = build_generator(self.config.generator, self.config.seed)
+            provenance = generator.provenance()
+            self.run_context.extra_summary["generator"] = provenance
+            progress(f"generator: {provenance['name']}, latents R^{generator.latent_dim} -> "
+                     f"{generator.image_channels}x{generator.image_resolution}x{generator.image_resolution} "
+                     f"({time.perf_counter() - began:.1f}s)")
+            resources["generator"] = generator
+        seed_global_torch(self.config.seed, "server-init")  # server parameters, if any
+        return self.entry.server(self.context, **resources)
 
     def _prepare_data(self):
         """Rank 0 builds the partition cache while the others wait; they then find it (or, on a
@@ -389,6 +409,8 @@ class Federation:
             knowledge = None
 
             evaluate = (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds
+            if self.is_server and evaluate:
+                self.image_grids.save(round_index + 1, self.server.download())
             eval_rows: dict[int, list[float]] = {}
             if evaluate:
                 knowledge = self._broadcast_knowledge(traffic)
