@@ -159,7 +159,9 @@ def auxiliary_projection(feature_dim: int, latent_dim: int, seed: int) -> nn.Lin
 
 class PairBatches:
     """Indices of the downloaded pairs for each local step: all C (paper), or shuffled mini-batches
-    of ``size`` cycled through (reference code), reshuffled with ``generator`` at every pass."""
+    of ``size`` cycled through (reference code), reshuffled with ``generator`` at every pass. A
+    pass's last lone pair is dropped: the generated images go through f_i in train mode, and
+    BatchNorm on 1×1 maps cannot train on one sample."""
 
     def __init__(self, count: int, size: int | None, generator: torch.Generator) -> None:
         self.count, self.size, self.generator = count, size, generator
@@ -168,7 +170,7 @@ class PairBatches:
     def next(self) -> torch.Tensor:
         if self.size is None:
             return torch.arange(self.count)
-        if self.order.numel() == 0:
+        if self.order.numel() < min(2, self.count):
             self.order = torch.randperm(self.count, generator=self.generator)
         batch, self.order = self.order[: self.size], self.order[self.size :]
         return batch
