@@ -49,6 +49,23 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+def run_smoke(launcher: str, nproc: int, out: Path, cache_dir: Path, *overrides: str) -> list[dict]:
+    """The smoke config under ``launcher`` with ``overrides``; must succeed; its metrics rows."""
+    result = launch(launcher, nproc, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
+                                      *overrides])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return read_metrics(out)
+
+
+TIMING_KEYS = {"seconds", "client_s", "comm_s", "server_s", "bytes_up", "bytes_down"}
+"""Wall times, and bytes, which carry one message header per client rank."""
+
+
+def maths_only(rows: list[dict]) -> list[dict]:
+    """Metrics rows without wall times and wire bytes: what must not depend on the world size."""
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
     """One partition cache for the whole session (the first run builds it)."""

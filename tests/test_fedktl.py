@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from conftest import REPO, SMOKE, _env, launch, read_metrics
+from conftest import REPO, SMOKE, _env, launch, maths_only, read_metrics, run_smoke
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.algorithms import fedktl as fedktl_module
 from htfl_dist.algorithms.fedktl import (
@@ -621,19 +621,10 @@ def test_bad_option_on_the_command_line_exits_2_with_one_line(tmp_path):
 # --------------------------------------------------------------------------- real runs
 
 RUN = ("algorithm=fedktl", "rounds=2")
-TIMING = {"seconds", "client_s", "comm_s", "server_s", "bytes_up", "bytes_down"}
-"""Wall times, and bytes, which carry one message header per client rank."""
 
 
 def _run(launcher, nproc, out, cache_dir, *overrides):
-    result = launch(launcher, nproc, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
-                                      *RUN, *overrides])
-    assert result.returncode == 0, result.stdout + result.stderr
-    return read_metrics(out)
-
-
-def _maths(rows):
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+    return run_smoke(launcher, nproc, out, cache_dir, *RUN, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -683,18 +674,18 @@ def test_real_run_summary_and_generated_images(single_out):
 
 
 def test_three_torchrun_ranks_equal_one_process(single, tmp_path, cache_dir):
-    assert _maths(_run("torchrun", 3, tmp_path, cache_dir)) == _maths(single)
+    assert maths_only(_run("torchrun", 3, tmp_path, cache_dir)) == maths_only(single)
 
 
 def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single, tmp_path, cache_dir):
     """Round 1 on mpirun -n 3 with a checkpoint, then round 2 resumed from it: the same rows as one
     process running both rounds (F with its BN statistics, the centroids and the pairs come back)."""
     first = _run("mpirun", 3, tmp_path, cache_dir, "rounds=1", "checkpoint_every=1")
-    assert _maths(first) == _maths(single[:1])
+    assert maths_only(first) == maths_only(single[:1])
     resumed = launch("mpirun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
                                    *RUN, "checkpoint_every=1", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert _maths(read_metrics(tmp_path)) == _maths(single)
+    assert maths_only(read_metrics(tmp_path)) == maths_only(single)
 
 
 def test_single_client_mode(tmp_path, cache_dir):

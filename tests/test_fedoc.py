@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SMOKE, launch, read_metrics
+from conftest import SMOKE, launch, maths_only, read_metrics, run_smoke
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.algorithms import fedtgp as fedtgp_module
 from htfl_dist.algorithms.fedoc import cosine_alignment, cosine_diagnostics, orthogonality_loss
@@ -287,19 +287,10 @@ def test_cosine_diagnostics_by_hand():
 # --------------------------------------------------------------------------- real runs
 
 PARTIAL = ("algorithm=fedoc", "rounds=2", "join_ratio=0.5")
-TIMING = {"seconds", "client_s", "comm_s", "server_s", "bytes_up", "bytes_down"}
-"""Wall times, and bytes, which carry one message header per client rank."""
 
 
 def _run(launcher, nproc, out, cache_dir, *overrides):
-    result = launch(launcher, nproc, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
-                                      *PARTIAL, *overrides])
-    assert result.returncode == 0, result.stdout + result.stderr
-    return read_metrics(out)
-
-
-def _maths(rows):
-    return [{k: v for k, v in row.items() if k not in TIMING} for row in rows]
+    return run_smoke(launcher, nproc, out, cache_dir, *PARTIAL, *overrides)
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +318,7 @@ def test_real_run_with_partial_participation(single, cache_dir):
 
 
 def test_three_torchrun_ranks_equal_one_process(single, tmp_path, cache_dir):
-    assert _maths(_run("torchrun", 3, tmp_path, cache_dir)) == _maths(single)
+    assert maths_only(_run("torchrun", 3, tmp_path, cache_dir)) == maths_only(single)
 
 
 def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single, tmp_path, cache_dir):
@@ -335,8 +326,8 @@ def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single,
     same rows as one process running both rounds (clients' models and optimizers, the server's
     generator and its ``trained`` flag all come back from the checkpoint)."""
     first = _run("mpirun", 3, tmp_path, cache_dir, "rounds=1", "checkpoint_every=1")
-    assert _maths(first) == _maths(single[:1])
+    assert maths_only(first) == maths_only(single[:1])
     resumed = launch("mpirun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
                                    *PARTIAL, "checkpoint_every=1", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert _maths(read_metrics(tmp_path)) == _maths(single)
+    assert maths_only(read_metrics(tmp_path)) == maths_only(single)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SMOKE, launch, read_metrics
+from conftest import SMOKE, launch, read_metrics, run_smoke
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.algorithms.fedsa import (
     MEMORY,
@@ -354,10 +354,7 @@ RUN = ("algorithm=fedsa", "algo.compat=htfllib", "join_ratio=0.5", "rounds=2")
 
 
 def _run(launcher, nproc, out, cache_dir, *overrides):
-    result = launch(launcher, nproc, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
-                                      *RUN, *overrides])
-    assert result.returncode == 0, result.stdout + result.stderr
-    return read_metrics(out)
+    return run_smoke(launcher, nproc, out, cache_dir, *RUN, *overrides)
 
 
 @pytest.fixture(scope="module")

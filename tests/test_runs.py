@@ -9,14 +9,9 @@ import json
 
 import pytest
 
-from conftest import SMOKE, launch, read_metrics
+from conftest import SMOKE, launch, read_metrics, run_smoke
 
-
-def _run(launcher, nproc, out, cache_dir, *overrides):
-    result = launch(launcher, nproc, ["--config", str(SMOKE), "--out", str(out),
-                                      f"data.cache_dir={cache_dir}", *overrides])
-    assert result.returncode == 0, result.stdout + result.stderr
-    return read_metrics(out)
+_run = run_smoke
 
 
 @pytest.fixture(scope="module")
