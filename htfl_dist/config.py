@@ -111,6 +111,9 @@ class RuntimeConfig:
     safety net against a hung peer, also under MPI, which has no collective timeout."""
     preempt_grace_s: float = 120.0
     """After SIGTERM, the job checkpoints at the next round boundary; past this it exits anyway."""
+    placement: str = "balanced"
+    """balanced: clients onto client ranks by training samples, largest first, each to the least
+    loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes the results."""
     max_message_mb: float = 1024.0
     """Largest message rank 0 accepts from one client rank per gather (checked before allocating
     it); raise it only for shared models larger than this."""
@@ -410,6 +413,8 @@ def validate(config: Config) -> None:
         runtime.device in ("auto", "cpu", "cuda"),
         f"config key 'runtime.device' is {runtime.device!r}; allowed: auto, cpu, cuda",
     )
+    _require(runtime.placement in ("balanced", "round_robin"),
+             f"config key 'runtime.placement' is {runtime.placement!r}; allowed: balanced, round_robin")
     _require(runtime.threads >= 0, f"config key 'runtime.threads' must be >= 0, got {runtime.threads}")
     _require(runtime.timeout_s > 0, f"config key 'runtime.timeout_s' must be > 0, got {runtime.timeout_s}")
     _require(runtime.round_deadline_s >= 0,

@@ -154,7 +154,7 @@ def run(argv: list[str] | None = None) -> int:
             _report_finish(summary, out)
     except BaseException as exc:
         if transport.world_size > 1 and not isinstance(exc, KeyboardInterrupt):
-            _fail(exc, launch.rank, transport, config)  # does not return
+            _fail(exc, context.rank_description or f"rank {launch.rank}", transport)  # does not return
         raise
     transport.close()
     return code
@@ -185,11 +185,8 @@ def _report_finish(summary: dict, out: Path) -> None:
               f"last {summary['last_test_acc'] * 100:.2f}%; outputs in {out}", flush=True)
 
 
-def _fail(exc: BaseException, rank: int, transport, config) -> None:
-    """Name the failing rank and its clients, then take the whole job down."""
-    from htfl_dist.runtime.placement import describe_rank
-
-    where = describe_rank(rank, transport.world_size, config.num_clients)
+def _fail(exc: BaseException, where: str, transport) -> None:
+    """Name the failing rank (and its clients, once placed), then take the whole job down."""
     if isinstance(exc, HtflError):
         line, code = f"htfl_dist: error on {where}: {exc}", EXIT_USER_ERROR
     else:

@@ -57,7 +57,7 @@ def run_smoke(launcher: str, nproc: int, out: Path, cache_dir: Path, *overrides:
     return read_metrics(out)
 
 
-TIMING_KEYS = {"seconds", "client_s", "comm_s", "server_s", "bytes_up", "bytes_down"}
+TIMING_KEYS = {"seconds", "client_s", "comm_s", "server_s", "bytes_up", "bytes_down", "rank_idle_share"}
 """Wall times, and bytes, which carry one message header per client rank."""
 
 

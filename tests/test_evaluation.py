@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -59,7 +60,8 @@ def _client(client_id: int) -> ClientState:
 def _federation(monkeypatch, out, *overrides: str) -> Federation:
     """FedProto, 4 clients, half of them training in each round."""
     monkeypatch.setattr(Federation, "_prepare_data",
-                        lambda self: SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None))
+                        lambda self: SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None,
+                                                     class_counts=np.ones((NUM_CLIENTS, 2), dtype=np.int64)))
     monkeypatch.setattr(Federation, "_build_client", lambda self, client_id: _client(client_id))
     config = load_config(SMOKE, ["algorithm=fedproto", "rounds=1", f"num_clients={NUM_CLIENTS}",
                                  "join_ratio=0.5", "model.feature_dim=2", *overrides])

@@ -130,7 +130,7 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path, cache_dir):
     victim.write_bytes(victim.read_bytes()[:64])
     began = time.monotonic()
     result = launch("torchrun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
-                                    "--resume", "auto", "rounds=2"], timeout=120)
+                                    "--resume", "auto", "rounds=2", "runtime.placement=round_robin"], timeout=120)
     print(f"exception on rank 1 -> job ended in {time.monotonic() - began:.1f} s")
     assert result.returncode != 0
     assert "error on rank 1 (clients [0, 2, 4]): checkpoint file" in result.stderr

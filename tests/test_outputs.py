@@ -14,7 +14,6 @@ import pytest
 from conftest import REPO, SMOKE, _env, launch, read_metrics
 from htfl_dist.metrics.sinks import row_scalars, scalar_tag
 from htfl_dist.metrics.writer import TrainingProgress
-from htfl_dist.runtime.placement import describe_placement
 
 
 def _scalars(directory) -> dict[str, list[tuple[int, float]]]:
@@ -32,13 +31,6 @@ def test_tags_group_row_keys_and_skip_what_is_not_a_number():
     assert row_scalars(row) == {"accuracy/test_acc": 0.5, "bytes/bytes_up": 10.0, "time/server_s": 0.1,
                                 "algorithm/margin": 2.0}
     assert scalar_tag("test_acc_head") == "accuracy/test_acc_head"
-
-
-def test_placement_line_names_every_client_rank():
-    assert describe_placement(1, 6) == "placement: rank 0 is the server and hosts all 6 clients"
-    line = describe_placement(3, 5)
-    assert "rank 1: 3 (0,2,4)" in line and "rank 2: 2 (1,3)" in line
-    assert "2 more ranks" in describe_placement(11, 20, ranks_shown=8)
 
 
 def test_training_progress_speaks_only_in_long_rounds(capsys):
@@ -77,7 +69,7 @@ def test_start_up_is_narrated(two_rounds_then_resume):
                      "start-up: every rank has its data and models"):
         assert expected in first
     assert "3 ranks via torchrun" in resumed
-    assert "placement: rank 0 is the server; clients per rank: rank 1: 3 (0,2,4); rank 2: 3 (1,3,5)" in resumed
+    assert "placement: rank 0 is the server; clients per rank (share of samples): rank 1: 3 (" in resumed
     assert "resume: continuing after round 1 from" in resumed
     # every client rank tells how far its clients are inside a round
     assert "round 2: rank 1 trained 1/3 clients" in resumed and "round 3: rank 2 trained 2/3 clients" in resumed

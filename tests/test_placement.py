@@ -2,16 +2,49 @@
 import pytest
 
 from htfl_dist.errors import HtflError
-from htfl_dist.runtime.placement import check_world_size, clients_of_rank, hosting_rank, sample_participants
+from htfl_dist.runtime.placement import Placement, check_world_size, plan_placement, sample_participants
+
+WORK = [5.0, 100.0, 7.0, 60.0, 50.0, 3.0, 1.0, 40.0, 9.0, 2.0, 30.0]
 
 
-def test_every_client_hosted_exactly_once():
+@pytest.mark.parametrize("policy", ["balanced", "round_robin"])
+def test_every_client_hosted_exactly_once(policy):
     for world in (1, 2, 3, 5):
-        hosted = sorted(c for r in range(world) for c in clients_of_rank(r, world, 11))
+        placement = plan_placement(policy, world, WORK)
+        hosted = sorted(c for r in range(world) for c in placement.clients_of(r))
         assert hosted == list(range(11))
+        assert all(placement.rank_of(c) == r for r in range(world) for c in placement.clients_of(r))
         if world > 1:
-            assert clients_of_rank(0, world, 11) == []  # rank 0 is the server only
-    assert hosting_rank(4, 3) == 1 and hosting_rank(5, 3) == 2
+            assert placement.clients_of(0) == []  # rank 0 is the server only
+
+
+def test_round_robin():
+    placement = Placement.round_robin(3, 6)
+    assert placement.clients_of(1) == [0, 2, 4] and placement.clients_of(2) == [1, 3, 5]
+
+
+def test_balanced_is_longest_processing_time_first():
+    # 2 client ranks, clients by decreasing work, (load r1, load r2) after each:
+    # c1 100 → r1 (100, 0); c3 60 → r2 (100, 60); c4 50 → r2 (100, 110); c7 40 → r1 (140, 110);
+    # c10 30 → r2 (140, 140); c8 9 → r1, tie → lower rank (149, 140); c2 7 → r2 (149, 147);
+    # c0 5 → r2 (149, 152); c5 3 → r1 (152, 152); c9 2 → r1, tie (154, 152); c6 1 → r2 (154, 153).
+    placement = Placement.balanced(3, WORK)
+    assert placement.clients_of(1) == [1, 5, 7, 8, 9]
+    assert placement.clients_of(2) == [0, 2, 3, 4, 6, 10]
+    assert sum(WORK[c] for c in placement.clients_of(1)) == 154
+    assert sum(WORK[c] for c in placement.clients_of(2)) == 153
+    # round-robin: even ids (5 + 7 + 50 + 1 + 9 + 30 = 102) on rank 1, odd ids (205) on rank 2
+    assert sum(WORK[c] for c in Placement.round_robin(3, 11).clients_of(2)) == 205
+    assert placement.work_share(1) == pytest.approx(154 / 307)
+
+
+def test_placement_lines_name_ranks_clients_and_shares():
+    assert Placement.balanced(1, WORK).describe() == "placement: rank 0 is the server and hosts all 11 clients"
+    line = plan_placement("round_robin", 3, [1.0] * 5).describe()
+    assert "rank 1: 3 (0,2,4) 60%" in line and "rank 2: 2 (1,3) 40%" in line
+    assert "2 more ranks" in plan_placement("balanced", 11, [1.0] * 20).describe(ranks_shown=8)
+    assert Placement.round_robin(3, 6).describe_rank(0) == "rank 0 (server)"
+    assert Placement.round_robin(3, 20).describe_rank(1) == "rank 1 (clients [0, 2, 4, 6, 8, 10, 12, 14]...)"
 
 
 def test_participants_seeded_and_independent_of_world():

@@ -50,14 +50,7 @@ from htfl_dist.metrics.writer import (
 from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.payload import Field, Payload
 from htfl_dist.runtime import checkpoint
-from htfl_dist.runtime.placement import (
-    client_ranks,
-    clients_of_rank,
-    describe_placement,
-    describe_rank,
-    hosting_rank,
-    sample_participants,
-)
+from htfl_dist.runtime.placement import client_ranks, plan_placement, sample_participants
 from htfl_dist.runtime.preemption import PreemptionFlag
 from htfl_dist.runtime.screening import screen_uploads, unpack_rank_message
 from htfl_dist.runtime.transport import Transport
@@ -97,6 +90,15 @@ def software_fingerprint() -> int:
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
 
+def idle_shares(compute_seconds: list[float]) -> list[float]:
+    """Per client rank, the share of the round's compute phase it spent waiting for the slowest
+    one: (slowest − own) / slowest. What a better placement would win back."""
+    slowest = max(compute_seconds, default=0.0)
+    if slowest <= 0:
+        return [0.0 for _ in compute_seconds]
+    return [round((slowest - own) / slowest, 4) for own in compute_seconds]
+
+
 def _rows(values: list[float] | None, width: int) -> torch.Tensor:
     if values is None:
         return torch.empty(0, width, dtype=torch.float64)
@@ -122,6 +124,8 @@ class RunContext:
     resume_from: Path | None = None
     """A run directory or checkpoint directory to continue from (None: start fresh)."""
     extra_summary: dict[str, Any] = field(default_factory=dict)
+    rank_description: str = ""
+    """'rank r (clients [...])' once the federation has placed the clients; error lines use it."""
 
 
 @torch.no_grad()
@@ -146,16 +150,18 @@ class Federation:
         self.device = run.device
         self.rank, self.world_size = transport.rank, transport.world_size
         self.is_server = self.rank == 0
-        self.watchdog = RoundWatchdog(config.runtime.round_deadline_s,
-                                      describe_rank(self.rank, self.world_size, config.num_clients),
-                                      transport.abort)
+        self.watchdog = RoundWatchdog(config.runtime.round_deadline_s, f"rank {self.rank}", transport.abort)
         self.watchdog.arm(STARTUP)  # a rank stuck in data preparation or the handshake must not hang MPI
         started = time.perf_counter()
-        if self.is_server:
-            progress(describe_placement(self.world_size, config.num_clients))
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)
         self.partition = self._prepare_data()
+        self.placement = plan_placement(config.runtime.placement, self.world_size,
+                                        [float(n) for n in self.partition.class_counts.sum(axis=1)])
+        run.rank_description = self.placement.describe_rank(self.rank)
+        self.watchdog.name_as(run.rank_description)
+        if self.is_server:
+            progress(self.placement.describe())
         latent_dim = generator_latent_dim(config.generator) if self.entry.uses_generator else 0
         self.context = AlgorithmContext(
             num_classes=self.partition.num_classes, feature_dim=config.model.feature_dim,
@@ -175,7 +181,7 @@ class Federation:
             check_prototype_payloads(config.algorithm, self.upload_spec, self.download_spec)
         self.snapshots = PrototypeSnapshots(run.out_dir, config.output.prototypes_every)
         self.image_grids = GeneratedImageGrids(run.out_dir, self.download_spec)
-        self.my_client_ids = clients_of_rank(self.rank, self.world_size, config.num_clients)
+        self.my_client_ids = self.placement.clients_of(self.rank)
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
         self.watchdog.disarm()
@@ -318,11 +324,11 @@ class Federation:
             return None
         merged: dict[int, Payload] = {}
         for rank, message in enumerate(gathered):  # the transport gathers ranks in order, rank 0 first
-            expected = [cid for cid in participants if hosting_rank(cid, self.world_size) == rank]
+            expected = [cid for cid in participants if self.placement.rank_of(cid) == rank]
             try:
                 entries = unpack_rank_message(spec, message, expected)
             except ProtocolError as exc:
-                sender = describe_rank(rank, self.world_size, self.config.num_clients)
+                sender = self.placement.describe_rank(rank)
                 if self.config.on_bad_upload == "fail":
                     raise ProtocolError(f"{sender} {exc}") from None
                 print(f"htfl_dist: warning: round {round_index + 1}: left out {sender}'s clients "
@@ -430,6 +436,7 @@ class Federation:
                 if evaluate:
                     row = self._metrics_row(round_index, reports, traffic, diagnostics, seconds,
                                             max(rank_seconds), server_seconds)
+                    row["rank_idle_share"] = idle_shares(rank_seconds[1:] if self.world_size > 1 else rank_seconds)
                     if setup_traffic.up:  # the one-off setup upload, reported with the first row
                         row["bytes_setup_up"], setup_traffic.up = setup_traffic.up, 0
                     self.metrics.append(row)

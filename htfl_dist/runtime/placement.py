@@ -1,9 +1,12 @@
 """Which rank hosts which logical client, and who takes part in a round.
 
-Both are pure functions of the config, so every rank computes the same answer without
-talking to the others.
+Both are pure functions of the config and the partition (which every rank reads), so every rank
+computes the same answer without talking to the others.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from htfl_dist.errors import HtflError
 from htfl_dist.seeding import numpy_rng
@@ -18,24 +21,86 @@ def check_world_size(world_size: int, num_clients: int) -> None:
         )
 
 
-def hosting_rank(client_id: int, world_size: int) -> int:
-    """Round-robin over ranks 1..W-1; world size 1 hosts everything on rank 0."""
-    if world_size == 1:
-        return 0
-    return 1 + client_id % (world_size - 1)
+PLACEMENTS = ("balanced", "round_robin")
 
 
-def clients_of_rank(rank: int, world_size: int, num_clients: int) -> list[int]:
-    return [cid for cid in range(num_clients) if hosting_rank(cid, world_size) == rank]
+@dataclass(frozen=True)
+class Placement:
+    """The rank hosting each client id (rank 0 hosts all of them at world size 1).
+
+    Placement decides only where a client computes: every random stream and every message is
+    keyed by client id, so results are the same for any placement (and any world size)."""
+
+    world_size: int
+    ranks: tuple[int, ...]
+    """``ranks[client_id]``: the hosting rank."""
+    work: tuple[float, ...] = ()
+    """Estimated work per client (training samples), for the start-up line; empty if unknown."""
+
+    @classmethod
+    def round_robin(cls, world_size: int, num_clients: int) -> Placement:
+        """Client i on rank 1 + i mod (W − 1)."""
+        if world_size == 1:
+            return cls(1, (0,) * num_clients)
+        return cls(world_size, tuple(1 + cid % (world_size - 1) for cid in range(num_clients)))
+
+    @classmethod
+    def balanced(cls, world_size: int, work: Sequence[float]) -> Placement:
+        """Longest processing time first: clients by decreasing work (ties: lower id first), each
+        onto the client rank with the least work so far (ties: lower rank). Under Dirichlet client
+        sizes differ ~100×, and round-robin leaves the rank with the big clients alone at the end
+        of every round."""
+        if world_size == 1:
+            return cls(1, (0,) * len(work), tuple(work))
+        loads = [0.0] * (world_size - 1)
+        ranks = [0] * len(work)
+        for cid in sorted(range(len(work)), key=lambda c: (-work[c], c)):
+            slot = min(range(len(loads)), key=lambda r: (loads[r], r))
+            ranks[cid] = slot + 1
+            loads[slot] += work[cid]
+        return cls(world_size, tuple(ranks), tuple(work))
+
+    def rank_of(self, client_id: int) -> int:
+        return self.ranks[client_id]
+
+    def clients_of(self, rank: int) -> list[int]:
+        return [cid for cid, hosting in enumerate(self.ranks) if hosting == rank]
+
+    def describe_rank(self, rank: int) -> str:
+        """'rank r (clients [...])' or 'rank 0 (server)', for messages that must name a rank."""
+        hosted = self.clients_of(rank)
+        if not hosted:
+            return f"rank {rank} (server)"
+        more = "..." if len(hosted) > 8 else ""
+        return f"rank {rank} (clients {hosted[:8]}{more})"
+
+    def work_share(self, rank: int) -> float | None:
+        total = sum(self.work)
+        if not self.work or total <= 0:
+            return None
+        return sum(self.work[cid] for cid in self.clients_of(rank)) / total
+
+    def describe(self, ranks_shown: int = 8) -> str:
+        """One line for the start-up log: which ranks host how many clients (the first
+        ``ranks_shown`` ranks in full, then a count), and their share of the training samples."""
+        if self.world_size == 1:
+            return f"placement: rank 0 is the server and hosts all {len(self.ranks)} clients"
+        parts = []
+        for rank in client_ranks(self.world_size)[:ranks_shown]:
+            hosted = self.clients_of(rank)
+            shown = ",".join(str(cid) for cid in hosted[:6]) + (",..." if len(hosted) > 6 else "")
+            share = self.work_share(rank)
+            parts.append(f"rank {rank}: {len(hosted)} ({shown})" + (f" {share:.0%}" if share is not None else ""))
+        rest = self.world_size - 1 - ranks_shown
+        more = f"; {rest} more ranks" if rest > 0 else ""
+        return f"placement: rank 0 is the server; clients per rank (share of samples): {'; '.join(parts)}{more}"
 
 
-def describe_rank(rank: int, world_size: int, num_clients: int) -> str:
-    """'rank r (clients [...])' or 'rank 0 (server)', for messages that must name a rank."""
-    hosted = clients_of_rank(rank, world_size, num_clients)
-    if not hosted:
-        return f"rank {rank} (server)"
-    more = "..." if len(hosted) > 8 else ""
-    return f"rank {rank} (clients {hosted[:8]}{more})"
+def plan_placement(policy: str, world_size: int, work: Sequence[float]) -> Placement:
+    """``runtime.placement``: balanced (by training samples) or round_robin."""
+    if policy == "round_robin":
+        return Placement(world_size, Placement.round_robin(world_size, len(work)).ranks, tuple(work))
+    return Placement.balanced(world_size, work)
 
 
 def client_ranks(world_size: int) -> list[int]:
@@ -49,18 +114,3 @@ def sample_participants(seed: int, round_index: int, num_clients: int, join_rati
         return list(range(num_clients))
     chosen = numpy_rng(seed, "participants", round_index).choice(num_clients, size=count, replace=False)
     return sorted(int(c) for c in chosen)
-
-
-def describe_placement(world_size: int, num_clients: int, ranks_shown: int = 8) -> str:
-    """One line for the start-up log: which ranks host how many clients (the first ``ranks_shown``
-    ranks in full, then a count)."""
-    if world_size == 1:
-        return f"placement: rank 0 is the server and hosts all {num_clients} clients"
-    parts = []
-    for rank in client_ranks(world_size)[:ranks_shown]:
-        hosted = clients_of_rank(rank, world_size, num_clients)
-        shown = ",".join(str(cid) for cid in hosted[:6]) + (",..." if len(hosted) > 6 else "")
-        parts.append(f"rank {rank}: {len(hosted)} ({shown})")
-    rest = world_size - 1 - ranks_shown
-    more = f"; {rest} more ranks" if rest > 0 else ""
-    return f"placement: rank 0 is the server; clients per rank: {'; '.join(parts)}{more}"

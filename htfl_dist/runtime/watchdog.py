@@ -23,6 +23,11 @@ class RoundWatchdog:
         if deadline_s > 0:
             threading.Thread(target=self._watch, name="htfl-round-watchdog", daemon=True).start()
 
+    def name_as(self, where: str) -> None:
+        """Say who this rank is once its clients are known (after the placement)."""
+        with self._lock:
+            self._where = where
+
     def arm(self, round_number: int) -> None:
         with self._lock:
             self._round, self._armed_at = round_number, time.monotonic()
