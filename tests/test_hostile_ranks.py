@@ -1,7 +1,10 @@
-"""A client rank that lies about its message sizes: rank 0 refuses before allocating, naming it.
+"""Client ranks that lie: rank 0 refuses, naming the rank.
 
-Real ranks over Gloo (torchrun) and MPI (mpirun): rank 1 bypasses the wire format and sends a
-forged size pair straight through the communicator; rank 0 runs the transport's ``gather``.
+- About message sizes: real ranks over Gloo (torchrun) and MPI (mpirun), rank 1 bypasses the wire
+  format and sends a forged size pair straight through the communicator; rank 0 runs the
+  transport's ``gather`` and refuses before allocating.
+- About its end-of-round report: rank 1 of a real torchrun job claims more correct predictions
+  than test samples; rank 0 ends the job with one line instead of pooling the numbers.
 """
 from __future__ import annotations
 
@@ -72,3 +75,81 @@ def test_rank_zero_refuses_a_forged_size_from_a_real_rank(tmp_path, launcher, si
     assert f"refused: rank 1 announced a message of {sizes[0]} header values and {sizes[1]} body bytes" \
         in result.stdout, result.stdout + result.stderr
     assert "accepted" not in result.stdout
+
+
+# --------------------------------------------------------------------------- lying end-of-round reports
+
+LYING_REPORTER = '''
+import os
+import sys
+
+from htfl_dist.main import main
+from htfl_dist.runtime.loop import Federation
+
+honest = Federation._evaluate_clients
+
+
+def inflated(self, knowledge):
+    """Rank 1 claims more correct predictions than it has test samples."""
+    rows = honest(self, knowledge)
+    return {cid: [samples + 5.0, head, samples] for cid, (correct, head, samples) in rows.items()}
+
+
+if os.environ.get("RANK") == "1":
+    Federation._evaluate_clients = inflated
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_rank_zero_refuses_an_impossible_report_from_a_real_rank(tmp_path, cache_dir):
+    """A client rank reports evaluation counts that cannot be true (correct > samples): rank 0
+    names it and its clients, and the job ends, instead of pooling an accuracy above 100 %."""
+    script = tmp_path / "liar.py"
+    script.write_text(LYING_REPORTER)
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=3", str(script),
+               "--config", str(REPO / "configs" / "smoke.yaml"), "--out", str(tmp_path / "run"),
+               f"data.cache_dir={cache_dir}", "rounds=1", "runtime.placement=round_robin"]
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0
+    assert "rank 1 (clients [0, 2, 4]) reported an impossible evaluation row for client 0" in result.stderr, \
+        result.stderr[-3000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or \
+        (tmp_path / "run" / "metrics.jsonl").read_text() == ""
+
+
+@pytest.mark.parametrize("entries,train_ids,eval_ids,message", [
+    ({0: {"train": [[1.0, 10.0]], "eval": [[3.0, 2.0, 5.0]]}}, [0], [0], None),
+    ({0: {"train": [[float("nan"), 10.0]], "eval": []}}, [0], [], None),  # diverged training is real
+    ({0: {"train": [[1.0, 10.5]], "eval": []}}, [0], [], "impossible training row"),
+    ({0: {"train": [], "eval": [[6.0, 2.0, 5.0]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [], "eval": [[3.0, -1.0, 5.0]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [], "eval": [[3.0, 2.0, float("inf")]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [[1.0, 10.0]], "eval": []}}, [0, 2], [], "expected \\[0, 2\\]"),
+    ({7: {"train": [[1.0, 10.0]], "eval": []}}, [0], [], "training for clients \\[7\\]"),
+    ({0: {"train": [], "eval": [[3.0, 2.0, 5.0]]}}, [], [], "evaluation for \\[0\\]"),
+])
+def test_report_rows_are_checked(entries, train_ids, eval_ids, message):
+    import torch
+
+    from htfl_dist.runtime.screening import check_rank_report
+
+    as_tensors = {cid: {key: torch.tensor(rows, dtype=torch.float64).reshape(len(rows), -1 if rows else 0)
+                        for key, rows in entry.items()} for cid, entry in entries.items()}
+    if message is None:
+        check_rank_report(as_tensors, train_ids, eval_ids)
+    else:
+        with pytest.raises(ProtocolError, match=message):
+            check_rank_report(as_tensors, train_ids, eval_ids)
+
+
+@pytest.mark.parametrize("values,ok", [([1.5, 4096.0, 0.0], True), ([0.0, 0.0, 1.0], True),
+                                       ([-1.0, 0.0, 0.0], False), ([1.0, 3.5, 0.0], False),
+                                       ([1.0, 0.0, 2.0], False), ([float("nan"), 0.0, 0.0], False)])
+def test_rank_rows_are_checked(values, ok):
+    from htfl_dist.runtime.screening import check_rank_row
+
+    if ok:
+        check_rank_row(values)
+    else:
+        with pytest.raises(ProtocolError, match="impossible rank row"):
+            check_rank_row(values)

@@ -52,7 +52,7 @@ from htfl_dist.payload import Field, Payload
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import client_ranks, plan_placement, sample_participants
 from htfl_dist.runtime.preemption import PreemptionFlag
-from htfl_dist.runtime.screening import screen_uploads, unpack_rank_message
+from htfl_dist.runtime.screening import check_rank_report, check_rank_row, screen_uploads, unpack_rank_message
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.watchdog import STARTUP, RoundWatchdog
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
@@ -340,7 +340,8 @@ class Federation:
             merged.update(entries)
         return dict(sorted(merged.items()))
 
-    def _gather_reports(self, train_rows, eval_rows, seconds: float, theory_up: int, stop_requested: bool):
+    def _gather_reports(self, train_rows, eval_rows, seconds: float, theory_up: int, stop_requested: bool,
+                        participants: list[int], evaluated: bool):
         entries: dict[int, Payload] = {}
         for client_id in sorted(set(train_rows) | set(eval_rows)):
             entries[client_id] = {
@@ -355,9 +356,19 @@ class Federation:
         if gathered is None:
             return None
         reports, rank_rows = {}, []
-        for message in gathered:
-            decoded = decode(REPORT_SPEC, message)
-            rank_rows.append(RankReport(*decoded.pop(RANK_ENTRY)["rank"][0].tolist()))
+        for rank, message in enumerate(gathered):  # ranks in order, rank 0 first
+            hosted = self.placement.clients_of(rank)
+            try:
+                decoded = decode(REPORT_SPEC, message)
+                own = decoded.pop(RANK_ENTRY, None)
+                if own is None or own["rank"].shape[0] != 1:
+                    raise ProtocolError("sent a report without its rank row")
+                check_rank_row(own["rank"][0].tolist())
+                check_rank_report(decoded, [cid for cid in participants if cid in hosted],
+                                  hosted if evaluated else [])
+            except ProtocolError as exc:
+                raise ProtocolError(f"{self.placement.describe_rank(rank)} {exc}") from None
+            rank_rows.append(RankReport(*own["rank"][0].tolist()))
             reports.update(decoded)
         return dict(sorted(reports.items())), rank_rows
 
@@ -424,7 +435,7 @@ class Federation:
                 eval_rows = self._evaluate_clients(knowledge)
                 client_seconds += time.perf_counter() - eval_began
             report = self._gather_reports(train_rows, eval_rows, client_seconds, theory_up,
-                                          self.preemption.requested)
+                                          self.preemption.requested, participants, evaluate)
 
             if self.is_server:
                 reports, rank_rows = report

@@ -6,6 +6,7 @@ run goes on (``on_bad_upload: skip``); ``on_bad_upload: fail`` ends the job inst
 """
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 
@@ -55,3 +56,39 @@ def unpack_rank_message(spec: PayloadSpec, message: Encoded, expected_ids: list[
         raise ProtocolError(f"sent uploads for clients {sorted(entries)}, "
                             f"expected its participants {sorted(expected_ids)}")
     return entries
+
+
+def check_rank_report(entries: dict[int, Payload], train_ids: list[int], eval_ids: list[int]) -> None:
+    """A rank's end-of-round report (decoded, its rank row already taken out): training rows for
+    exactly the participants it hosts, evaluation rows for exactly the clients it hosts (or none
+    in a round without evaluation), and numbers that can be true: whole sample counts and
+    0 <= correct <= samples (a loss may be NaN: training that diverged is real, and its upload is
+    screened separately). Rank 0 pools these into the accuracy everybody reads; the error reads
+    after the sender's name."""
+    trained = sorted(cid for cid, entry in entries.items() if entry["train"].shape[0])
+    evaluated = sorted(cid for cid, entry in entries.items() if entry["eval"].shape[0])
+    if trained != sorted(train_ids) or evaluated != sorted(eval_ids):
+        raise ProtocolError(f"reported training for clients {trained} and evaluation for {evaluated}, "
+                            f"expected {sorted(train_ids)} and {sorted(eval_ids)}")
+    for cid, entry in entries.items():
+        for row in entry["train"]:
+            _, samples = row.tolist()
+            if not _is_count(samples):
+                raise ProtocolError(f"reported an impossible training row for client {cid}: {row.tolist()}")
+        for row in entry["eval"]:
+            correct, correct_head, samples = row.tolist()
+            if not (_is_count(samples) and _is_count(correct) and _is_count(correct_head)
+                    and correct <= samples and correct_head <= samples):
+                raise ProtocolError(f"reported an impossible evaluation row for client {cid}: {row.tolist()} "
+                                    f"(correct, correct by the head, samples)")
+
+
+def check_rank_row(values: list[float]) -> None:
+    """The rank's own row: compute seconds and theory bytes >= 0 and finite, stop flag 0 or 1."""
+    seconds, theory_up, stop = values
+    if not (math.isfinite(seconds) and seconds >= 0 and _is_count(theory_up) and stop in (0.0, 1.0)):
+        raise ProtocolError(f"reported an impossible rank row {values} (compute seconds, theory bytes, stop)")
+
+
+def _is_count(value: float) -> bool:
+    return math.isfinite(value) and value >= 0 and value == int(value)
