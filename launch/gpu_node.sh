@@ -9,4 +9,7 @@ set -euo pipefail
 config="${1:?usage: gpu_node.sh CONFIG [--out DIR] [key=value ...]}"
 shift
 gpus="${NPROC:-$(nvidia-smi -L | wc -l)}"
+# torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM (Ctrl-C, kill); a rank finishes
+# its round and checkpoints first (runtime.preempt_grace_s, 120 s), so give it that long.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-150}"
 exec torchrun --standalone --nproc_per_node="$gpus" -m htfl_dist.main --config "$config" "$@"

@@ -7,4 +7,7 @@ nproc="${1:?usage: local_cpu.sh NPROC CONFIG [--out DIR] [key=value ...]}"
 config="${2:?usage: local_cpu.sh NPROC CONFIG [--out DIR] [key=value ...]}"
 shift 2
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# torchrun SIGKILLs its workers 30 s after forwarding a SIGTERM (Ctrl-C, kill); a rank finishes
+# its round and checkpoints first (runtime.preempt_grace_s, 120 s), so give it that long.
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-150}"
 exec torchrun --standalone --nproc_per_node="$nproc" -m htfl_dist.main --config "$config" runtime.backend=gloo runtime.device=cpu "$@"
