@@ -144,7 +144,8 @@ def test_report_rows_are_checked(entries, train_ids, eval_ids, message):
 
 @pytest.mark.parametrize("values,ok", [([1.5, 4096.0, 0.0], True), ([0.0, 0.0, 1.0], True),
                                        ([-1.0, 0.0, 0.0], False), ([1.0, 3.5, 0.0], False),
-                                       ([1.0, 0.0, 2.0], False), ([float("nan"), 0.0, 0.0], False)])
+                                       ([1.0, 0.0, 2.0], False), ([float("nan"), 0.0, 0.0], False),
+                                       ([float("inf"), 0.0, 0.0], False)])
 def test_rank_rows_are_checked(values, ok):
     from htfl_dist.runtime.screening import check_rank_row
 

@@ -116,3 +116,27 @@ def test_tensorboard_missing_is_one_line_before_anything_starts(tmp_path, cache_
     assert result.returncode == 2, result.stdout + result.stderr
     assert "pip install -e .[tensorboard]" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_generated_image_grids_are_written_when_the_images_change(tmp_path):
+    import torch
+    from PIL import Image
+
+    from htfl_dist.metrics.generated import GeneratedImageGrids
+    from htfl_dist.payload import Field
+
+    spec = (Field("class_ids", torch.int64), Field("images", torch.float32, (1, 4, 4)))
+    grids = GeneratedImageGrids(tmp_path, spec)
+    images = torch.linspace(-1, 1, 3 * 16).reshape(3, 1, 4, 4)
+    assert grids.save(1, {"images": images[:0]}) is None  # nothing generated yet
+    first = grids.save(2, {"images": images})
+    assert first == tmp_path / "generated" / "round_00002.png"
+    picture = Image.open(first)
+    # 3 tiles of 4 px enlarged 14x (to at least 56 px) with 2 px gaps, greyscale
+    assert picture.size == (3 * 56 + 2 * 2, 56) and picture.mode == "L"
+    assert picture.getpixel((0, 0)) == 0 and picture.getpixel((3 * 56 + 3, 55)) == 255  # -1 → black, 1 → white
+    assert picture.getpixel((56, 0)) == 255  # the gap between tiles
+    assert grids.save(3, {"images": images.clone()}) is None  # unchanged: no new file
+    assert grids.save(4, {"images": -images}) is not None
+    assert sorted(p.name for p in (tmp_path / "generated").iterdir()) == ["round_00002.png", "round_00004.png"]
+    assert not GeneratedImageGrids(tmp_path, (Field("protos", torch.float32, (8,)),)).enabled

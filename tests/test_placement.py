@@ -40,8 +40,10 @@ def test_balanced_is_longest_processing_time_first():
 
 def test_placement_lines_name_ranks_clients_and_shares():
     assert Placement.balanced(1, WORK).describe() == "placement: rank 0 is the server and hosts all 11 clients"
-    line = plan_placement("round_robin", 3, [1.0] * 5).describe()
-    assert "rank 1: 3 (0,2,4) 60%" in line and "rank 2: 2 (1,3) 40%" in line
+    line = plan_placement("round_robin", 3, [5.0, 1.0, 1.0, 1.0, 1.0]).describe()
+    assert "rank 1: 3 (0,2,4) 78%" in line and "rank 2: 2 (1,3) 22%" in line
+    line = plan_placement("balanced", 3, [5.0, 1.0, 1.0, 1.0, 1.0]).describe()
+    assert "rank 1: 1 (0) 56%" in line and "rank 2: 4 (1,2,3,4) 44%" in line
     assert "2 more ranks" in plan_placement("balanced", 11, [1.0] * 20).describe(ranks_shown=8)
     assert Placement.round_robin(3, 6).describe_rank(0) == "rank 0 (server)"
     assert Placement.round_robin(3, 20).describe_rank(1) == "rank 1 (clients [0, 2, 4, 6, 8, 10, 12, 14]...)"
