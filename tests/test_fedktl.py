@@ -656,6 +656,7 @@ def test_real_run_rows(single, cache_dir):
         assert row["centroid_min_dist"] > 0 and row["mse"] >= 0 and math.isfinite(row["mmd"])
         assert math.isfinite(row["server_loss"])
         assert row["test_acc"] > 0.3  # 10 classes, chance 0.1
+        assert row["test_acc_head"] == row["test_acc"]  # the ETF is the clients' own classifier
 
 
 def test_real_run_summary_and_generated_images(single_out):

@@ -231,7 +231,12 @@ class FedKTLClient(ClientAlgorithm):
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
                 logits: torch.Tensor) -> torch.Tensor:
+        """The nearest ETF column by cosine: V is part of every client's classifier."""
         return etf_cosines(logits, self.etf.to(logits.device)).argmax(dim=1)
+
+    def head_predict(self, client: ClientState, logits: torch.Tensor) -> torch.Tensor:
+        """The same rule: h_i's raw outputs live in the ETF space and mean nothing without V."""
+        return self.predict(client, {}, logits, logits)
 
 
 # --------------------------------------------------------------------------- server maths

@@ -123,6 +123,11 @@ class ClientAlgorithm:
         """The algorithm's own inference rule (default: the head's argmax)."""
         return logits.argmax(dim=1)
 
+    def head_predict(self, client: ClientState, logits: torch.Tensor) -> torch.Tensor:
+        """What the client's own classifier predicts without any global knowledge (``test_acc_head``):
+        the head's argmax, unless the method puts a fixed classifier on top of the head (FedKTL's ETF)."""
+        return logits.argmax(dim=1)
+
 
 class ServerAlgorithm:
     """Server half: turns the round's uploads into global knowledge."""

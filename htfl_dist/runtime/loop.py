@@ -310,7 +310,7 @@ class Federation:
                 features, logits = client.model.forward_with_features(x)
                 predicted = self.client_algorithm.predict(client, knowledge, features, logits)
                 correct += int((predicted == y).sum())
-                correct_head += int((logits.argmax(dim=1) == y).sum())
+                correct_head += int((self.client_algorithm.head_predict(client, logits) == y).sum())
             rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0])]
         return rows
 
