@@ -22,6 +22,10 @@ class Field:
     name: str
     dtype: torch.dtype
     trailing_shape: tuple[int, ...] = ()
+    max_rows: int | None = None
+    """The most rows one entry can truthfully carry (a class-indexed field: C; a parameter row: 1).
+    Rank 0 bounds what it accepts from a rank by it before allocating; None: only by
+    ``runtime.max_message_mb``."""
 
     def row_numel(self) -> int:
         numel = 1
@@ -31,6 +35,16 @@ class Field:
 
     def row_bytes(self) -> int:
         return self.row_numel() * torch.empty((), dtype=self.dtype).element_size()
+
+
+def max_message_bytes(spec: tuple[Field, ...], entries: int) -> int | None:
+    """The largest encoded message (header and body, see ``runtime/wire.py``) that ``entries``
+    entries of ``spec`` can make, or None when a field declares no ``max_rows``."""
+    if any(field.max_rows is None for field in spec):
+        return None
+    header_values = 1 + entries * (1 + len(spec))
+    body = entries * sum(field.max_rows * field.row_bytes() for field in spec)
+    return header_values * 8 + body
 
 
 PayloadSpec = tuple[Field, ...]

@@ -26,6 +26,7 @@ from htfl_dist.errors import ProtocolError
 from htfl_dist.runtime.wire import encode
 
 launcher, header_len, body_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+bound = int(sys.argv[4]) if len(sys.argv) > 4 else None  # what the protocol lets rank 1 send
 if launcher == "torchrun":
     import os
     import torch.distributed as dist
@@ -42,7 +43,7 @@ if transport.rank == 1:
     send([header_len, body_len])  # then nothing: a liar need not follow up
     sys.exit(0)
 try:
-    transport.gather(encode((), {}))
+    transport.gather(encode((), {}), [None, bound])
 except ProtocolError as exc:
     print(f"refused: {exc}", flush=True)
     sys.exit(0)
@@ -154,3 +155,20 @@ def test_rank_rows_are_checked(values, ok):
     else:
         with pytest.raises(ProtocolError, match="impossible rank row"):
             check_rank_row(values)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_rank_zero_refuses_more_than_the_protocol_allows(tmp_path, launcher):
+    """5000 body bytes are far under runtime.max_message_mb, but this rank's clients can send at
+    most 1000 bytes this round: refused before allocating."""
+    script = tmp_path / "hostile.py"
+    script.write_text(HOSTILE)
+    if launcher == "torchrun":
+        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(script)]
+    else:
+        command = [shutil.which("mpirun", path=str(BIN)) or "mpirun", "-n", "2", sys.executable, str(script)]
+    result = subprocess.run([*command, launcher, "1", "5000", "1000"], cwd=REPO, env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "refused: rank 1 announced a message of 1 header values and 5000 body bytes; refused before " \
+           "allocating it: what it hosts can send at most 1000 bytes" in result.stdout, result.stdout + result.stderr

@@ -75,3 +75,25 @@ def test_a_malformed_message_is_a_protocol_error():
     message = _upload(1)
     with pytest.raises(ProtocolError, match=r"^sent a malformed message: message body too short"):
         unpack_rank_message(SPEC, Encoded(message.header, message.body[:-1]), [1])
+
+
+def test_max_message_bytes_by_hand():
+    from htfl_dist.payload import max_message_bytes
+
+    # 3 entries of (class_ids int64 ≤ 10 rows, protos float32 [≤ 10, 4]):
+    # header 1 + 3·(1 + 2) = 10 values = 80 bytes; body 3·(10·8 + 10·16) = 720 bytes
+    spec = (Field("class_ids", torch.int64, max_rows=10), Field("protos", torch.float32, (4,), max_rows=10))
+    assert max_message_bytes(spec, 3) == 80 + 720
+    assert max_message_bytes(spec, 0) == 8  # an empty message: its entry count
+    honest = encode(spec, {c: {"class_ids": torch.arange(10), "protos": torch.zeros(10, 4)} for c in range(3)})
+    assert honest.nbytes == max_message_bytes(spec, 3)  # the bound is exact for a full message
+    assert max_message_bytes((*spec, Field("free", torch.float32)), 3) is None  # no bound declared
+
+
+def test_the_protocol_bound_refuses_before_the_megabyte_limit():
+    from htfl_dist.errors import ProtocolError
+    from htfl_dist.runtime.transport import checked_sizes
+
+    assert checked_sizes([10, 720], 2, 1 << 30, protocol_bytes=800) == (10, 720)
+    with pytest.raises(ProtocolError, match=r"rank 2 announced .* what it hosts can send at most 800 bytes"):
+        checked_sizes([10, 721], 2, 1 << 30, protocol_bytes=800)

@@ -19,9 +19,10 @@ from htfl_dist.payload import Field, Payload, PayloadSpec
 RowSource = Literal["features", "logits"]
 
 
-def class_row_fields(key: str, width: int) -> PayloadSpec:
-    """(class_ids int64 [m], key float32 [m, width]): only the classes the sender has travel."""
-    return (Field("class_ids", torch.int64), Field(key, torch.float32, (width,)))
+def class_row_fields(key: str, width: int, num_classes: int | None = None) -> PayloadSpec:
+    """(class_ids int64 [m], key float32 [m, width]): only the classes the sender has travel, so
+    m <= C (``num_classes``, which bounds what rank 0 accepts)."""
+    return (Field("class_ids", torch.int64, max_rows=num_classes), Field(key, torch.float32, (width,), num_classes))
 
 
 class ClassMeans:
@@ -142,7 +143,7 @@ class ClassMeanServer(ServerAlgorithm):
 
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return class_row_fields(cls.key, cls.row_width(context))
+        return class_row_fields(cls.key, cls.row_width(context), context.num_classes)
 
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)

@@ -63,7 +63,7 @@ class FedDistillOptions:
 
 
 def logit_fields(num_classes: int) -> PayloadSpec:
-    return class_row_fields("logits", num_classes)
+    return class_row_fields("logits", num_classes, num_classes)
 
 
 def distillation_term(logits: torch.Tensor, labels: torch.Tensor, table: torch.Tensor, available: torch.Tensor,

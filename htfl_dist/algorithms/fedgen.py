@@ -131,14 +131,14 @@ def draw_labels_and_noise(label_counts: torch.Tensor, count: int, noise_dim: int
 
 def prior_field(context: AlgorithmContext) -> Field:
     """Label counts, int64 [C], one row (not counted as floats)."""
-    return Field("label_counts", torch.int64, (context.num_classes,))
+    return Field("label_counts", torch.int64, (context.num_classes,), max_rows=1)
 
 
 def generator_field(context: AlgorithmContext) -> Field:
     options = context.options
     size = generator_size(options.noise_dim, context.num_classes, options.hidden_dim or context.feature_dim,
                           context.feature_dim)
-    return Field("generator", torch.float32, (size,))
+    return Field("generator", torch.float32, (size,), max_rows=1)
 
 
 class FedGenClient(HeadSharingClient):

@@ -66,7 +66,7 @@ class FedGHClient(HeadSharingClient):
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return class_row_fields("protos", context.feature_dim)
+        return class_row_fields("protos", context.feature_dim, context.num_classes)
 
     def make_upload(self, client: ClientState) -> Payload:
         class_ids, protos = class_means(client, self.context.num_classes, "features")

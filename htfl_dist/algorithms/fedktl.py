@@ -179,7 +179,7 @@ class PairBatches:
 class FedKTLClient(ClientAlgorithm):
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return class_row_fields("protos", context.num_classes)
+        return class_row_fields("protos", context.num_classes, context.num_classes)
 
     @classmethod
     def check_models(cls, context: AlgorithmContext) -> None:

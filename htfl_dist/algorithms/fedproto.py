@@ -68,9 +68,9 @@ class FedProtoOptions(PrototypeOptions):
     """Weight the server mean by class counts (paper Eq. 3; puts counts on the wire)."""
 
 
-def prototype_fields(feature_dim: int) -> PayloadSpec:
-    """Class-indexed prototype rows: only the classes the sender has travel."""
-    return class_row_fields("protos", feature_dim)
+def prototype_fields(context: AlgorithmContext) -> PayloadSpec:
+    """Class-indexed prototype rows (K wide): only the classes the sender has travel."""
+    return class_row_fields("protos", context.feature_dim, context.num_classes)
 
 
 def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, labels: torch.Tensor,
@@ -96,7 +96,7 @@ class PrototypeClient(ClientAlgorithm):
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return prototype_fields(context.feature_dim)
+        return prototype_fields(context)
 
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
@@ -153,8 +153,8 @@ class PrototypeClient(ClientAlgorithm):
 class FedProtoClient(PrototypeClient):
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        counts = (Field("counts", torch.int64),) if context.options.weighted else ()
-        return prototype_fields(context.feature_dim) + counts
+        counts = (Field("counts", torch.int64, max_rows=context.num_classes),) if context.options.weighted else ()
+        return prototype_fields(context) + counts
 
     def make_upload(self, client: ClientState, class_ids: torch.Tensor, protos: torch.Tensor) -> Payload:
         upload = super().make_upload(client, class_ids, protos)

@@ -155,7 +155,7 @@ class TrainablePrototypeServer(ServerAlgorithm):
 
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return prototype_fields(context.feature_dim)
+        return prototype_fields(context)
 
     def theory_download_floats(self) -> int:
         """K·C: every class's global prototype."""

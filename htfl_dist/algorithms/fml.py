@@ -99,7 +99,7 @@ class FMLClient(ClientAlgorithm):
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        counts = (Field("num_samples", torch.int64),) if context.options.avg == "sample_weighted" else ()
+        counts = (Field("num_samples", torch.int64, max_rows=1),) if context.options.avg == "sample_weighted" else ()
         return (shared_field(context), *counts)
 
     @torch.no_grad()

@@ -113,7 +113,7 @@ class HeadSharingClient(ClientAlgorithm):
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return (head_field(context), Field("num_samples", torch.int64))
+        return (head_field(context), Field("num_samples", torch.int64, max_rows=1))
 
     def prepare_evaluation(self, client: ClientState, knowledge: Payload) -> None:
         """Evaluation uses the freshly downloaded global head on the local base (spec §0)."""

@@ -27,7 +27,7 @@ def parameter_count(module: nn.Module) -> int:
 
 def parameter_field(name: str, module: nn.Module) -> Field:
     """A payload field carrying ``module``'s parameters as one float32 row."""
-    return Field(name, torch.float32, (parameter_count(module),))
+    return Field(name, torch.float32, (parameter_count(module),), max_rows=1)
 
 
 @torch.no_grad()

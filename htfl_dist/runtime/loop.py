@@ -48,7 +48,7 @@ from htfl_dist.metrics.writer import (
     write_json,
 )
 from htfl_dist.models import architecture_for_client, initial_client_model
-from htfl_dist.payload import Field, Payload
+from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.placement import client_ranks, plan_placement, sample_participants
 from htfl_dist.runtime.preemption import PreemptionFlag
@@ -71,14 +71,14 @@ class RankReport(NamedTuple):
 
 
 REPORT_SPEC = (
-    Field("train", torch.float64, (2,)),  # [loss_sum, samples]
-    Field("eval", torch.float64, (3,)),  # [correct (algorithm's rule), correct (head), samples]
-    Field("rank", torch.float64, (len(RankReport._fields),)),  # rank entry only
+    Field("train", torch.float64, (2,), max_rows=1),  # [loss_sum, samples]
+    Field("eval", torch.float64, (3,), max_rows=1),  # [correct (algorithm's rule), correct (head), samples]
+    Field("rank", torch.float64, (len(RankReport._fields),), max_rows=1),  # rank entry only
 )
 
 CONTROL_SPEC = (Field("stop", torch.int64),)  # rank 0's decision at each round boundary
 
-HANDSHAKE_SPEC = (Field("facts", torch.int64, (5,)),)  # [config hash, C, K, num_clients, software]
+HANDSHAKE_SPEC = (Field("facts", torch.int64, (5,), max_rows=1),)  # [config hash, C, K, num_clients, software]
 
 
 def software_fingerprint() -> int:
@@ -254,7 +254,8 @@ class Federation:
         config_hash = int(self.config.config_hash()[:15], 16)
         facts = torch.tensor([[config_hash, self.partition.num_classes, self.config.model.feature_dim,
                                self.config.num_clients, software_fingerprint()]], dtype=torch.int64)
-        gathered = self.transport.gather(encode(HANDSHAKE_SPEC, {self.rank: {"facts": facts}}))
+        gathered = self.transport.gather(encode(HANDSHAKE_SPEC, {self.rank: {"facts": facts}}),
+                                         self._bounds(HANDSHAKE_SPEC, lambda rank: 1))
         if gathered is None:
             return
         mine = facts[0].tolist()
@@ -319,7 +320,8 @@ class Federation:
         spec = self.upload_spec
         if not spec:
             return {} if self.is_server else None  # nothing declared, nothing travels
-        gathered = self.transport.gather(encode(spec, uploads))
+        gathered = self.transport.gather(encode(spec, uploads), self._bounds(
+            spec, lambda rank: sum(self.placement.rank_of(cid) == rank for cid in participants)))
         if gathered is None:
             return None
         merged: dict[int, Payload] = {}
@@ -340,6 +342,13 @@ class Federation:
             merged.update(entries)
         return dict(sorted(merged.items()))
 
+    def _bounds(self, spec, entries_of_rank) -> list[int | None] | None:
+        """Rank 0: per rank, the most bytes its message of ``spec`` can truthfully hold given the
+        entries it speaks for (``entries_of_rank(rank)``); other ranks need none."""
+        if not self.is_server:
+            return None
+        return [max_message_bytes(spec, entries_of_rank(rank)) for rank in range(self.world_size)]
+
     def _gather_reports(self, train_rows, eval_rows, seconds: float, theory_up: int, stop_requested: bool,
                         participants: list[int], evaluated: bool):
         entries: dict[int, Payload] = {}
@@ -352,7 +361,8 @@ class Federation:
         mine = RankReport(seconds, float(theory_up), float(stop_requested))
         entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 3),
                                "rank": _rows(list(mine), len(mine))}
-        gathered = self.transport.gather(encode(REPORT_SPEC, entries))
+        gathered = self.transport.gather(encode(REPORT_SPEC, entries), self._bounds(
+            REPORT_SPEC, lambda rank: len(self.placement.clients_of(rank)) + 1))
         if gathered is None:
             return None
         reports, rank_rows = {}, []
@@ -474,7 +484,8 @@ class Federation:
         if not spec:
             return
         entries = {cid: self.client_algorithm.setup_upload(client) for cid, client in self.clients.items()}
-        gathered = self.transport.gather(encode(spec, entries))
+        gathered = self.transport.gather(encode(spec, entries), self._bounds(
+            spec, lambda rank: len(self.placement.clients_of(rank))))
         if gathered is None:
             return
         merged: dict[int, Payload] = {}

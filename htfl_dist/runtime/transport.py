@@ -17,6 +17,7 @@ import datetime
 import os
 import sys
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -28,15 +29,23 @@ _ABORT_DRAIN_S = 1.0  # long enough for mpirun to forward a rank's last stderr l
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
 
 
-def checked_sizes(sizes: list[int], source: int, limit_bytes: int) -> tuple[int, int]:
+def checked_sizes(sizes: list[int], source: int, limit_bytes: int,
+                  protocol_bytes: int | None = None) -> tuple[int, int]:
     """The (header values, body bytes) a rank announced, refused before anything is allocated
-    when negative, headerless or larger than ``limit_bytes`` (runtime.max_message_mb): a peer's
-    word alone must not make rank 0 allocate gigabytes or crash on a negative size."""
+    when negative, headerless, larger than ``limit_bytes`` (runtime.max_message_mb) or than
+    ``protocol_bytes``, the most this rank's message can truthfully hold this time (its entries
+    times every field's declared ``max_rows``): a peer's word alone must not make rank 0 allocate
+    gigabytes or crash on a negative size."""
     header_len, body_len = (int(v) for v in sizes)
-    if header_len < 1 or body_len < 0 or header_len * 8 + body_len > limit_bytes:
+    announced = header_len * 8 + body_len
+    if header_len < 1 or body_len < 0 or announced > limit_bytes:
         raise ProtocolError(
             f"rank {source} announced a message of {header_len} header values and {body_len} body bytes; "
             f"refused before allocating it (limit: runtime.max_message_mb={limit_bytes >> 20})")
+    if protocol_bytes is not None and announced > protocol_bytes:
+        raise ProtocolError(
+            f"rank {source} announced a message of {header_len} header values and {body_len} body bytes; "
+            f"refused before allocating it: what it hosts can send at most {protocol_bytes} bytes")
     return header_len, body_len
 
 
@@ -54,8 +63,10 @@ class Transport(abc.ABC):
         """Rank 0 passes the message; every rank returns it."""
 
     @abc.abstractmethod
-    def gather(self, message: Encoded) -> list[Encoded] | None:
-        """Every rank passes its message; rank 0 returns all of them ordered by rank."""
+    def gather(self, message: Encoded, bounds: Sequence[int | None] | None = None) -> list[Encoded] | None:
+        """Every rank passes its message; rank 0 returns all of them ordered by rank.
+        ``bounds[rank]`` (rank 0 only): the most bytes that rank's message may hold (None: no
+        bound beyond ``max_message_bytes``)."""
 
     @abc.abstractmethod
     def barrier(self) -> None: ...
@@ -77,7 +88,7 @@ class LocalTransport(Transport):
         assert message is not None
         return message
 
-    def gather(self, message: Encoded) -> list[Encoded]:
+    def gather(self, message: Encoded, bounds: Sequence[int | None] | None = None) -> list[Encoded]:
         return [message]
 
     def barrier(self) -> None:
@@ -125,7 +136,7 @@ class TorchTransport(Transport):
             dist.broadcast(body, src=0)
         return Encoded(header.cpu(), body.cpu())
 
-    def gather(self, message: Encoded) -> list[Encoded] | None:
+    def gather(self, message: Encoded, bounds: Sequence[int | None] | None = None) -> list[Encoded] | None:
         dist = self._dist
         if self.rank != 0:
             dist.send(self._to_comm(_sizes(message)), dst=0)
@@ -137,7 +148,8 @@ class TorchTransport(Transport):
         for source in range(1, self.world_size):
             sizes = torch.empty(2, dtype=torch.int64, device=self.comm_device)
             dist.recv(sizes, src=source)
-            header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes)
+            header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes,
+                                                 bounds[source] if bounds else None)
             header = torch.empty(header_len, dtype=torch.int64, device=self.comm_device)
             dist.recv(header, src=source)
             body = torch.empty(body_len, dtype=torch.uint8, device=self.comm_device)
@@ -196,7 +208,7 @@ class MPITransport(Transport):
             comm.Bcast(body, root=0)
         return Encoded(torch.from_numpy(header), torch.from_numpy(body))
 
-    def gather(self, message: Encoded) -> list[Encoded] | None:
+    def gather(self, message: Encoded, bounds: Sequence[int | None] | None = None) -> list[Encoded] | None:
         comm = self._comm
         if self.rank != 0:
             comm.Send(_sizes(message).numpy(), dest=0, tag=1)
@@ -208,7 +220,8 @@ class MPITransport(Transport):
         for source in range(1, self.world_size):
             sizes = np.empty(2, dtype=np.int64)
             comm.Recv(sizes, source=source, tag=1)
-            header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes)
+            header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes,
+                                                 bounds[source] if bounds else None)
             header = np.empty(header_len, dtype=np.int64)
             comm.Recv(header, source=source, tag=2)
             body = np.empty(body_len, dtype=np.uint8)
