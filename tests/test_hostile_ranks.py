@@ -61,15 +61,19 @@ def test_sizes_within_the_limit_pass():
     assert checked_sizes([3, (1 << 20) - 24], 2, 1 << 20) == (3, (1 << 20) - 24)
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
-@pytest.mark.parametrize("sizes", [(1, 4 << 30), (-7, 0)])
-def test_rank_zero_refuses_a_forged_size_from_a_real_rank(tmp_path, launcher, sizes):
+def _hostile_command(tmp_path, launcher: str) -> list[str]:
+    """Two real ranks running HOSTILE under ``launcher`` (the caller appends its arguments)."""
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE)
     if launcher == "torchrun":
-        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(script)]
-    else:
-        command = [shutil.which("mpirun", path=str(BIN)) or "mpirun", "-n", "2", sys.executable, str(script)]
+        return [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(script)]
+    return [shutil.which("mpirun", path=str(BIN)) or "mpirun", "-n", "2", sys.executable, str(script)]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+@pytest.mark.parametrize("sizes", [(1, 4 << 30), (-7, 0)])
+def test_rank_zero_refuses_a_forged_size_from_a_real_rank(tmp_path, launcher, sizes):
+    command = _hostile_command(tmp_path, launcher)
     result = subprocess.run([*command, launcher, *map(str, sizes)], cwd=REPO, env=_env(), capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -161,12 +165,7 @@ def test_rank_rows_are_checked(values, ok):
 def test_rank_zero_refuses_more_than_the_protocol_allows(tmp_path, launcher):
     """5000 body bytes are far under runtime.max_message_mb, but this rank's clients can send at
     most 1000 bytes this round: refused before allocating."""
-    script = tmp_path / "hostile.py"
-    script.write_text(HOSTILE)
-    if launcher == "torchrun":
-        command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", str(script)]
-    else:
-        command = [shutil.which("mpirun", path=str(BIN)) or "mpirun", "-n", "2", sys.executable, str(script)]
+    command = _hostile_command(tmp_path, launcher)
     result = subprocess.run([*command, launcher, "1", "5000", "1000"], cwd=REPO, env=_env(), capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
