@@ -131,7 +131,8 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
             finally:
                 uploading.clear()
 
-        monkeypatch.setattr(federation.transport, "gather", lambda message: [forged] if uploading else gather(message))
+        monkeypatch.setattr(federation.transport, "gather",
+                            lambda message, bounds=None: [forged] if uploading else gather(message, bounds))
         monkeypatch.setattr(federation, "_gather_uploads", uploads_then_flag)
 
     federation = _federation(monkeypatch, tmp_path)
