@@ -436,7 +436,7 @@ class Federation:
             knowledge = None
 
             evaluate = (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds
-            if self.is_server and evaluate:
+            if self.is_server and evaluate and self.image_grids.enabled:  # download() may compress (FedKD)
                 self.image_grids.save(round_index + 1, self.server.download())
             eval_rows: dict[int, list[float]] = {}
             if evaluate:

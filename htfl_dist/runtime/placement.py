@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from htfl_dist.errors import HtflError
 from htfl_dist.seeding import numpy_rng
@@ -64,7 +65,15 @@ class Placement:
         return self.ranks[client_id]
 
     def clients_of(self, rank: int) -> list[int]:
-        return [cid for cid, hosting in enumerate(self.ranks) if hosting == rank]
+        """The clients ``rank`` hosts, ascending (read every round: computed once)."""
+        return list(self._hosted.get(rank, ()))
+
+    @cached_property
+    def _hosted(self) -> dict[int, tuple[int, ...]]:
+        hosted: dict[int, list[int]] = {}
+        for cid, rank in enumerate(self.ranks):
+            hosted.setdefault(rank, []).append(cid)
+        return {rank: tuple(cids) for rank, cids in hosted.items()}
 
     def describe_rank(self, rank: int) -> str:
         """'rank r (clients [...])' or 'rank 0 (server)', for messages that must name a rank."""
