@@ -54,8 +54,20 @@ class DataConfig:
     """Per-client train share; the rest is that client's test split."""
     subsample: float = 1.0
     """Fraction of the dataset used (stratified by class), for fast tests."""
-    min_samples_per_client: int = 10
-    """Dirichlet: re-draw until every client holds at least this many samples."""
+    partition_rules: str = "legacy"
+    """How ``dirichlet`` and ``pathological`` splits are drawn (partition=pfllib reads a finished
+    split and ignores this). ``pfllib``: PFLlib's ``separate_data`` and ``split_data`` (unbalanced
+    ``pat``, ``dir``, sklearn's per-client train/test split) from one numpy ``RandomState(seed)``
+    drawn in PFLlib's order, so seed 1 gives the very split PFLlib's generators write; pathological
+    clients come in blocks sharing their classes, with very unequal sizes. ``legacy``: this
+    project's first rules (classes assigned cyclically, Dirichlet(1) shares above a floor, guard
+    10, per-purpose seeded streams). docs/partitions.md describes both."""
+    min_samples_per_client: int | None = None
+    """The partition's size guard; unset (null) means the rule's own: legacy re-draws the
+    Dirichlet split until every client holds 10 samples; pfllib uses PFLlib's ``least_samples``
+    = int(min(train.batch_size / (1 - data.train_ratio), samples / num_clients / 2)), 40 for
+    batch 10, as the Dirichlet guard and in the pathological share floor (guard / classes). A
+    number replaces the rule's own value."""
     max_partition_tries: int = 1000
     """Dirichlet: give up (with a clear error) after this many re-draws."""
     cache_dir: str | None = None
@@ -68,6 +80,7 @@ class DataConfig:
     ALLOWED = {  # noqa: RUF012 (not a field: no annotation; read-only table)
         "dataset": ("fmnist", "cifar10", "cifar100", "tinyimagenet", "flowers102"),
         "partition": ("pathological", "dirichlet", "pfllib"),
+        "partition_rules": ("pfllib", "legacy"),
     }
 
 
@@ -385,6 +398,11 @@ def validate(config: Config) -> None:
         f"config key 'data.subsample' must be in (0, 1], got {data.subsample}",
     )
     _require(
+        data.min_samples_per_client is None or data.min_samples_per_client >= 0,
+        f"config key 'data.min_samples_per_client' must be >= 0 (or null: the partition rule's "
+        f"own guard), got {data.min_samples_per_client}",
+    )
+    _require(
         data.max_partition_tries >= 1,
         f"config key 'data.max_partition_tries' must be >= 1, got {data.max_partition_tries}",
     )
@@ -435,12 +453,24 @@ DATA_LOCATION_KEYS = ("root", "cache_dir")
 """Where the data lives: moving it (another node, a new cache) is the same run."""
 
 
+def _legacy_partition_view(data: dict[str, Any]) -> None:
+    """Under the legacy partition rules, write the data section as it was before
+    ``data.partition_rules`` existed (no such key; the guard unset means 10), so the runs and
+    checkpoints made then keep their config hash and stay resumable."""
+    if data.get("partition_rules", "legacy") != "legacy":
+        return
+    data.pop("partition_rules", None)
+    if data.get("min_samples_per_client", 10) is None:
+        data["min_samples_per_client"] = 10
+
+
 def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     """The experiment part of a config dict (a copy). Tolerates keys that are absent, so it also
     reads the experiments stored by older versions in checkpoint manifests."""
     view = copy.deepcopy(tree)
     if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
+    _legacy_partition_view(view.get("data", {}))
     for key in PLUMBING_KEYS:
         view.pop(key, None)
     for key in DATA_LOCATION_KEYS:

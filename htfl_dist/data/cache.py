@@ -37,8 +37,12 @@ from htfl_dist.seeding import numpy_rng
 
 from .datasets import NUM_CLASSES, dataset_fingerprint, load_dataset
 from .partition import (
+    LEGACY_MIN_SAMPLES,
+    PFLLIB_BATCH_SIZE,
     partition_dirichlet,
     partition_pathological,
+    pfllib_client_splits,
+    pfllib_least_samples,
     split_train_test,
     subsample_indices,
 )
@@ -158,7 +162,8 @@ def _key_json(key: dict) -> str:
     return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
-def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | None) -> dict:
+def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | None,
+                   batch_size: int) -> dict:
     key = {
         "format_version": FORMAT_VERSION,
         "dataset": data.dataset,
@@ -173,15 +178,43 @@ def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | No
         key["classes_per_client"] = int(data.classes_per_client)
     elif data.partition == "dirichlet":
         key["beta"] = float(data.beta)
-        key["min_samples_per_client"] = int(data.min_samples_per_client)
+    if data.partition_rules == "legacy":  # the key as before the option existed: caches stay valid
+        if data.partition == "dirichlet":
+            key["min_samples_per_client"] = _legacy_min_samples(data)
+    else:
+        key["partition_rules"] = data.partition_rules
+        key["min_samples_per_client"] = data.min_samples_per_client
+        if data.min_samples_per_client is None:  # PFLlib's guard depends on the batch size
+            key["batch_size"] = int(batch_size)
     return key
 
 
+def _legacy_min_samples(data: DataConfig) -> int:
+    if data.min_samples_per_client is None:
+        return LEGACY_MIN_SAMPLES
+    return int(data.min_samples_per_client)
+
+
+def _pfllib_guard(data: DataConfig, n_samples: int, num_clients: int, batch_size: int) -> int:
+    """The user's data.min_samples_per_client, else PFLlib's least_samples for this data."""
+    if data.min_samples_per_client is not None:
+        return int(data.min_samples_per_client)
+    return pfllib_least_samples(n_samples, num_clients, batch_size, data.train_ratio)
+
+
 def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_clients: int,
-                   seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+                   seed: int, batch_size: int = PFLLIB_BATCH_SIZE) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per client (train indices, test indices) into the full dataset."""
     subset = subsample_indices(labels, data.subsample, numpy_rng(seed, "subsample"))
     sub_labels = labels[subset]
+    if data.partition_rules == "pfllib":
+        splits = pfllib_client_splits(
+            sub_labels, num_clients, num_classes, partition=data.partition, seed=seed,
+            least_samples=_pfllib_guard(data, sub_labels.size, num_clients, batch_size),
+            train_ratio=data.train_ratio, beta=data.beta,
+            classes_per_client=data.classes_per_client, max_tries=data.max_partition_tries,
+        )
+        return [(subset[train], subset[test]) for train, test in splits]
     rng = numpy_rng(seed, "partition")
     if data.partition == "pathological":
         parts = partition_pathological(
@@ -190,7 +223,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
     else:
         parts = partition_dirichlet(
             sub_labels, num_clients, data.beta, num_classes, rng,
-            min_samples=data.min_samples_per_client, max_tries=data.max_partition_tries,
+            min_samples=_legacy_min_samples(data), max_tries=data.max_partition_tries,
         )
     out = []
     for cid, part in enumerate(parts):
@@ -199,7 +232,8 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
     return out
 
 
-def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Report) -> PartitionInfo:
+def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Report,
+                       batch_size: int) -> PartitionInfo:
     known_classes = NUM_CLASSES.get(data.dataset)
     if data.partition == "pathological" and known_classes and data.classes_per_client > known_classes:
         # Fail before the dataset is read.
@@ -208,7 +242,7 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Re
             f"has only {known_classes} classes; use a value in 1..{known_classes}"
         )
     root = dataset_root(data)
-    key = _partition_key(data, num_clients, seed, root)
+    key = _partition_key(data, num_clients, seed, root, batch_size)
     key_json = _key_json(key)
     digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
     path = os.path.join(partition_cache_dir(data), f"{data.dataset}-{data.partition}-{digest}.h5")
@@ -220,8 +254,8 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Re
            f"from {root or 'its default location'}")
     arrays = load_dataset(data.dataset, root)
     report(f"data: {arrays.labels.shape[0]} samples, {arrays.num_classes} classes; partitioning "
-           f"({data.partition}) into {num_clients} clients")
-    splits = _build_indices(data, arrays.labels, arrays.num_classes, num_clients, seed)
+           f"({data.partition}, {data.partition_rules} rules) into {num_clients} clients")
+    splits = _build_indices(data, arrays.labels, arrays.num_classes, num_clients, seed, batch_size)
     images, labels = arrays.images, arrays.labels
 
     def client_arrays(cid: int) -> ClientArrays:
@@ -321,12 +355,15 @@ def _silent(line: str) -> None:
     pass
 
 
-def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Report = _silent) -> PartitionInfo:
+def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Report = _silent, *,
+                      batch_size: int = PFLLIB_BATCH_SIZE) -> PartitionInfo:
     """Build the partition cache for this config if it is missing; return its summary.
 
     Safe to call from every rank at once: the cache is written atomically and reused
     when it already exists with the same key. ``report`` receives one line per step (rank 0
-    prints them: building a cache from a large dataset takes minutes).
+    prints them: building a cache from a large dataset takes minutes). ``batch_size`` is
+    ``train.batch_size``: with data.partition_rules=pfllib and no data.min_samples_per_client
+    it enters PFLlib's size guard (10, PFLlib's generator constant, when not given).
     """
     if num_clients < 1:
         raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
@@ -337,7 +374,7 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
             f"config key 'data.partition' is {data.partition!r}; allowed: pathological, "
             f"dirichlet, pfllib"
         )
-    return _prepare_generated(data, num_clients, seed, report)
+    return _prepare_generated(data, num_clients, seed, report, batch_size)
 
 
 # --------------------------------------------------------------------------- reading

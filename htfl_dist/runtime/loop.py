@@ -220,9 +220,11 @@ class Federation:
         config = self.config
         if self.rank != 0:
             self.transport.barrier()
-            return prepare_partition(config.data, config.num_clients, config.seed)
+            return prepare_partition(config.data, config.num_clients, config.seed,
+                                     batch_size=config.train.batch_size)
         began = time.perf_counter()
-        info = prepare_partition(config.data, config.num_clients, config.seed, report=progress)
+        info = prepare_partition(config.data, config.num_clients, config.seed, report=progress,
+                                 batch_size=config.train.batch_size)
         progress(f"data: {config.data.dataset}, {config.num_clients} clients, {info.num_classes} classes, "
                  f"{info.in_channels}x{info.image_size}x{info.image_size} images "
                  f"({time.perf_counter() - began:.1f}s)")

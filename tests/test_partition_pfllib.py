@@ -1,0 +1,342 @@
+"""data.partition_rules=pfllib: PFLlib's partition and train/test split, sample for sample.
+
+The oracle numbers in fixtures/pfllib_partition_seed1.json come from PFLlib's own
+``separate_data`` + ``split_data`` (seed 1), run once outside this repository; the fixture says
+how. The hand-computed examples below pin each rule (guard, class assignment, shares, split) so
+that changing one fails a test even where the oracle data would not notice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from htfl_dist.config import DEFAULT_FMNIST_ROOT, DataConfig, load_config
+from htfl_dist.data.cache import _build_indices, _partition_key, prepare_partition
+from htfl_dist.data.datasets import fmnist_files, parse_idx
+from htfl_dist.data.partition import (
+    partition_dirichlet_pfllib,
+    partition_pathological_pfllib,
+    pfllib_client_splits,
+    pfllib_least_samples,
+    pfllib_pathological_holders,
+    pfllib_shares,
+    split_train_test_pfllib,
+)
+from htfl_dist.errors import ConfigError, DataError
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "pfllib_partition_seed1.json").read_text())
+PARTITIONS = ("dirichlet", "pathological")
+needs_fmnist = pytest.mark.skipif(
+    not os.path.isdir(DEFAULT_FMNIST_ROOT), reason="apt-get install dataset-fashion-mnist to run this test"
+)
+
+
+def _digest(positions: np.ndarray) -> str:
+    return hashlib.sha256(np.asarray(positions, dtype=np.int64).tobytes()).hexdigest()[:16]
+
+
+def _fmnist_labels() -> np.ndarray:
+    files = fmnist_files(DEFAULT_FMNIST_ROOT)
+    return np.concatenate([parse_idx(files[1], 1), parse_idx(files[3], 1)]).astype(np.int64)
+
+
+def _assert_equals_oracle(labels: np.ndarray, splits: list, expected: dict, num_classes: int) -> None:
+    counts = [np.bincount(labels[np.concatenate([tr, te])], minlength=num_classes).tolist() for tr, te in splits]
+    assert counts == expected["class_counts"]
+    assert [tr.size for tr, _ in splits] == expected["train_sizes"]
+    assert [te.size for _, te in splits] == expected["test_sizes"]
+    # the very samples, in PFLlib's order
+    assert [_digest(tr) for tr, _ in splits] == expected["train_digest"]
+    assert [_digest(te) for _, te in splits] == expected["test_digest"]
+
+
+# --------------------------------------------------------------------------- the oracle
+
+
+@needs_fmnist
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_fmnist_seed1_equals_pfllib_client_by_client(partition):
+    labels = _fmnist_labels()
+    case = FIXTURE["fmnist"]
+    assert _digest(labels) == case["labels_digest"]  # the labels PFLlib was given
+    data = DataConfig(partition=partition, partition_rules="pfllib")  # beta 0.1, k 2, ratio 0.75
+    splits = _build_indices(data, labels, 10, case["num_clients"], seed=1, batch_size=10)
+    _assert_equals_oracle(labels, splits, case[partition], 10)
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_small_labels_equal_pfllib_index_for_index(partition):
+    case = FIXTURE["small"]
+    labels = np.array(case["labels"], dtype=np.int64)
+    guard = pfllib_least_samples(labels.size, case["num_clients"], 10, 0.75)
+    assert guard == 11  # int(min(40, 90 / 4 / 2))
+    splits = pfllib_client_splits(labels, case["num_clients"], case["num_classes"], partition=partition,
+                                  seed=1, least_samples=guard, train_ratio=0.75)
+    assert [tr.tolist() for tr, _ in splits] == case[partition]["train"]
+    assert [te.tolist() for _, te in splits] == case[partition]["test"]
+    _assert_equals_oracle(labels, splits, case[partition], case["num_classes"])
+
+
+@pytest.mark.parametrize("partition", PARTITIONS)
+def test_the_stream_ends_where_pfllibs_does(partition):
+    """No draw more or less than PFLlib: the next draw after the last split is PFLlib's."""
+    case = FIXTURE["small"]
+    labels = np.array(case["labels"], dtype=np.int64)
+    rng = np.random.RandomState(1)
+    if partition == "dirichlet":
+        parts = partition_dirichlet_pfllib(labels, 4, 0.1, 3, 11, rng)
+    else:
+        parts = partition_pathological_pfllib(labels, 4, 2, 3, 11, rng)
+    for part in parts:
+        split_train_test_pfllib(part, 0.75, rng)
+    assert int(rng.randint(0, 2**31 - 1)) == case[partition]["next_draw"]
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+def test_guard_is_pfllibs_least_samples():
+    assert pfllib_least_samples(70000, 20, 10, 0.75) == 40  # 10 / 0.25
+    assert pfllib_least_samples(600, 20, 10, 0.75) == 15  # capped at N / clients / 2
+    assert pfllib_least_samples(6, 2, 10, 0.75) == 1  # int(1.5)
+    assert pfllib_least_samples(70000, 20, 32, 0.75) == 128
+    assert pfllib_least_samples(70000, 20, 3, 0.7) == 9  # int(3 / 0.30000000000000004) = int(9.99...)
+
+
+def test_guard_comes_from_the_batch_size_unless_set():
+    """40 labels over 2 clients; one draw allowed. Seed 0's draw gives sizes [2, 38], seed 2's
+    [11, 29]. The guard is int(min(batch / (1 - train_ratio), 40 / 2 / 2))."""
+    labels = np.array([0, 1] * 20)
+
+    def sizes(seed: int, batch_size: int, **options) -> list[int]:
+        data = DataConfig(partition="dirichlet", partition_rules="pfllib", max_partition_tries=1, **options)
+        splits = _build_indices(data, labels, 2, 2, seed=seed, batch_size=batch_size)
+        return sorted(tr.size + te.size for tr, te in splits)
+
+    assert sizes(2, 10) == [11, 29]  # guard int(min(40, 10)) = 10
+    assert sizes(0, 1, train_ratio=0.5) == [2, 38]  # guard int(min(2, 10)) = 2
+    with pytest.raises(DataError, match=r"fewer than 10 samples after 1 tries"):
+        sizes(0, 10)
+    with pytest.raises(DataError, match=r"fewer than 12 samples after 1 tries"):
+        sizes(2, 10, min_samples_per_client=12)  # a set value replaces PFLlib's guard
+    assert sizes(0, 10, min_samples_per_client=2) == [2, 38]
+
+
+# --------------------------------------------------------------------------- pathological
+
+
+def test_each_class_goes_to_the_first_clients_with_a_free_slot():
+    holders = pfllib_pathological_holders(20, 2, 10)  # block ceil(20 / 10 * 2) = 4
+    assert holders[:4] == [[0, 1, 2, 3], [0, 1, 2, 3], [4, 5, 6, 7], [4, 5, 6, 7]]
+    assert holders[9] == [16, 17, 18, 19]
+    # 3 clients, 2 classes, 1 slot each: block ceil(1.5) = 2
+    assert pfllib_pathological_holders(3, 1, 2) == [[0, 1], [2]]
+    # 3 clients, 5 classes, 1 slot each: block ceil(0.6) = 1; classes 3 and 4 held by nobody
+    assert pfllib_pathological_holders(3, 1, 5) == [[0], [1], [2], [], []]
+    # 5 clients, 3 classes, 2 slots: block ceil(10 / 3) = 4; the last class gets who is left
+    assert pfllib_pathological_holders(5, 2, 3) == [[0, 1, 2, 3], [0, 1, 2, 3], [4]]
+
+
+def test_block_size_is_pfllibs_float_expression():
+    """(36 / 28) * 21 evaluates to 27.000000000000004: PFLlib's ceil gives 28 holders, not 27."""
+    assert len(pfllib_pathological_holders(36, 21, 28)[0]) == 28
+
+
+class _ScriptedRandint:
+    """Stands in for RandomState.randint: records its arguments, returns scripted draws."""
+
+    def __init__(self, *draws: list[int]):
+        self.draws, self.calls = list(draws), []
+
+    def randint(self, low, high, size):
+        self.calls.append((low, high, size))
+        return np.array(self.draws.pop(0), dtype=np.int64)
+
+
+def test_share_bounds_and_the_last_holder_takes_the_rest():
+    # n = 13 over 3 holders: n/m = 4.33; low = int(max(0.433, guard 7 / 2 classes)) = 3, high = 4
+    rng = _ScriptedRandint([3, 3])
+    assert pfllib_shares(13, 3, 7, 2, rng) == [3, 3, 7]
+    assert rng.calls == [(3, 4, 2)]
+    # n = 100 over 2: low = int(max(100 / 2 / 10, 4 / 2)) = 5, high = 50
+    rng = _ScriptedRandint([5])
+    assert pfllib_shares(100, 2, 4, 2, rng) == [5, 95]
+    assert rng.calls == [(5, 50, 1)]
+    # one holder takes everything without a draw
+    rng = _ScriptedRandint()
+    assert pfllib_shares(9, 1, 40, 2, rng) == [9] and rng.calls == []
+
+
+def test_pathological_takes_each_class_in_order_without_shuffling():
+    """24 labels, 2 classes, 4 clients, 1 class each: clients 0, 1 share class 0 and 2, 3 class 1.
+    Guard int(min(40, 24 / 4 / 2)) = 3; class size 12 over 2: draw from [int(max(0.6, 1.5)), 6)."""
+    labels = np.array([0, 1] * 12)
+    guard = pfllib_least_samples(labels.size, 4, 10, 0.75)
+    rng = _ScriptedRandint([2], [5])
+    parts = partition_pathological_pfllib(labels, 4, 1, 2, guard, rng)
+    assert rng.calls == [(1, 6, 1), (1, 6, 1)]
+    evens, odds = list(range(0, 24, 2)), list(range(1, 24, 2))
+    assert [p.tolist() for p in parts] == [evens[:2], evens[2:], odds[:5], odds[5:]]
+
+
+def test_six_labels_over_two_classes_end_to_end():
+    """2 clients, 1 class each: a single holder per class, so the partition draws nothing and
+    the stream's first draws are the splits: 3 samples -> floor(2.25) = 2 train, 1 test."""
+    labels = np.array([1, 0, 1, 0, 0, 1])
+    splits = pfllib_client_splits(labels, 2, 2, partition="pathological", classes_per_client=1,
+                                  seed=5, least_samples=1, train_ratio=0.75)
+    rng = np.random.RandomState(5)
+    for (train, test), part in zip(splits, ([1, 3, 4], [0, 2, 5]), strict=True):
+        order = rng.permutation(3)
+        assert test.tolist() == [part[order[0]]]
+        assert train.tolist() == [part[order[1]], part[order[2]]]
+
+
+def test_partition_and_splits_draw_from_one_stream():
+    """PFLlib seeds once: the splits continue the stream the partition drew from (2 holders per
+    class, so the partition draws first)."""
+    labels = np.array([0, 1] * 12)
+    splits = pfllib_client_splits(labels, 4, 2, partition="pathological", classes_per_client=1,
+                                  seed=3, least_samples=8, train_ratio=0.75)
+    rng = np.random.RandomState(3)
+    parts = partition_pathological_pfllib(labels, 4, 1, 2, 8, rng)  # shares from [4, 6)
+    for (train, test), part in zip(splits, parts, strict=True):
+        expected_train, expected_test = split_train_test_pfllib(part, 0.75, rng)
+        assert train.tolist() == expected_train.tolist() and test.tolist() == expected_test.tolist()
+
+
+def test_a_share_rule_that_cannot_draw_names_the_keys():
+    labels = np.array([0] * 6 + [1] * 6)
+    # class size 6 over 4 holders: high = int(1.5) = 1, low = int(max(0.15, 8 / 2)) = 4
+    with pytest.raises(DataError, match=r"class 0 has 6 samples for 4 clients.*data.min_samples_per_client"):
+        partition_pathological_pfllib(labels, 4, 2, 2, 8, np.random.RandomState(0))
+
+
+# --------------------------------------------------------------------------- Dirichlet
+
+
+class _ScriptedDirichlet:
+    """Stands in for RandomState: shuffle leaves the order, dirichlet returns scripted draws."""
+
+    def __init__(self, *draws: list[float]):
+        self.draws, self.calls = list(draws), 0
+
+    def shuffle(self, array):
+        pass
+
+    def dirichlet(self, alpha):
+        self.calls += 1
+        return np.array(self.draws.pop(0))
+
+
+def test_dirichlet_full_clients_get_no_share_and_the_guard_redraws():
+    labels = np.array([0, 0, 0, 0, 1, 1, 1, 1])  # 2 clients: cap N / clients = 4
+    # class 0: cut int(0.75 * 4) = 3 -> [3, 1]; class 1 likewise -> sizes [6, 2]
+    rng = _ScriptedDirichlet([0.75, 0.25], [0.9, 0.1])
+    parts = partition_dirichlet_pfllib(labels, 2, 0.1, 2, 2, rng)
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 4, 5, 6], [3, 7]] and rng.calls == 2
+    # guard 3: that draw is refused and the whole split drawn again
+    rng = _ScriptedDirichlet([0.75, 0.25], [0.9, 0.1], [0.5, 0.5], [0.5, 0.5])
+    parts = partition_dirichlet_pfllib(labels, 2, 0.1, 2, 3, rng)
+    assert [p.tolist() for p in parts] == [[0, 1, 4, 5], [2, 3, 6, 7]] and rng.calls == 4
+    # a client at the cap (4 < 4 is false) gets nothing of the next class, whatever its draw
+    rng = _ScriptedDirichlet([1.0, 0.0], [0.9, 0.1])
+    parts = partition_dirichlet_pfllib(labels, 2, 0.1, 2, 0, rng)
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_dirichlet_keeps_pfllibs_order_class_by_class():
+    """A client's indices are its pieces in class order, each in shuffled order (here: reversed)."""
+
+    class Reversing(_ScriptedDirichlet):
+        def shuffle(self, array):
+            array[:] = array[::-1].copy()
+
+    labels = np.array([0, 0, 0, 0, 1, 1, 1, 1])
+    parts = partition_dirichlet_pfllib(labels, 2, 0.1, 2, 2, Reversing([0.75, 0.25], [0.9, 0.1]))
+    assert [p.tolist() for p in parts] == [[3, 2, 1, 7, 6, 5], [0, 4]]
+
+
+def test_dirichlet_draws_for_an_empty_class_too():
+    """PFLlib shuffles and draws for every class, empty or not; skipping one would shift the stream."""
+    labels = np.array([0, 0, 2, 2])
+    rng = _ScriptedDirichlet([0.5, 0.5], [0.5, 0.5], [0.5, 0.5])
+    partition_dirichlet_pfllib(labels, 2, 0.1, 3, 0, rng)
+    assert rng.calls == 3
+
+
+def test_dirichlet_that_cannot_meet_the_guard_names_the_keys():
+    labels = np.zeros(10, dtype=np.int64)
+    with pytest.raises(DataError, match=r"cannot give 4 clients at least 3 samples.*data.min_samples_per_client"):
+        partition_dirichlet_pfllib(labels, 4, 0.1, 1, 3, np.random.RandomState(0))
+
+
+# --------------------------------------------------------------------------- train/test split
+
+
+class _ScriptedPermutation:
+    def __init__(self, order: list[int]):
+        self.order = order
+
+    def permutation(self, n):
+        assert n == len(self.order)
+        return np.array(self.order)
+
+
+def test_split_keeps_sklearns_floor_and_takes_test_from_the_head():
+    indices = np.array([10, 11, 12, 13, 14])  # floor(0.75 * 5) = 3 train, 2 test
+    train, test = split_train_test_pfllib(indices, 0.75, _ScriptedPermutation([4, 0, 3, 1, 2]))
+    assert train.tolist() == [13, 11, 12] and test.tolist() == [14, 10]
+    train, test = split_train_test_pfllib(np.arange(4), 0.75, _ScriptedPermutation([0, 1, 2, 3]))
+    assert (train.size, test.size) == (3, 1)  # floor(3.0)
+
+
+def test_a_client_too_small_to_train_names_the_keys():
+    with pytest.raises(DataError, match=r"holds 1 samples.*data.train_ratio=0.75.*lower num_clients"):
+        split_train_test_pfllib(np.array([7]), 0.75, np.random.RandomState(0))
+
+
+# --------------------------------------------------------------------------- config and cache
+
+
+def test_partition_rules_option_and_its_checks(tmp_path):
+    assert DataConfig().partition_rules == "legacy"
+    config = load_config(None, ["data.partition_rules=pfllib", "data.min_samples_per_client=null"])
+    assert config.data.partition_rules == "pfllib" and config.data.min_samples_per_client is None
+    with pytest.raises(ConfigError, match=r"data.partition_rules.*pfllib, legacy"):
+        load_config(None, ["data.partition_rules=pflib"])
+    with pytest.raises(ConfigError, match=r"data.min_samples_per_client' must be >= 0"):
+        load_config(None, ["data.min_samples_per_client=-1"])
+    with pytest.raises(ConfigError, match=r"config key 'seed' is -1"):
+        pfllib_client_splits(np.zeros(4, np.int64), 1, 1, partition="dirichlet", seed=-1,
+                             least_samples=0, train_ratio=0.75)
+
+
+def test_cache_key_names_the_rules_only_when_not_legacy():
+    legacy = _partition_key(DataConfig(partition_rules="legacy"), 20, 1, None, 10)
+    assert "partition_rules" not in legacy and legacy["min_samples_per_client"] == 10  # as before
+    pfllib = _partition_key(DataConfig(partition_rules="pfllib"), 20, 1, None, 10)
+    assert pfllib["partition_rules"] == "pfllib" and pfllib["batch_size"] == 10
+    assert _partition_key(DataConfig(partition_rules="pfllib"), 20, 1, None, 32) != pfllib
+    fixed = DataConfig(partition_rules="pfllib", min_samples_per_client=40)
+    assert "batch_size" not in _partition_key(fixed, 20, 1, None, 32)
+    pathological = _partition_key(DataConfig(partition="pathological", partition_rules="pfllib"), 20, 1, None, 10)
+    assert pathological["batch_size"] == 10  # the guard enters the share floor too
+
+
+@needs_fmnist
+def test_prepare_partition_builds_the_pfllib_split(tmp_path):
+    data = DataConfig(partition="pathological", partition_rules="pfllib", subsample=0.02,
+                      cache_dir=str(tmp_path))
+    info = prepare_partition(data, 6, seed=1, batch_size=10)
+    legacy = prepare_partition(DataConfig(partition="pathological", partition_rules="legacy", subsample=0.02,
+                                          cache_dir=str(tmp_path)), 6, seed=1)
+    assert info.path != legacy.path
+    # blocks: clients 0-1 hold classes 0 and 1 (block ceil(6 / 10 * 2) = 2), ...; 0 elsewhere
+    held = [set(np.flatnonzero(row)) for row in info.class_counts]
+    assert held == [{0, 1}, {0, 1}, {2, 3}, {2, 3}, {4, 5}, {4, 5}]
