@@ -119,6 +119,10 @@ class RuntimeConfig:
     equal results across world sizes on CPU."""
     timeout_s: float = 600.0
     """A collective that waits longer than this aborts the job."""
+    heartbeat_timeout_s: float = 30.0
+    """Gloo/NCCL: every rank beats through the rendezvous store; a rank silent this long (dead,
+    stopped, cut off) ends the job with one line naming it and its clients (0 = off). MPI has no
+    store: there the round deadline names the rank rank 0 waited for."""
     round_deadline_s: float = 3600.0
     """A round that takes longer than this on any rank ends the job (0 = no deadline). The
     safety net against a hung peer, also under MPI, which has no collective timeout."""
@@ -435,6 +439,8 @@ def validate(config: Config) -> None:
              f"config key 'runtime.placement' is {runtime.placement!r}; allowed: balanced, round_robin")
     _require(runtime.threads >= 0, f"config key 'runtime.threads' must be >= 0, got {runtime.threads}")
     _require(runtime.timeout_s > 0, f"config key 'runtime.timeout_s' must be > 0, got {runtime.timeout_s}")
+    _require(runtime.heartbeat_timeout_s >= 0,
+             f"config key 'runtime.heartbeat_timeout_s' must be >= 0 (0 = off), got {runtime.heartbeat_timeout_s}")
     _require(runtime.round_deadline_s >= 0,
              f"config key 'runtime.round_deadline_s' must be >= 0 (0 = none), got {runtime.round_deadline_s}")
     _require(runtime.preempt_grace_s > 0,

@@ -9,17 +9,16 @@ in the run directory (torchrun reports any worker status as 1, so batch scripts 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
 import sys
-import time
 import traceback
 import typing
 from pathlib import Path
 
 from htfl_dist.errors import HtflError
+from htfl_dist.runtime.liveness import report_once, tell_torchrun
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -113,7 +112,7 @@ def run(argv: list[str] | None = None) -> int:
     from htfl_dist.metrics.sinks import check_outputs_available
     from htfl_dist.metrics.writer import progress
     from htfl_dist.models import architecture_for_client
-    from htfl_dist.runtime.bootstrap import detect_launch, open_transport, pick_device
+    from htfl_dist.runtime.bootstrap import detect_launch, open_liveness, open_transport, pick_device
     from htfl_dist.runtime.loop import Federation, RunContext
     from htfl_dist.runtime.placement import check_world_size
 
@@ -136,17 +135,20 @@ def run(argv: list[str] | None = None) -> int:
         _prepare_out_dir(out, resume_from)
     device = pick_device(config.runtime, launch)
     transport = open_transport(config.runtime, launch, device)
+    liveness = open_liveness(config.runtime, transport)
     if launch.rank == 0:
         progress(f"htfl_dist: {config.algorithm}, {_count(config.num_clients, 'client')}, "
                  f"{_count(config.rounds, 'round')}; {_count(launch.world_size, 'rank')} via {launch.launcher} "
                  f"({transport.name}, {device}); "
                  f"run directory {out}")
     context = RunContext(config, transport, device, out, resume_from,
-                         extra_summary={"versions": _versions(), "launcher": launch.launcher})
+                         extra_summary={"versions": _versions(), "launcher": launch.launcher}, liveness=liveness)
     code = 0
     try:
         federation = Federation(context)
         summary = federation.run()
+        if liveness is not None:
+            liveness.finish()  # from here a rank may exit: its silence is no failure
         if federation.preempted_after is not None:
             _report_preemption(federation.preempted_after, out, launch.rank, transport)
             code = EXIT_PREEMPTED
@@ -154,7 +156,7 @@ def run(argv: list[str] | None = None) -> int:
             _report_finish(summary, out)
     except BaseException as exc:
         if transport.world_size > 1 and not isinstance(exc, KeyboardInterrupt):
-            _fail(exc, context.rank_description or f"rank {launch.rank}", transport)  # does not return
+            _fail(exc, context, launch.rank)  # does not return
         raise
     transport.close()
     return code
@@ -185,35 +187,36 @@ def _report_finish(summary: dict, out: Path) -> None:
               f"last {summary['last_test_acc'] * 100:.2f}%; outputs in {out}", flush=True)
 
 
-def _fail(exc: BaseException, where: str, transport) -> None:
-    """Name the failing rank (and its clients, once placed), then take the whole job down."""
+def _fail(exc: BaseException, context, rank: int) -> None:
+    """Say once for the whole job why it ends, then take this rank down. A user mistake is one
+    line from the rank that found it. A collective that fails because a peer died or hung is
+    named after that peer (the heartbeats tell which stopped), not after the socket error that
+    every surviving rank sees; the ranks that fail only because the job is ending stay quiet."""
+    transport, liveness = context.transport, context.liveness
+    where = context.rank_description or f"rank {rank}"
     if isinstance(exc, HtflError):
         line, code = f"htfl_dist: error on {where}: {exc}", EXIT_USER_ERROR
+        report_once(line, liveness)
     else:
-        traceback.print_exc()
-        line, code = f"htfl_dist: {where} failed: {type(exc).__name__}: {exc}", EXIT_FAILURE
-    print(line, file=sys.stderr, flush=True)
-    tell_torchrun(line)
+        code = EXIT_FAILURE
+        lost = liveness.lost_peers_line(where, type(exc).__name__) if liveness is not None else None
+        if lost is not None:
+            if lost:
+                report_once(lost, liveness)
+        elif liveness is None or liveness.claim_report():
+            traceback.print_exc()
+            line = f"htfl_dist: {where} failed: {type(exc).__name__}: {exc}"
+            print(line, file=sys.stderr, flush=True)
+            tell_torchrun(line)
     sys.stdout.flush()
     transport.abort(code)
     os._exit(code)  # peers blocked in a collective are ended by the launcher (torchrun, srun, mpirun)
 
 
-def tell_torchrun(line: str) -> None:
-    """Put our one line into torchrun's per-rank error file, so the failure summary torchrun
-    prints after it shows the reason instead of "To enable traceback see: ...". Best effort:
-    outside torchrun the variable is unset, and an unwritable file must not mask the error."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    try:
-        with open(path, "w") as file:
-            json.dump({"message": line, "timestamp": int(time.time())}, file)
-    except OSError:
-        pass
-
-
 def main(argv: list[str] | None = None) -> int:
+    from htfl_dist.runtime import preemption
+
+    preemption.install()  # before torch starts threads: SIGTERM must reach the listener, not them
     from htfl_dist.runtime.bootstrap import launch_rank_hint
 
     try:

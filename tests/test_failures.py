@@ -87,11 +87,11 @@ def test_elastic_restart_after_a_killed_rank(uninterrupted, tmp_path, cache_dir)
     assert (tmp_path / "summary.json").is_file()
 
 
-def _rank_of(pid):
+def _rank_of(pid, variable=b"PMI_RANK"):
     with open(f"/proc/{pid}/environ", "rb") as handle:
         environ = handle.read().split(b"\0")
     for item in environ:
-        if item.startswith(b"PMI_RANK="):
+        if item.startswith(variable + b"="):
             return int(item.split(b"=")[1])
     return None
 
@@ -117,8 +117,40 @@ def test_hung_rank_ends_the_job_within_the_round_deadline(tmp_path, cache_dir):
     assert time.monotonic() - began < 30
     time.sleep(1)
     assert subprocess.run(["pgrep", "-f", marker], capture_output=True).stdout == b""  # no orphans
-    assert "exceeded runtime.round_deadline_s=6" in stderr
-    assert "rank 0 (server)" in stderr or "rank 1 (clients" in stderr
+    assert "exceeded runtime.round_deadline_s=6; it was waiting for rank 2 (clients" in stderr, stderr
+    assert "rank 0 (server)" in stderr
+
+
+@pytest.mark.parametrize(("signal_sent", "victim", "reporter"), [
+    (signal.SIGKILL, 2, "rank 0 (server)"),  # a client rank dies
+    (signal.SIGSTOP, 2, "rank 0 (server)"),  # a client rank hangs
+    (signal.SIGSTOP, 0, "rank 1 (clients"),  # the server hangs
+])
+def test_a_lost_rank_is_named_once(tmp_path, cache_dir, signal_sent, victim, reporter):
+    """A rank that dies or stops answering is named, with its clients, in exactly one line for
+    the whole job, by the rank that watches it (rank 0 watches the client ranks, rank 1 the
+    server), long before the collective timeout; no traceback of ours. torchrun's SIGKILL of a
+    stopped process comes after its --shutdown_timeout."""
+    agent = _start_torchrun(tmp_path, cache_dir, "rounds=50", "runtime.heartbeat_timeout_s=4",
+                            torchrun_args=("--shutdown_timeout=2",))
+    _wait_for_line(agent, "round 2/")
+    workers = {_rank_of(pid, b"RANK"): pid for pid in _worker_pids(agent.pid)}
+    began = time.monotonic()
+    os.kill(workers[victim], signal_sent)
+    try:
+        _, stderr = agent.communicate(timeout=90)
+    finally:
+        os.kill(workers[victim], signal.SIGKILL) if os.path.exists(f"/proc/{workers[victim]}") else None
+    ended_s = time.monotonic() - began
+    ours = [line for line in stderr.splitlines() if line.startswith("htfl_dist:")]
+    print(f"{signal.Signals(signal_sent).name} of rank {victim}: job ended in {ended_s:.1f} s; our lines: {ours}")
+    assert agent.returncode != 0
+    assert len(ours) == 1, stderr
+    named = "rank 0 (server)" if victim == 0 else f"rank {victim} (clients ["
+    assert ours[0].startswith(f"htfl_dist: {named}") and "stopped answering" in ours[0], ours
+    assert f"seen by {reporter}" in ours[0]
+    assert f"{REPO / 'htfl_dist'}/" not in stderr  # no traceback through our code from any rank
+    assert ended_s < 30  # the collective timeout (runtime.timeout_s) is 600 s
 
 
 def test_a_rank_that_raises_ends_every_rank(tmp_path, cache_dir):
@@ -147,3 +179,54 @@ def test_start_up_is_inside_the_deadline(tmp_path):
     assert result.returncode != 0
     assert "start-up exceeded runtime.round_deadline_s=0.2" in result.stderr, result.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+BLOCKED_IN_GLOO = """
+import datetime, sys, time
+from htfl_dist.runtime import preemption
+preemption.install().grace_s = 2.0
+import torch, torch.distributed as dist
+rank, port = int(sys.argv[1]), int(sys.argv[2])
+store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=datetime.timedelta(seconds=60))
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+if rank == 0:
+    time.sleep(60)  # never sends
+print("blocked", flush=True)
+dist.recv(torch.zeros(1), src=0)
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_sigterm_grace_holds_for_a_rank_blocked_in_a_collective(tmp_path):
+    """A rank blocked in a Gloo recv never runs Python signal handlers (Gloo retries after EINTR),
+    so a handler-started grace timer would never start. The SIGTERM listener thread sees the
+    signal at once: the rank announces it and exits when the grace period ends."""
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKED_IN_GLOO)
+    port = str(_free_port())
+    server = subprocess.Popen([sys.executable, str(script), "0", port], cwd=REPO, env=_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    blocked = subprocess.Popen([sys.executable, str(script), "1", port], cwd=REPO, env=_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert blocked.stdout.readline().strip() == "blocked"
+        time.sleep(0.5)  # inside dist.recv
+        began = time.monotonic()
+        blocked.send_signal(signal.SIGTERM)
+        _, stderr = blocked.communicate(timeout=30)
+        ended_s = time.monotonic() - began
+    finally:
+        server.kill()
+        blocked.kill()
+    print(f"SIGTERM to a rank blocked in Gloo: exited {ended_s:.1f} s later (grace 2 s)")
+    assert "SIGTERM received" in stderr
+    assert "no round boundary within runtime.preempt_grace_s=2" in stderr
+    assert blocked.returncode == 128 + signal.SIGTERM
+    assert 1.5 < ended_s < 10

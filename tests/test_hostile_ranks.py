@@ -30,8 +30,10 @@ bound = int(sys.argv[4]) if len(sys.argv) > 4 else None  # what the protocol let
 if launcher == "torchrun":
     import os
     import torch.distributed as dist
+    from htfl_dist.runtime.bootstrap import detect_launch, store_address
     from htfl_dist.runtime.transport import TorchTransport
-    transport = TorchTransport("gloo", int(os.environ["RANK"]), 2, torch.device("cpu"), 30.0)
+    launch = detect_launch()
+    transport = TorchTransport("gloo", launch.rank, 2, torch.device("cpu"), 30.0, store_address(launch))
     send = lambda sizes: dist.send(torch.tensor(sizes, dtype=torch.int64), dst=0)
 else:
     from mpi4py import MPI

@@ -18,6 +18,7 @@ import torch
 
 from htfl_dist.config import RuntimeConfig
 from htfl_dist.errors import ConfigError, HtflError
+from htfl_dist.runtime.liveness import Liveness, StoreAddress
 from htfl_dist.runtime.transport import LocalTransport, MPITransport, TorchTransport, Transport
 
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -119,8 +120,8 @@ def pick_backend(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.devic
     return backend
 
 
-def _mpi_rendezvous_for_torch() -> str:
-    """Under mpirun with backend gloo/nccl: use MPI once to agree on a TCP rendezvous."""
+def _mpi_rendezvous_for_torch() -> tuple[str, int]:
+    """Under mpirun with backend gloo/nccl: use MPI once to agree on the TCP store rank 0 serves."""
     import socket
 
     from mpi4py import MPI
@@ -131,8 +132,25 @@ def _mpi_rendezvous_for_torch() -> str:
         with socket.socket() as sock:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
-        address = f"tcp://{socket.gethostbyname(socket.gethostname())}:{port}"
+        address = (socket.gethostbyname(socket.gethostname()), port)
     return comm.bcast(address, root=0)  # start-up only, never in the round loop
+
+
+def store_address(launch: LaunchInfo) -> StoreAddress:
+    """Where this launch's rendezvous store is, who serves it, and the key prefix of this attempt
+    (after an elastic restart the new workers must not read the dead attempt's addresses)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    prefix = f"htfl_dist/attempt_{attempt}"
+    if launch.launcher == "mpi":
+        host, port = _mpi_rendezvous_for_torch()
+        return StoreAddress(host, port, hosted_by_rank0=True, prefix=prefix)
+    if launch.launcher == "slurm":
+        if "MASTER_ADDR" not in os.environ:
+            raise HtflError("under srun without torchrun, export MASTER_ADDR (the first node's host name)")
+        os.environ.setdefault("MASTER_PORT", "29500")
+    agent_serves = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return StoreAddress(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                        hosted_by_rank0=not agent_serves, prefix=prefix)
 
 
 def open_transport(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.device) -> Transport:
@@ -150,11 +168,14 @@ def _open_transport(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.de
 
         return MPITransport(MPI.COMM_WORLD)
     comm_device = device if backend == "nccl" else torch.device("cpu")
-    init_method = "env://"
-    if launch.launcher == "mpi":
-        init_method = _mpi_rendezvous_for_torch()
-    elif launch.launcher == "slurm":
-        if "MASTER_ADDR" not in os.environ:
-            raise HtflError("under srun without torchrun, export MASTER_ADDR (the first node's host name)")
-        os.environ.setdefault("MASTER_PORT", "29500")
-    return TorchTransport(backend, launch.rank, launch.world_size, comm_device, runtime.timeout_s, init_method)
+    return TorchTransport(backend, launch.rank, launch.world_size, comm_device, runtime.timeout_s,
+                          store_address(launch))
+
+
+def open_liveness(runtime: RuntimeConfig, transport: Transport) -> Liveness | None:
+    """Heartbeats through the job's store (Gloo/NCCL only; MPI has none); None when switched off
+    (runtime.heartbeat_timeout_s=0) or alone."""
+    address = getattr(transport, "address", None)
+    if address is None or runtime.heartbeat_timeout_s <= 0:
+        return None
+    return Liveness(address, transport.rank, transport.world_size, runtime.heartbeat_timeout_s)

@@ -15,8 +15,10 @@ Per round t (0-based; metrics call it round t+1):
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -50,11 +52,12 @@ from htfl_dist.metrics.writer import (
 from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
+from htfl_dist.runtime.liveness import Liveness, describe_plain, report_once, tell_torchrun
 from htfl_dist.runtime.placement import client_ranks, plan_placement, sample_participants
-from htfl_dist.runtime.preemption import PreemptionFlag
+from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.screening import check_rank_report, check_rank_row, screen_uploads, unpack_rank_message
 from htfl_dist.runtime.transport import Transport
-from htfl_dist.runtime.watchdog import STARTUP, RoundWatchdog
+from htfl_dist.runtime.watchdog import CLIENT_DELAY_S, STARTUP, RoundWatchdog
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
 from htfl_dist.seeding import seed_global_torch, torch_generator
 
@@ -126,6 +129,10 @@ class RunContext:
     extra_summary: dict[str, Any] = field(default_factory=dict)
     rank_description: str = ""
     """'rank r (clients [...])' once the federation has placed the clients; error lines use it."""
+    liveness: Liveness | None = None
+    """Heartbeats through the rendezvous store (Gloo/NCCL with several ranks)."""
+    describe_rank: Callable[[int], str] = describe_plain
+    """Any rank's 'rank r (clients [...])', once placed: failure lines name peers with it."""
 
 
 @torch.no_grad()
@@ -140,6 +147,27 @@ def _check_feature_width(model, architecture: str, client_id: int, sample: torch
                         f"model.feature_dim={width}: every client must produce K-wide features")
 
 
+def _end_job_for_lost_rank(liveness: Liveness) -> Callable[[str], None]:
+    def end_job(line: str) -> None:
+        report_once(line, liveness)
+        sys.stdout.flush()
+        os._exit(1)  # the launcher ends the ranks still blocked on the lost one
+
+    return end_job
+
+
+def _lost_rank_probe(run: RunContext) -> Callable[[], str | None]:
+    def probe() -> str | None:
+        line = run.liveness.lost_peers_line(run.rank_description, "SIGTERM from the launcher")
+        if line and not run.liveness.claim_report():
+            return ""
+        if line:
+            tell_torchrun(line)
+        return line
+
+    return probe
+
+
 class Federation:
     """Server and/or client role of this rank, built once, then ``run()``."""
 
@@ -150,7 +178,8 @@ class Federation:
         self.device = run.device
         self.rank, self.world_size = transport.rank, transport.world_size
         self.is_server = self.rank == 0
-        self.watchdog = RoundWatchdog(config.runtime.round_deadline_s, f"rank {self.rank}", transport.abort)
+        self.watchdog = RoundWatchdog(config.runtime.round_deadline_s, f"rank {self.rank}", transport.abort,
+                                      waiting_for=self._blocked_on, delay_s=0.0 if self.is_server else CLIENT_DELAY_S)
         self.watchdog.arm(STARTUP)  # a rank stuck in data preparation or the handshake must not hang MPI
         started = time.perf_counter()
         self.entry = get_algorithm(config.algorithm)
@@ -159,6 +188,7 @@ class Federation:
         self.placement = plan_placement(config.runtime.placement, self.world_size,
                                         [float(n) for n in self.partition.class_counts.sum(axis=1)])
         run.rank_description = self.placement.describe_rank(self.rank)
+        run.describe_rank = self.placement.describe_rank
         self.watchdog.name_as(run.rank_description)
         if self.is_server:
             progress(self.placement.describe())
@@ -184,16 +214,25 @@ class Federation:
         self.my_client_ids = self.placement.clients_of(self.rank)
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
+        if run.liveness is not None:
+            run.liveness.watch(self.placement.describe_rank, on_silent=_end_job_for_lost_rank(run.liveness))
         self.watchdog.disarm()
         if self.is_server:
             progress(f"start-up: every rank has its data and models ({time.perf_counter() - started:.1f}s)")
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
-        self.preemption = PreemptionFlag(config.runtime.preempt_grace_s)
+        self.preemption = preemption_flag(config.runtime.preempt_grace_s)
+        if run.liveness is not None:  # a SIGTERM may be the launcher tearing down a failed job
+            self.preemption.job_failed = _lost_rank_probe(run)
         self.preempted_after: int | None = None
         self.skipped_clients: list[int] = []
         self.sinks: list[MetricsSink] = []
         where = "" if self.world_size == 1 else f"rank {self.rank}"
         self.training_progress = TrainingProgress(config.output.progress_every_s, where)
+
+    def _blocked_on(self) -> str:
+        """The rank this one is blocked on in a transfer right now, named ('' outside one)."""
+        peer = self.transport.waiting_for
+        return "" if peer is None else self.run_context.describe_rank(peer)
 
     # ------------------------------------------------------------------ set-up
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import datetime
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -23,6 +22,7 @@ import numpy as np
 import torch
 
 from htfl_dist.errors import ProtocolError
+from htfl_dist.runtime.liveness import StoreAddress, open_store
 from htfl_dist.runtime.wire import Encoded
 
 _ABORT_DRAIN_S = 1.0  # long enough for mpirun to forward a rank's last stderr line
@@ -57,6 +57,9 @@ class Transport(abc.ABC):
     name: str
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     """The largest message rank 0 accepts from one rank in a gather."""
+    waiting_for: int | None = None
+    """The rank this rank is blocked on right now (rank 0 in a gather: the rank it receives
+    from; a client rank: 0), None outside a transfer: failure lines name it."""
 
     @abc.abstractmethod
     def broadcast(self, message: Encoded | None) -> Encoded:
@@ -103,25 +106,24 @@ class TorchTransport(Transport):
     """torch.distributed; tensors travel on ``comm_device`` (a GPU for NCCL, CPU for Gloo)."""
 
     def __init__(self, backend: str, rank: int, world_size: int, comm_device: torch.device,
-                 timeout_s: float, init_method: str = "env://") -> None:
+                 timeout_s: float, address: StoreAddress) -> None:
         import torch.distributed as dist
 
         self._dist = dist
         self.rank, self.world_size, self.name = rank, world_size, backend
         self.comm_device = comm_device
-        timeout = datetime.timedelta(seconds=timeout_s)
+        self.address = address
         kwargs = {"device_id": comm_device} if backend == "nccl" else {}
-        store = _attempt_store(rank, world_size, timeout) if init_method == "env://" else None
-        if store is not None:
-            kwargs["store"] = store
-        else:
-            kwargs["init_method"] = init_method
-        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, timeout=timeout, **kwargs)
+        serve = rank == 0 and address.hosted_by_rank0
+        store = open_store(address, rank, world_size, timeout_s, serve=serve)
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size, store=store,
+                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
 
     def _to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to(self.comm_device)
 
     def broadcast(self, message: Encoded | None) -> Encoded:
+        self.waiting_for = None if self.rank == 0 else 0
         dist = self._dist
         sizes = self._to_comm(_sizes(message) if self.rank == 0 else torch.zeros(2, dtype=torch.int64))
         dist.broadcast(sizes, src=0)
@@ -134,18 +136,22 @@ class TorchTransport(Transport):
         dist.broadcast(header, src=0)
         if body_len:
             dist.broadcast(body, src=0)
+        self.waiting_for = None
         return Encoded(header.cpu(), body.cpu())
 
     def gather(self, message: Encoded, bounds: Sequence[int | None] | None = None) -> list[Encoded] | None:
         dist = self._dist
         if self.rank != 0:
+            self.waiting_for = 0
             dist.send(self._to_comm(_sizes(message)), dst=0)
             dist.send(self._to_comm(message.header), dst=0)
             if message.body.numel():
                 dist.send(self._to_comm(message.body), dst=0)
+            self.waiting_for = None
             return None
         received = [message]
         for source in range(1, self.world_size):
+            self.waiting_for = source
             sizes = torch.empty(2, dtype=torch.int64, device=self.comm_device)
             dist.recv(sizes, src=source)
             header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes,
@@ -156,6 +162,7 @@ class TorchTransport(Transport):
             if body_len:
                 dist.recv(body, src=source)
             received.append(Encoded(header.cpu(), body.cpu()))
+        self.waiting_for = None
         return received
 
     def barrier(self) -> None:
@@ -169,22 +176,6 @@ class TorchTransport(Transport):
             self._dist.destroy_process_group()
 
 
-def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta):
-    """Under torchrun, a rendezvous store namespaced by the restart attempt.
-
-    After an elastic restart the workers of the new attempt would otherwise read the dead
-    attempt's addresses from the agent's store and fail to connect."""
-    import torch.distributed as dist
-
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
-        return None
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=(rank == 0 and not agent_hosts_store), timeout=timeout)
-    return dist.PrefixStore(f"htfl_dist/attempt_{attempt}", store)
-
-
 class MPITransport(Transport):
     """mpi4py buffer operations on numpy views of CPU tensors."""
 
@@ -195,6 +186,7 @@ class MPITransport(Transport):
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
 
     def broadcast(self, message: Encoded | None) -> Encoded:
+        self.waiting_for = None if self.rank == 0 else 0
         comm = self._comm
         sizes = _sizes(message).numpy() if self.rank == 0 else np.zeros(2, dtype=np.int64)
         comm.Bcast(sizes, root=0)
@@ -206,18 +198,22 @@ class MPITransport(Transport):
         comm.Bcast(header, root=0)
         if body.size:
             comm.Bcast(body, root=0)
+        self.waiting_for = None
         return Encoded(torch.from_numpy(header), torch.from_numpy(body))
 
     def gather(self, message: Encoded, bounds: Sequence[int | None] | None = None) -> list[Encoded] | None:
         comm = self._comm
         if self.rank != 0:
+            self.waiting_for = 0
             comm.Send(_sizes(message).numpy(), dest=0, tag=1)
             comm.Send(message.header.numpy(), dest=0, tag=2)
             if message.body.numel():
                 comm.Send(message.body.numpy(), dest=0, tag=3)
+            self.waiting_for = None
             return None
         received = [message]
         for source in range(1, self.world_size):
+            self.waiting_for = source
             sizes = np.empty(2, dtype=np.int64)
             comm.Recv(sizes, source=source, tag=1)
             header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes,
@@ -228,6 +224,7 @@ class MPITransport(Transport):
             if body.size:
                 comm.Recv(body, source=source, tag=3)
             received.append(Encoded(torch.from_numpy(header), torch.from_numpy(body)))
+        self.waiting_for = None
         return received
 
     def barrier(self) -> None:
