@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from htfl_dist.main import resolved_config
 from htfl_dist.metrics.report import markdown_table, read_run, read_summary, summarise
 
 REPO = Path(__file__).resolve().parents[1]
@@ -69,23 +70,39 @@ def plan(args: argparse.Namespace) -> list[Run]:
     return runs
 
 
-def command(run: Run, args: argparse.Namespace) -> list[str]:
+def config_and_overrides(run: Run, args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The config file and the key=value overrides a run is launched with."""
     algorithm, *overrides = run.variant.split("+")
     config = REPO / "configs" / f"fmnist_htcnn8_{algorithm}_{run.partition}.yaml"
     if not config.exists():
         sys.exit(f"bench: no config {config.relative_to(REPO)} for algorithm '{algorithm}'")
+    return config, [f"rounds={args.rounds}", f"seed={run.seed}", f"runtime.threads={args.threads}",
+                    "checkpoint_every=10", "checkpoint_keep=1", *args.set, *overrides]
+
+
+def command(run: Run, args: argparse.Namespace) -> list[str]:
+    config, overrides = config_and_overrides(run, args)
     program = ["-m", "htfl_dist.main", "--config", str(config), "--out", str(run.out), "--resume", "auto",
-               f"rounds={args.rounds}", f"seed={run.seed}", f"runtime.threads={args.threads}",
-               "checkpoint_every=10", "checkpoint_keep=1", *args.set, *overrides]
+               *overrides]
     if args.nproc == 1:
         return [sys.executable, *program]
     torchrun = str(Path(sys.executable).parent / "torchrun")
     return [torchrun, "--standalone", f"--nproc_per_node={args.nproc}", *program]
 
 
-def finished(run: Run, rounds: int) -> bool:
+def finished(run: Run, args: argparse.Namespace) -> bool:
+    """A finished run of this very experiment is read back. A summary of another experiment (the
+    config file changed since, e.g. a paper-table setting) stops the benchmark instead of being
+    reported under this run's name."""
     summary = read_summary(run.out)
-    return summary is not None and summary.get("rounds", 0) >= rounds
+    if summary is None:
+        return False
+    config, overrides = config_and_overrides(run, args)
+    expected = resolved_config(str(config), overrides).config_hash()
+    if summary.get("config_hash") != expected:
+        sys.exit(f"bench: {run.out} holds a run of another experiment (config hash "
+                 f"{summary.get('config_hash')}, this config gives {expected}); move it away or pass another --out")
+    return summary.get("rounds", 0) >= args.rounds
 
 
 def execute(runs: list[Run], args: argparse.Namespace) -> None:
@@ -94,7 +111,7 @@ def execute(runs: list[Run], args: argparse.Namespace) -> None:
     Whatever ends the loop (a failed run, Ctrl-C, an error) first stops the runs still going,
     so none is left training unattended; they resume from their checkpoints next time."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    pending = [run for run in runs if not finished(run, args.rounds)]
+    pending = [run for run in runs if not finished(run, args)]
     active: list[tuple[Run, subprocess.Popen, object]] = []
     Path(args.out).mkdir(parents=True, exist_ok=True)
     try:

@@ -104,11 +104,21 @@ def _make_deterministic(torch) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def resolved_config(config_file: str | None, overrides: list[str]):
+    """The config exactly as a run uses and hashes it: the file, the overrides, and every algorithm
+    option spelled out (config.yaml shows the values used, and writing a default explicitly does
+    not make a different experiment). Tools that predict a run's config hash use this too."""
+    from htfl_dist.algorithms import spelled_out_options
+    from htfl_dist.config import load_config
+
+    config = load_config(config_file, overrides)
+    config.algo = spelled_out_options(config.algorithm, config.algo)
+    return config
+
+
 def run(argv: list[str] | None = None) -> int:
     import torch
 
-    from htfl_dist.algorithms import spelled_out_options
-    from htfl_dist.config import load_config
     from htfl_dist.metrics.sinks import check_outputs_available
     from htfl_dist.metrics.writer import progress
     from htfl_dist.models import architecture_for_client
@@ -117,11 +127,8 @@ def run(argv: list[str] | None = None) -> int:
     from htfl_dist.runtime.placement import check_world_size
 
     args = parse_args(argv)
-    config = load_config(args.config, args.overrides)
+    config = resolved_config(args.config, args.overrides)
     # Checks every rank makes identically, before any communication (errors print once).
-    # Every option spelled out: config.yaml shows the values used, and writing a default
-    # explicitly does not make a different experiment (config hash).
-    config.algo = spelled_out_options(config.algorithm, config.algo)
     architecture_for_client(config.model.group, 0)
     check_outputs_available(config)
     launch = detect_launch()
