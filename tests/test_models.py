@@ -23,6 +23,7 @@ from htfl_dist.models import (
     split_architecture,
 )
 from htfl_dist.models.cnn import plain_cnn
+from htfl_dist.models.heads import hidden_fc_head, relu_after_every_fc_head
 
 ALL_ARCHS = (
     ["cnn", "googlenet", "mobilenet_v2"]
@@ -285,10 +286,12 @@ def test_unknown_group_is_config_error_listing_allowed() -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(
-        "unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE8, HtFE8-HtC4, HtFE9, Res34-HtC4"
+        "unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE8, HtFE8-HtC4, HtFE8-HtC4-htfllib, "
+        "HtFE9, Res34-HtC4, Res34-HtC4-htfllib"
     )
     assert all(name in message for name in ALL_ARCHS)
-    assert message.endswith("optionally as ARCH:HEAD with HEAD one of fc, fc128, fc256, fc512)")
+    assert message.endswith("optionally as ARCH:HEAD with HEAD one of fc, fc128, fc128_relu, fc256, fc256_relu, "
+                            "fc512, fc512_relu, fc_relu)")
 
 
 def test_unknown_architecture_is_config_error_listing_allowed() -> None:
@@ -324,9 +327,33 @@ def _state_equal(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_head_registry_and_htc4_group() -> None:
-    assert heads() == ["fc", "fc128", "fc256", "fc512"]
+    assert heads() == ["fc", "fc128", "fc128_relu", "fc256", "fc256_relu", "fc512", "fc512_relu", "fc_relu"]
     assert HEAD_GROUPS["HtC4"] == HTC4
+    assert HEAD_GROUPS["HtC4-htfllib"] == ("fc_relu", "fc512_relu", "fc256_relu", "fc128_relu")
     assert "fc512" not in architectures()  # heads are not architectures
+
+
+def test_htfllib_heads_put_a_relu_after_every_layer_the_last_included() -> None:
+    """HtFLlib's Head, by hand: K=2, hidden 2, C=2 with chosen weights. Ours (paper reading)
+    keeps the negative logit; HtFLlib's clamps it to 0."""
+    x = torch.tensor([[1.0, -2.0]])
+    w1, b1 = torch.tensor([[1.0, 1.0], [-1.0, 0.5]]), torch.tensor([0.0, 0.5])  # hidden: [-1, -1.5] -> relu 0, 0
+    w2, b2 = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([-0.25, 0.75])  # logits: [-0.25, 0.75]
+    ours = hidden_fc_head(2, 2, 2)
+    theirs = relu_after_every_fc_head(2, (2,), 2)
+    for model in (ours, theirs):
+        linears = [m for m in model if isinstance(m, nn.Linear)]
+        with torch.no_grad():
+            linears[0].weight.copy_(w1), linears[0].bias.copy_(b1)
+            linears[1].weight.copy_(w2), linears[1].bias.copy_(b2)
+    assert ours(x).tolist() == [[-0.25, 0.75]]
+    assert theirs(x).tolist() == [[0.0, 0.75]]
+    assert _linear_widths(build_head("fc_relu", 512, 10)) == [(512, 10)]
+    assert isinstance(build_head("fc_relu", 512, 10)[-1], nn.ReLU)
+    assert _linear_widths(build_head("fc256_relu", 512, 10)) == [(512, 256), (256, 10)]
+    assert (build_head("fc128_relu", 512, 10)(torch.randn(64, 512)) >= 0).all()
+    assert model_groups()["Res34-HtC4-htfllib"] == ("resnet34:fc_relu", "resnet34:fc512_relu",
+                                                    "resnet34:fc256_relu", "resnet34:fc128_relu")
 
 
 @pytest.mark.parametrize("name", HTC4)
@@ -404,7 +431,8 @@ def test_htc4_groups_assign_extractor_and_head_round_robin() -> None:
 
 
 def test_unknown_head_is_one_line_config_error() -> None:
-    expected = "unknown head 'fc64' in 'resnet34:fc64'; allowed heads: fc, fc128, fc256, fc512"
+    expected = ("unknown head 'fc64' in 'resnet34:fc64'; allowed heads: fc, fc128, fc128_relu, fc256, fc256_relu, "
+                "fc512, fc512_relu, fc_relu")
     for call in (
         lambda: build_model("resnet34:fc64", num_classes=10),
         lambda: resolve_group("resnet34:fc64"),

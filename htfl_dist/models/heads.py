@@ -14,12 +14,18 @@ layers (written there for Cifar100, so "100-d" is C):
 stacked linear maps without a nonlinearity compose to a single ``Linear(K, C)`` (of rank at most
 the hidden width), so without it the four heads would differ only in parametrisation.
 
+HtFLlib's ``Head`` (the reference code behind the paper's HtC4 numbers) differs: it puts a
+ReLU after *every* FC layer, the last one included, so its logits are never negative. The
+heads ``fc_relu``, ``fc512_relu``, ``fc256_relu``, ``fc128_relu`` (group ``HtC4-htfllib``)
+build exactly that, for reproducing the reference code's tables.
+
 A head is attached to an architecture by the ``ARCH:HEAD`` spelling (``resnet34:fc512``), see
 :mod:`htfl_dist.models.registry`. Head builders, like architecture builders, draw all their
 randomness from torch's global RNG and never seed it.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 from torch import nn
@@ -37,6 +43,8 @@ DEFAULT_HEAD = "fc"
 HEAD_GROUPS: dict[str, tuple[str, ...]] = {
     # FedTGP appendix, "Architectures of HtC4": client i gets HtC4[i mod 4].
     "HtC4": ("fc", "fc512", "fc256", "fc128"),
+    # The same widths as HtFLlib's Head builds them: a ReLU after the last FC layer too.
+    "HtC4-htfllib": ("fc_relu", "fc512_relu", "fc256_relu", "fc128_relu"),
 }
 
 _HEADS: dict[str, HeadBuilder] = {}
@@ -100,3 +108,27 @@ def _register_hidden_fc(hidden_dim: int) -> None:
 
 for _hidden in (512, 256, 128):
     _register_hidden_fc(_hidden)
+
+
+def relu_after_every_fc_head(feature_dim: int, hidden_dims: tuple[int, ...], num_classes: int) -> nn.Sequential:
+    """HtFLlib's ``Head``: ``Linear -> ReLU`` for every width in ``(*hidden_dims, C)``."""
+    widths = (feature_dim, *hidden_dims, num_classes)
+    layers: list[nn.Module] = []
+    for width_in, width_out in itertools.pairwise(widths):
+        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _register_htfllib_head(hidden_dims: tuple[int, ...]) -> None:
+    name = f"fc{hidden_dims[0]}_relu" if hidden_dims else "fc_relu"
+
+    @register_head(name)
+    def build(feature_dim: int, num_classes: int) -> nn.Module:
+        return relu_after_every_fc_head(feature_dim, hidden_dims, num_classes)
+
+    build.__name__ = f"build_{name}_head"
+    build.__doc__ = "HtFLlib's HtC4 Head: FC layers each followed by a ReLU (non-negative logits)."
+
+
+for _hidden_dims in ((), (512,), (256,), (128,)):
+    _register_htfllib_head(_hidden_dims)

@@ -75,6 +75,9 @@ _MODEL_GROUPS: dict[str, tuple[str, ...]] = {
     # FedTGP Tab. 2 / appendix: heterogeneous classifiers, alone and with heterogeneous extractors.
     "Res34-HtC4": with_heads(("resnet34",), HEAD_GROUPS["HtC4"]),
     "HtFE8-HtC4": with_heads(_HTFE8, HEAD_GROUPS["HtC4"]),
+    # The same, with the heads as HtFLlib builds them (a ReLU after the last FC layer too).
+    "Res34-HtC4-htfllib": with_heads(("resnet34",), HEAD_GROUPS["HtC4-htfllib"]),
+    "HtFE8-HtC4-htfllib": with_heads(_HTFE8, HEAD_GROUPS["HtC4-htfllib"]),
 }
 
 
