@@ -18,6 +18,7 @@ import torch
 from conftest import SMOKE, launch, read_metrics
 from htfl_dist.algorithms import algorithm_names, get_algorithm
 from htfl_dist.config import load_config
+from htfl_dist.payload import max_message_bytes
 from htfl_dist.runtime.loop import Federation, RoundTraffic, RunContext
 from htfl_dist.runtime.transport import LocalTransport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
@@ -89,6 +90,16 @@ def test_download_matches_its_declaration(one_round):
     message = encode(federation.download_spec, {BROADCAST_ENTRY: federation.server.download()})
     assert set(decode(federation.download_spec, message)[BROADCAST_ENTRY]) == \
         {field.name for field in federation.download_spec}
+
+
+def test_uploads_are_bounded_by_their_declaration(one_round):
+    """Rank 0 refuses, before allocating, a message larger than the declared fields allow: every
+    upload field must declare ``max_rows`` (else only runtime.max_message_mb bounds it), and a
+    real upload of two clients must fit the bound for two entries."""
+    algorithm, federation, message = one_round
+    unbounded = [field.name for field in federation.upload_spec if field.max_rows is None]
+    assert not unbounded, f"{algorithm}: upload fields without max_rows: {unbounded}"
+    assert message.nbytes <= max_message_bytes(federation.upload_spec, 2)
 
 
 def test_server_state_round_trips_through_weights_only_load(one_round):

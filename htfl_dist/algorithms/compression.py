@@ -148,12 +148,18 @@ def svd_recover(u: torch.Tensor, s: torch.Tensor, v: torch.Tensor, rank: int, sh
 # --------------------------------------------------------------------------- wire form
 
 
-def compressed_fields(count: int) -> PayloadSpec:
+def compressed_fields(shapes: list[tuple[int, ...]]) -> PayloadSpec:
     """``ranks`` int64 [count] (RAW = −1 for a raw tensor), then per tensor i the flattened factors
-    ``p{i}.u``, ``p{i}.s``, ``p{i}.v`` (float32 [numel]); a raw tensor travels in ``u``."""
-    fields = [Field("ranks", torch.int64)]
-    for index in range(count):
-        fields += [Field(f"p{index}.{part}", torch.float32) for part in ("u", "s", "v")]
+    ``p{i}.u``, ``p{i}.s``, ``p{i}.v`` (float32 [numel]); a raw tensor travels in ``u``.
+
+    Each factor holds at most the tensor's numel values (raw: u is the tensor; a rank-r factor
+    of an m×n matrix has m·r or r·n values with r ≤ min(m, n); conv slices likewise), so that is
+    its ``max_rows``: rank 0 bounds what a rank may announce by the model, not only by
+    runtime.max_message_mb."""
+    fields = [Field("ranks", torch.int64, max_rows=len(shapes))]
+    for index, shape in enumerate(shapes):
+        numel = math.prod(shape)
+        fields += [Field(f"p{index}.{part}", torch.float32, max_rows=numel) for part in ("u", "s", "v")]
     return tuple(fields)
 
 
@@ -171,9 +177,9 @@ def compress_tensors(tensors: list[torch.Tensor], energy: float, rule: RankRule)
     return payload, cost
 
 
-def empty_compressed(count: int) -> Payload:
+def empty_compressed(shapes: list[tuple[int, ...]]) -> Payload:
     """A payload of the declared fields with no rows (nothing to send yet)."""
-    return {field.name: torch.empty(0, dtype=field.dtype) for field in compressed_fields(count)}
+    return {field.name: torch.empty(0, dtype=field.dtype) for field in compressed_fields(shapes)}
 
 
 def float_count(payload: Payload, count: int) -> int:

@@ -144,7 +144,7 @@ class FedKDClient(ClientAlgorithm):
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return compressed_fields(len(parameter_shapes(context)))
+        return compressed_fields(parameter_shapes(context))
 
     def init_client(self, client: ClientState) -> None:
         """Mentee = the seeded initial G (identical on every client), W_h from the client's own
@@ -221,13 +221,13 @@ class FedKDServer(ServerAlgorithm):
 
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return (Field("version", torch.int64), *compressed_fields(len(parameter_shapes(context))))
+        return (Field("version", torch.int64, max_rows=1), *compressed_fields(parameter_shapes(context)))
 
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
         self.shapes = parameter_shapes(context)
         self.version = 0
-        self.payload = empty_compressed(len(self.shapes))
+        self.payload = empty_compressed(self.shapes)
 
     def download(self) -> Payload:
         return {"version": torch.tensor([self.version], dtype=torch.int64), **self.payload}
@@ -273,7 +273,7 @@ class FedKDServer(ServerAlgorithm):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
-        self.payload = {name: state[f"payload.{name}"].cpu() for name in empty_compressed(len(self.shapes))}
+        self.payload = {name: state[f"payload.{name}"].cpu() for name in empty_compressed(self.shapes)}
 
 
 register_algorithm("fedkd", server=FedKDServer, client=FedKDClient, options=FedKDOptions,
