@@ -154,6 +154,7 @@ def run(argv: list[str] | None = None) -> int:
     try:
         federation = Federation(context)
         summary = federation.run()
+        federation.preemption.run_over = True
         if liveness is not None:
             liveness.finish()  # from here a rank may exit: its silence is no failure
         if federation.preempted_after is not None:

@@ -140,4 +140,4 @@ def test_a_finished_rank_does_not_take_its_peers_exit_for_a_failure(address):
     Peer(address, 2).beating = False
     client.describe = describe
     client.finish()
-    assert client.lost_peers_line("rank 1", "SIGTERM from the launcher") == ""
+    assert client.lost_peers_line("rank 1", "SIGTERM from the launcher") is None

@@ -31,6 +31,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 STORE_OP_TIMEOUT_S = 10.0
 """How long one store operation of the liveness channel may take before the store counts as lost."""
@@ -99,9 +102,24 @@ class Liveness:
         self._store = open_store(address, rank, world_size, STORE_OP_TIMEOUT_S, serve=False)
         self._store_lost = False
         self._finished = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._beat()  # exists before any peer can look for it
         self._store.set(f"liveness/process/{rank}", f"{machine_identity()} {os.getpid()}")
         threading.Thread(target=self._beat_forever, name="htfl-heartbeat", daemon=True).start()
+
+    def _op(self, operation: Callable[[Any], T], lost: T) -> T:
+        """One store operation, or ``lost`` once this rank finished or the store is unreachable.
+        Under a lock that :meth:`finish` takes too, so no thread is inside the store's C++
+        client when the process exits (the interpreter would abort: SIGABRT, exit -6)."""
+        with self._lock:
+            if self._finished:
+                return lost
+            try:
+                return operation(self._store)
+            except Exception:
+                self._store_lost = True
+                return lost
 
     # ------------------------------------------------------------------ heartbeat
 
@@ -112,34 +130,25 @@ class Liveness:
         self._store.add(self._key(self.rank), 1)
 
     def _beat_forever(self) -> None:
-        while not (self._store_lost or self._finished):
-            time.sleep(self.interval_s)
-            try:
-                self._beat()
-            except Exception:
-                self._store_lost = True
+        while not (self._store_lost or self._stop.wait(self.interval_s)):
+            self._op(lambda store: store.add(self._key(self.rank), 1), None)
 
     def finish(self) -> None:
         """This rank is done (finished, or checkpointed on SIGTERM) and may exit: its heartbeat
-        stopping must not be taken for a failure, by the watchers or by a SIGTERM probe."""
-        self._finished = True
-        with contextlib.suppress(Exception):
-            self._store.set(f"liveness/done/{self.rank}", "1")
+        stopping must not be taken for a failure, by the watchers or by a SIGTERM probe. From
+        here no thread of this object touches the store."""
+        self._op(lambda store: store.set(f"liveness/done/{self.rank}", "1"), None)
+        with self._lock:
+            self._finished = True
+        self._stop.set()
 
     def _done(self, rank: int) -> bool:
-        try:
-            return self._store.check([f"liveness/done/{rank}"])
-        except Exception:
-            return False
+        return self._op(lambda store: store.check([f"liveness/done/{rank}"]), False)
 
     def _counts(self, ranks: list[int]) -> dict[int, int] | None:
         """Every counter of ``ranks`` (add 0 reads without blocking on a missing key); None if
         the store cannot be reached."""
-        try:
-            return {rank: int(self._store.add(self._key(rank), 0)) for rank in ranks}
-        except Exception:
-            self._store_lost = True
-            return None
+        return self._op(lambda store: {rank: int(store.add(self._key(rank), 0)) for rank in ranks}, None)
 
     # ------------------------------------------------------------------ watching
 
@@ -163,11 +172,10 @@ class Liveness:
     def _watch(self, watched: list[int], on_silent: Callable[[str], None]) -> None:
         last = self._counts(watched) or {}
         moved_at = dict.fromkeys(watched, time.monotonic())
-        while True:
-            time.sleep(self.interval_s)
+        while not self._stop.wait(self.interval_s):
+            counts = self._counts(watched)
             if self._finished:
                 return
-            counts = self._counts(watched)
             now = time.monotonic()
             if counts is None:
                 if self.rank == 1 and self.hosted_by_rank0:
@@ -186,15 +194,13 @@ class Liveness:
         """SIGKILL a silent rank's process when it runs on this machine. A stopped (SIGSTOP) or
         wedged process ignores the launcher's SIGTERM, and torchrun waits 30 s before its SIGKILL
         when a worker fails, so the job would linger; the job is ending anyway. Best effort."""
-        try:
-            key = f"liveness/process/{rank}"
-            if not self._store.check([key]):  # get() would wait for it
-                return
-            machine, pid = self._store.get(key).decode().rsplit(" ", 1)
-            if machine == machine_identity():
+        key = f"liveness/process/{rank}"
+        # check first: get() would wait for a key that was never written
+        found = self._op(lambda store: store.get(key).decode() if store.check([key]) else "", "")
+        machine, _, pid = found.rpartition(" ")
+        if machine == machine_identity():
+            with contextlib.suppress(OSError, ValueError):
                 os.kill(int(pid), signal.SIGKILL)
-        except Exception:
-            pass
 
     def _lost_line(self, rank: int, evidence: str) -> str:
         return (f"htfl_dist: {self.describe(rank)} stopped answering ({evidence}: its process died, "
@@ -217,20 +223,17 @@ class Liveness:
     def claim_report(self) -> bool:
         """True for the first rank of the job to report a failure (it prints the one line); the
         store being gone counts as a claim, so a line is never lost."""
-        try:
-            return int(self._store.add("liveness/reports", 1)) == 1
-        except Exception:
-            return True
+        return self._op(lambda store: int(store.add("liveness/reports", 1)) == 1, True)
 
     def someone_reported(self, wait_s: float = 0.0) -> bool:
         """Whether another rank already reported (waiting up to ``wait_s`` for it)."""
         deadline = time.monotonic() + wait_s
         while True:
-            try:
-                if int(self._store.add("liveness/reports", 0)) > 0:
-                    return True
-            except Exception:
+            reports = self._op(lambda store: int(store.add("liveness/reports", 0)), None)
+            if reports is None:
                 return False
+            if reports > 0:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.2)
@@ -243,9 +246,13 @@ class Liveness:
         is this rank's own)."""
         # rank 0 speaks for the job; a client rank gives it a moment first
         wait_s = 0.0 if self.rank == 0 else 4 * self.interval_s + 1.0
-        if self._finished or self.someone_reported(wait_s):
+        if self._finished:
+            return None  # done: the peers that leave now leave because they are done too
+        if self.someone_reported(wait_s):
             return ""
         silent = self.silent_peers()
+        if self._finished:
+            return None  # the run ended meanwhile: the peers left because they were done
         if not silent:
             return None
         if self.rank != 0 and not (self.rank == 1 and 0 in silent):

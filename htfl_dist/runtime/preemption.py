@@ -39,6 +39,9 @@ class PreemptionFlag:
         tear down a job whose rank died. It returns None for a real preemption, or the line that
         names the lost rank ("" when another rank reports it): then this rank exits with 1 at
         once instead of announcing a checkpoint that can never come."""
+        self.run_over = False
+        """Set once this rank's run has ended (finished or checkpointed): a SIGTERM then needs no
+        announcement; the process is exiting anyway."""
         self._first_at = 0.0
         self._lock = threading.Lock()
 
@@ -68,6 +71,8 @@ class PreemptionFlag:
                 if line:
                     print(line, file=sys.stderr, flush=True)
                 os._exit(1)
+        if self.run_over:
+            return
         print(f"htfl_dist: SIGTERM received: finishing this round, then checkpointing "
               f"(exiting anyway {self.grace_s:.0f} s after the signal)", file=sys.stderr, flush=True)
 
