@@ -95,6 +95,24 @@ def partition_pathological(
     return [np.sort(np.concatenate(p)) if p else np.zeros(0, np.int64) for p in parts]
 
 
+def _check_dirichlet_request(labels: np.ndarray, num_clients: int, num_classes: int, beta: float,
+                             min_samples: int, max_tries: int) -> np.ndarray:
+    """The checks both Dirichlet rules make before drawing: one line naming the key to change
+    for a request that cannot be met at all (num_clients * min_samples > N fails at once)."""
+    labels = _check_common(labels, num_clients, num_classes)
+    if not beta > 0:
+        raise ConfigError(f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {beta}")
+    if max_tries < 1:
+        raise ConfigError(f"config key 'data.max_partition_tries' must be >= 1, got {max_tries}")
+    if num_clients * min_samples > labels.size:
+        raise DataError(
+            f"Dirichlet partition (beta={beta}) cannot give {num_clients} clients at least "
+            f"{min_samples} samples each from {labels.size} samples; lower num_clients or "
+            f"data.min_samples_per_client, or raise data.subsample"
+        )
+    return labels
+
+
 def _dirichlet_error(beta: float, min_samples: int, tries: int) -> DataError:
     return DataError(
         f"Dirichlet partition (beta={beta}) left a client with fewer than {min_samples} samples "
@@ -118,20 +136,8 @@ def partition_dirichlet(
     ``min_samples``; after ``max_tries`` draws a DataError says what to change. A request that
     cannot be met at all (num_clients * min_samples > N) fails at once.
     """
-    labels = _check_common(labels, num_clients, num_classes)
-    if not beta > 0:
-        raise ConfigError(
-            f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {beta}"
-        )
-    if max_tries < 1:
-        raise ConfigError(f"config key 'data.max_partition_tries' must be >= 1, got {max_tries}")
+    labels = _check_dirichlet_request(labels, num_clients, num_classes, beta, min_samples, max_tries)
     n_total = labels.size
-    if num_clients * min_samples > n_total:
-        raise DataError(
-            f"Dirichlet partition (beta={beta}) cannot give {num_clients} clients at least "
-            f"{min_samples} samples each from {n_total} samples; lower num_clients or "
-            f"data.min_samples_per_client, or raise data.subsample"
-        )
     per_class = [np.flatnonzero(labels == c) for c in range(num_classes)]
     cap = n_total / num_clients
     alpha = np.full(num_clients, float(beta))
@@ -340,18 +346,8 @@ def partition_dirichlet_pfllib(
     PFLlib's order (class by class, each piece in shuffled order). PFLlib re-draws forever; we
     stop after ``max_tries`` with a DataError.
     """
-    labels = _check_common(labels, num_clients, num_classes)
-    if not beta > 0:
-        raise ConfigError(f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {beta}")
-    if max_tries < 1:
-        raise ConfigError(f"config key 'data.max_partition_tries' must be >= 1, got {max_tries}")
+    labels = _check_dirichlet_request(labels, num_clients, num_classes, beta, least_samples, max_tries)
     n_total = labels.size
-    if num_clients * least_samples > n_total:
-        raise DataError(
-            f"Dirichlet partition (beta={beta}) cannot give {num_clients} clients at least "
-            f"{least_samples} samples each from {n_total} samples; lower num_clients or "
-            f"data.min_samples_per_client, or raise data.subsample"
-        )
     cap = n_total / num_clients
     alpha = np.full(num_clients, float(beta))
     for _ in range(max_tries):
