@@ -54,6 +54,10 @@ class DataConfig:
     """Per-client train share; the rest is that client's test split."""
     subsample: float = 1.0
     """Fraction of the dataset used (stratified by class), for fast tests."""
+    partition_seed: int | None = None
+    """The seed the split is drawn from (subsample, partition, train/test); unset: the run's
+    ``seed``. PFLlib's generators draw one split with seed 1 and every training repetition
+    reuses it: ``partition_seed: 1`` with seeds 0, 1, 2 does the same."""
     partition_rules: str = "legacy"
     """How ``dirichlet`` and ``pathological`` splits are drawn (partition=pfllib reads a finished
     split and ignores this). ``pfllib``: PFLlib's ``separate_data`` and ``split_data`` (unbalanced
@@ -401,6 +405,8 @@ def validate(config: Config) -> None:
         0.0 < data.subsample <= 1.0,
         f"config key 'data.subsample' must be in (0, 1], got {data.subsample}",
     )
+    _require(data.partition_seed is None or data.partition_seed >= 0,
+             f"config key 'data.partition_seed' must be >= 0 (or null: the run's seed), got {data.partition_seed}")
     _require(
         data.min_samples_per_client is None or data.min_samples_per_client >= 0,
         f"config key 'data.min_samples_per_client' must be >= 0 (or null: the partition rule's "
@@ -461,8 +467,10 @@ DATA_LOCATION_KEYS = ("root", "cache_dir")
 
 def _legacy_partition_view(data: dict[str, Any]) -> None:
     """Under the legacy partition rules, write the data section as it was before
-    ``data.partition_rules`` existed (no such key; the guard unset means 10), so the runs and
-    checkpoints made then keep their config hash and stay resumable."""
+    ``data.partition_rules`` and ``data.partition_seed`` existed (no such keys; the guard unset
+    means 10), so the runs and checkpoints made then keep their config hash and stay resumable."""
+    if data.get("partition_seed") is None:
+        data.pop("partition_seed", None)
     if data.get("partition_rules", "legacy") != "legacy":
         return
     data.pop("partition_rules", None)

@@ -35,6 +35,8 @@ needs_fmnist = pytest.mark.skipif(
     not os.path.isdir(DEFAULT_FMNIST_ROOT), reason="apt-get install dataset-fashion-mnist to run this test"
 )
 
+SMOKE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+
 
 def _digest(positions: np.ndarray) -> str:
     return hashlib.sha256(np.asarray(positions, dtype=np.int64).tobytes()).hexdigest()[:16]
@@ -340,3 +342,23 @@ def test_prepare_partition_builds_the_pfllib_split(tmp_path):
     # blocks: clients 0-1 hold classes 0 and 1 (block ceil(6 / 10 * 2) = 2), ...; 0 elsewhere
     held = [set(np.flatnonzero(row)) for row in info.class_counts]
     assert held == [{0, 1}, {0, 1}, {2, 3}, {2, 3}, {4, 5}, {4, 5}]
+
+
+def test_partition_seed_fixes_the_split_across_training_seeds(tmp_path):
+    """PFLlib draws one split (seed 1) and reuses it for every repetition: data.partition_seed=1
+    with seed=0 gives seed 1's split, and a different experiment than seed=0 alone."""
+    from htfl_dist.data import load_client_split
+
+    def counts(*overrides):
+        config = load_config(SMOKE_CONFIG, [f"data.cache_dir={tmp_path}", "data.partition_rules=pfllib", *overrides])
+        info = prepare_partition(config.data, config.num_clients, config.seed,
+                                 batch_size=config.train.batch_size)
+        return config, info.class_counts.tolist(), load_client_split(info.path, 0).train_y.tolist()
+
+    fixed, fixed_counts, fixed_labels = counts("seed=0", "data.partition_seed=1")
+    _, seeded_counts, seeded_labels = counts("seed=1")
+    plain, plain_counts, _ = counts("seed=0")
+    assert (fixed_counts, fixed_labels) == (seeded_counts, seeded_labels)
+    assert plain_counts != fixed_counts
+    assert fixed.config_hash() != plain.config_hash()  # a different experiment
+    assert "partition_seed" not in load_config(SMOKE_CONFIG, []).experiment()["data"]  # old hashes kept

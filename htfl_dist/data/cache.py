@@ -363,7 +363,8 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
     when it already exists with the same key. ``report`` receives one line per step (rank 0
     prints them: building a cache from a large dataset takes minutes). ``batch_size`` is
     ``train.batch_size``: with data.partition_rules=pfllib and no data.min_samples_per_client
-    it enters PFLlib's size guard (10, PFLlib's generator constant, when not given).
+    it enters PFLlib's size guard (10, PFLlib's generator constant, when not given). The split
+    is drawn from ``data.partition_seed`` when set, else from the run's ``seed``.
     """
     if num_clients < 1:
         raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
@@ -374,7 +375,8 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
             f"config key 'data.partition' is {data.partition!r}; allowed: pathological, "
             f"dirichlet, pfllib"
         )
-    return _prepare_generated(data, num_clients, seed, report, batch_size)
+    split_seed = seed if data.partition_seed is None else data.partition_seed
+    return _prepare_generated(data, num_clients, split_seed, report, batch_size)
 
 
 # --------------------------------------------------------------------------- reading
