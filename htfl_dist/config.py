@@ -17,7 +17,7 @@ import os
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -33,32 +33,86 @@ def default_cache_dir() -> str:
     return os.path.join(base, "htfl_dist", "partitions")
 
 
+@dataclass(frozen=True)
+class Bound:
+    """The range a numeric config value must lie in, declared next to its field (``bounded``),
+    so each section states its own limits and one loop checks them all with the same wording."""
+
+    above: float | None = None  # value > above
+    at_least: float | None = None  # value >= at_least
+    below: float | None = None  # value < below
+    at_most: float | None = None  # value <= at_most
+    note: str = ""
+    """Why the limit, or what the edge value means ("0 = never"), shown in the message."""
+    optional: bool = False
+    """None is allowed (it means the note's default)."""
+
+    def holds(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        return ((self.above is None or value > self.above) and (self.at_least is None or value >= self.at_least)
+                and (self.below is None or value < self.below) and (self.at_most is None or value <= self.at_most))
+
+    def describe(self) -> str:
+        low = (f"({_number(self.above)}" if self.above is not None
+               else f"[{_number(self.at_least)}" if self.at_least is not None else None)
+        high = (f"{_number(self.below)})" if self.below is not None
+                else f"{_number(self.at_most)}]" if self.at_most is not None else None)
+        if low and high:
+            text = f"in {low}, {high}"
+        elif low:
+            text = f"{'>' if low[0] == '(' else '>='} {low[1:]}"
+        else:
+            text = f"{'<' if high[-1] == ')' else '<='} {high[:-1]}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def bounded(default: Any, **limits: Any) -> Any:
+    """A dataclass field with a :class:`Bound` (see ``check_bounds``)."""
+    return field(default=default, metadata={"bound": Bound(**limits)})
+
+
+def check_bounds(section: Any, prefix: str = "") -> None:
+    """One line for the first field of ``section`` (and its sub-sections) out of its bound."""
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        if dataclasses.is_dataclass(value):
+            check_bounds(value, f"{prefix}{item.name}.")
+            continue
+        bound = item.metadata.get("bound")
+        if bound is not None and not bound.holds(value):
+            raise ConfigError(f"config key '{prefix}{item.name}' must be {bound.describe()}, got {value}")
+
+
 @dataclass
 class DataConfig:
     """Which data, and how it is split across logical clients."""
 
-    dataset: str = "fmnist"
-    """fmnist | cifar10 | cifar100 | tinyimagenet | flowers102"""
+    dataset: Literal["fmnist", "cifar10", "cifar100", "tinyimagenet", "flowers102"] = "fmnist"
     root: str | None = None
     """Directory holding the dataset files (fmnist default: the OS package's directory). The
     others need it, never download, and take the parent of the dataset's folder or the folder
     itself: cifar-10-batches-py/, cifar-100-python/, tiny-imagenet-200/ (the extracted
     tiny-imagenet-200.zip), flowers-102/ (torchvision's layout: jpg/, imagelabels.mat, setid.mat)."""
-    partition: str = "dirichlet"
-    """pathological | dirichlet | pfllib"""
-    beta: float = 0.1
-    """Dirichlet concentration (practical setting); must be > 0."""
-    classes_per_client: int = 2
+    partition: Literal["pathological", "dirichlet", "pfllib"] = "dirichlet"
+    """pfllib: read a directory PFLlib wrote (data.pfllib_dir)."""
+    beta: float = bounded(0.1, above=0, note="Dirichlet concentration")
+    """Dirichlet concentration (practical setting)."""
+    classes_per_client: int = bounded(2, at_least=1)
     """Pathological setting: classes held by each client."""
-    train_ratio: float = 0.75
+    train_ratio: float = bounded(0.75, above=0, below=1)
     """Per-client train share; the rest is that client's test split."""
-    subsample: float = 1.0
+    subsample: float = bounded(1.0, above=0, at_most=1)
     """Fraction of the dataset used (stratified by class), for fast tests."""
-    partition_seed: int | None = None
+    partition_seed: int | None = bounded(None, at_least=0, optional=True, note="or null: the run's seed")
     """The seed the split is drawn from (subsample, partition, train/test); unset: the run's
     ``seed``. PFLlib's generators draw one split with seed 1 and every training repetition
     reuses it: ``partition_seed: 1`` with seeds 0, 1, 2 does the same."""
-    partition_rules: str = "legacy"
+    partition_rules: Literal["pfllib", "legacy"] = "legacy"
     """How ``dirichlet`` and ``pathological`` splits are drawn (partition=pfllib reads a finished
     split and ignores this). ``pfllib``: PFLlib's ``separate_data`` and ``split_data`` (unbalanced
     ``pat``, ``dir``, sklearn's per-client train/test split) from one numpy ``RandomState(seed)``
@@ -66,13 +120,14 @@ class DataConfig:
     clients come in blocks sharing their classes, with very unequal sizes. ``legacy``: this
     project's first rules (classes assigned cyclically, Dirichlet(1) shares above a floor, guard
     10, per-purpose seeded streams). docs/partitions.md describes both."""
-    min_samples_per_client: int | None = None
+    min_samples_per_client: int | None = bounded(None, at_least=0, optional=True,
+                                                 note="or null: the partition rule's own guard")
     """The partition's size guard; unset (null) means the rule's own: legacy re-draws the
     Dirichlet split until every client holds 10 samples; pfllib uses PFLlib's ``least_samples``
     = int(min(train.batch_size / (1 - data.train_ratio), samples / num_clients / 2)), 40 for
     batch 10, as the Dirichlet guard and in the pathological share floor (guard / classes). A
     number replaces the rule's own value."""
-    max_partition_tries: int = 1000
+    max_partition_tries: int = bounded(1000, at_least=1)
     """Dirichlet: give up (with a clear error) after this many re-draws."""
     cache_dir: str | None = None
     """Where partition caches (HDF5) are written; default ~/.cache/htfl_dist/partitions."""
@@ -81,11 +136,9 @@ class DataConfig:
     allow_pickle: bool = False
     """partition=pfllib: PFLlib's .npz files hold pickled arrays; loading them needs consent."""
 
-    ALLOWED = {  # noqa: RUF012 (not a field: no annotation; read-only table)
-        "dataset": ("fmnist", "cifar10", "cifar100", "tinyimagenet", "flowers102"),
-        "partition": ("pathological", "dirichlet", "pfllib"),
-        "partition_rules": ("pfllib", "legacy"),
-    }
+    def check(self) -> None:
+        if self.partition == "pfllib" and not self.pfllib_dir:
+            raise ConfigError("data.partition=pfllib needs data.pfllib_dir=DIR (a PFLlib dataset directory)")
 
 
 @dataclass
@@ -96,7 +149,7 @@ class ModelConfig:
     """A named group (HtCNN8, HtFE8, HtFE8-HtC4, ...), one member ARCH or ARCH:HEAD, or a custom
     group: a YAML list of members, or the same members comma-separated (a list is stored in that
     comma form, so both spellings are one experiment)."""
-    feature_dim: int = 512
+    feature_dim: int = bounded(512, at_least=1)
 
     LIST_KEYS = ("group",)  # not a field: keys that also accept a YAML list of strings
 
@@ -105,37 +158,36 @@ class ModelConfig:
 class TrainConfig:
     """Client-side optimisation (the papers' defaults)."""
 
-    batch_size: int = 10
-    lr: float = 0.01
-    local_epochs: int = 1
+    batch_size: int = bounded(10, at_least=1)
+    lr: float = bounded(0.01, above=0)
+    local_epochs: int = bounded(1, at_least=1)
 
 
 @dataclass
 class RuntimeConfig:
     """Process and device plumbing; never changes the maths."""
 
-    backend: str = "auto"
-    """auto | gloo | nccl | mpi  (auto: mpi under mpirun, nccl if every rank owns a GPU, else gloo)"""
-    device: str = "auto"
-    """auto | cpu | cuda"""
-    threads: int = 0
+    backend: Literal["auto", "gloo", "nccl", "mpi"] = "auto"
+    """auto: mpi under mpirun, nccl if every rank owns a GPU, else gloo."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads: int = bounded(0, at_least=0)
     """torch intra-op threads per rank (0 = torch default). Equal thread counts give bitwise
     equal results across world sizes on CPU."""
-    timeout_s: float = 600.0
+    timeout_s: float = bounded(600.0, above=0)
     """A collective that waits longer than this aborts the job."""
-    heartbeat_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = bounded(30.0, at_least=0, note="0 = off")
     """Gloo/NCCL: every rank beats through the rendezvous store; a rank silent this long (dead,
     stopped, cut off) ends the job with one line naming it and its clients (0 = off). MPI has no
     store: there the round deadline names the rank rank 0 waited for."""
-    round_deadline_s: float = 3600.0
+    round_deadline_s: float = bounded(3600.0, at_least=0, note="0 = none")
     """A round that takes longer than this on any rank ends the job (0 = no deadline). The
     safety net against a hung peer, also under MPI, which has no collective timeout."""
-    preempt_grace_s: float = 120.0
+    preempt_grace_s: float = bounded(120.0, above=0)
     """After SIGTERM, the job checkpoints at the next round boundary; past this it exits anyway."""
-    placement: str = "balanced"
+    placement: Literal["balanced", "round_robin"] = "balanced"
     """balanced: clients onto client ranks by training samples, largest first, each to the least
     loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes the results."""
-    max_message_mb: float = 1024.0
+    max_message_mb: float = bounded(1024.0, above=0)
     """Largest message rank 0 accepts from one client rank per gather (checked before allocating
     it); raise it only for shared models larger than this."""
 
@@ -151,10 +203,10 @@ class OutputConfig:
     """Rank 0 keeps RUN/<dataset>_<algorithm>_test_<seed>.h5 with HtFLlib's result arrays
     (``rs_test_acc``, ``rs_train_loss``), rewritten after every evaluated round, so plotting
     scripts written for HtFLlib read our runs."""
-    progress_every_s: float = 30.0
+    progress_every_s: float = bounded(30.0, at_least=0, note="0 = never")
     """A rank whose clients are still training this many seconds into a round prints how many
     it has done (0 = never)."""
-    prototypes_every: int = 0
+    prototypes_every: int = bounded(0, at_least=0, note="0 = never")
     """Every this many rounds rank 0 keeps the round's uploaded prototypes and the global class
     vectors it sends down in RUN/prototypes/round_NNNNN.pt, for ``python -m htfl_dist.report RUN
     --prototypes FILE.png`` (0 = never; only for algorithms that send class prototypes)."""
@@ -165,15 +217,15 @@ class Config:
     """One federated run."""
 
     algorithm: str = "fedproto"
-    rounds: int = 100
+    rounds: int = bounded(100, at_least=1)
     seed: int = 0
-    num_clients: int = 20
-    join_ratio: float = 1.0
-    eval_every: int = 1
-    checkpoint_every: int = 0
-    checkpoint_keep: int = 2
+    num_clients: int = bounded(20, at_least=1)
+    join_ratio: float = bounded(1.0, above=0, at_most=1)
+    eval_every: int = bounded(1, at_least=1)
+    checkpoint_every: int = bounded(0, at_least=0, note="0 = never")
+    checkpoint_keep: int = bounded(2, at_least=1)
     """How many complete checkpoints to keep (older ones are deleted after a new one is published)."""
-    on_bad_upload: str = "skip"
+    on_bad_upload: Literal["skip", "fail"] = "skip"
     """skip: an invalid upload (shape, dtype, NaN/Inf, class ids) is left out of that round with a
     warning naming the client; fail: it ends the job."""
     data: DataConfig = field(default_factory=DataConfig)
@@ -287,15 +339,7 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
             kwargs[key] = _comma_joined(value, dotted)
         else:
             kwargs[key] = _coerce(value, annotation, dotted)
-    instance = cls(**kwargs)
-    allowed = getattr(cls, "ALLOWED", {})
-    for key, choices in allowed.items():
-        value = getattr(instance, key)
-        if value not in choices:
-            raise ConfigError(
-                f"config key '{prefix}{key}' is {value!r}; allowed: {', '.join(choices)}"
-            )
-    return instance
+    return cls(**kwargs)
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -362,101 +406,19 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
     return config
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConfigError(message)
-
-
 def validate(config: Config) -> None:
-    """Range checks that do not need the dataset or the registries (and ``~`` in path keys
-    expanded, which the shell does on a command line but YAML does not)."""
+    """Range checks that do not need the dataset or the registries: every field's declared bound
+    and each section's own cross-field check (and ``~`` in path keys expanded, which the shell
+    does on a command line but YAML does not). Closed choices are ``Literal`` fields, checked
+    while parsing."""
     for key in ("root", "cache_dir", "pfllib_dir"):
         value = getattr(config.data, key)
         if value:
             setattr(config.data, key, os.path.expanduser(value))
     if config.generator.path:
         config.generator.path = os.path.expanduser(config.generator.path)
-    _require(config.rounds >= 1, f"config key 'rounds' must be >= 1, got {config.rounds}")
-    _require(config.num_clients >= 1, f"config key 'num_clients' must be >= 1, got {config.num_clients}")
-    _require(
-        0.0 < config.join_ratio <= 1.0,
-        f"config key 'join_ratio' must be in (0, 1], got {config.join_ratio}",
-    )
-    _require(config.eval_every >= 1, f"config key 'eval_every' must be >= 1, got {config.eval_every}")
-    _require(
-        config.checkpoint_every >= 0,
-        f"config key 'checkpoint_every' must be >= 0 (0 = never), got {config.checkpoint_every}",
-    )
-    _require(config.checkpoint_keep >= 1,
-             f"config key 'checkpoint_keep' must be >= 1, got {config.checkpoint_keep}")
-    _require(config.on_bad_upload in ("skip", "fail"),
-             f"config key 'on_bad_upload' is {config.on_bad_upload!r}; allowed: skip, fail")
-    data = config.data
-    _require(data.beta > 0, f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {data.beta}")
-    _require(
-        data.classes_per_client >= 1,
-        f"config key 'data.classes_per_client' must be >= 1, got {data.classes_per_client}",
-    )
-    _require(
-        0.0 < data.train_ratio < 1.0,
-        f"config key 'data.train_ratio' must be in (0, 1), got {data.train_ratio}",
-    )
-    _require(
-        0.0 < data.subsample <= 1.0,
-        f"config key 'data.subsample' must be in (0, 1], got {data.subsample}",
-    )
-    _require(data.partition_seed is None or data.partition_seed >= 0,
-             f"config key 'data.partition_seed' must be >= 0 (or null: the run's seed), got {data.partition_seed}")
-    _require(
-        data.min_samples_per_client is None or data.min_samples_per_client >= 0,
-        f"config key 'data.min_samples_per_client' must be >= 0 (or null: the partition rule's "
-        f"own guard), got {data.min_samples_per_client}",
-    )
-    _require(
-        data.max_partition_tries >= 1,
-        f"config key 'data.max_partition_tries' must be >= 1, got {data.max_partition_tries}",
-    )
-    if data.partition == "pfllib":
-        _require(
-            bool(data.pfllib_dir),
-            "data.partition=pfllib needs data.pfllib_dir=DIR (a PFLlib dataset directory)",
-        )
-    _require(
-        config.model.feature_dim >= 1,
-        f"config key 'model.feature_dim' must be >= 1, got {config.model.feature_dim}",
-    )
-    train = config.train
-    _require(train.batch_size >= 1, f"config key 'train.batch_size' must be >= 1, got {train.batch_size}")
-    _require(train.lr > 0, f"config key 'train.lr' must be > 0, got {train.lr}")
-    _require(
-        train.local_epochs >= 1,
-        f"config key 'train.local_epochs' must be >= 1, got {train.local_epochs}",
-    )
-    runtime = config.runtime
-    _require(
-        runtime.backend in ("auto", "gloo", "nccl", "mpi"),
-        f"config key 'runtime.backend' is {runtime.backend!r}; allowed: auto, gloo, nccl, mpi",
-    )
-    _require(
-        runtime.device in ("auto", "cpu", "cuda"),
-        f"config key 'runtime.device' is {runtime.device!r}; allowed: auto, cpu, cuda",
-    )
-    _require(runtime.placement in ("balanced", "round_robin"),
-             f"config key 'runtime.placement' is {runtime.placement!r}; allowed: balanced, round_robin")
-    _require(runtime.threads >= 0, f"config key 'runtime.threads' must be >= 0, got {runtime.threads}")
-    _require(runtime.timeout_s > 0, f"config key 'runtime.timeout_s' must be > 0, got {runtime.timeout_s}")
-    _require(runtime.heartbeat_timeout_s >= 0,
-             f"config key 'runtime.heartbeat_timeout_s' must be >= 0 (0 = off), got {runtime.heartbeat_timeout_s}")
-    _require(runtime.round_deadline_s >= 0,
-             f"config key 'runtime.round_deadline_s' must be >= 0 (0 = none), got {runtime.round_deadline_s}")
-    _require(runtime.preempt_grace_s > 0,
-             f"config key 'runtime.preempt_grace_s' must be > 0, got {runtime.preempt_grace_s}")
-    _require(runtime.max_message_mb > 0,
-             f"config key 'runtime.max_message_mb' must be > 0, got {runtime.max_message_mb}")
-    _require(config.output.progress_every_s >= 0,
-             f"config key 'output.progress_every_s' must be >= 0 (0 = never), got {config.output.progress_every_s}")
-    _require(config.output.prototypes_every >= 0,
-             f"config key 'output.prototypes_every' must be >= 0 (0 = never), got {config.output.prototypes_every}")
+    check_bounds(config)
+    config.data.check()
 
 
 PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")
