@@ -119,6 +119,24 @@ class RoundTraffic:
 
 
 @dataclass
+class RoundOutcome:
+    """What one round produced, filled in phase by phase (``Federation._play_round``); rank 0
+    turns it into the metrics row."""
+
+    round_index: int
+    participants: list[int]
+    evaluated: bool
+    traffic: RoundTraffic = field(default_factory=RoundTraffic)
+    client_seconds: float = 0.0
+    """This rank's training (and evaluation) time."""
+    server_seconds: float = 0.0
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+    """The server step's own figures (rank 0)."""
+    report: Any = None
+    """Rank 0: (per-client report rows, per-rank RankReport); None on the other ranks."""
+
+
+@dataclass
 class RunContext:
     config: Config
     transport: Transport
@@ -438,84 +456,109 @@ class Federation:
                 sink.close()
 
     def _run_rounds(self, start_round: int) -> dict[str, Any] | None:
-        config = self.config
         setup_traffic = RoundTraffic()
         if start_round == 0:
             self._setup_exchange(setup_traffic)
         knowledge: Payload | None = None  # what the clients of this rank last received
         round_seconds: list[float] = []
-        for round_index in range(start_round, config.rounds):
+        for round_index in range(start_round, self.config.rounds):
             self.watchdog.arm(round_index + 1)
             began = time.perf_counter()
-            traffic = RoundTraffic()
-            participants = sample_participants(config.seed, round_index, config.num_clients, config.join_ratio)
-            if knowledge is None:
-                knowledge = self._broadcast_knowledge(traffic)
+            outcome, knowledge = self._play_round(round_index, knowledge)
+            round_seconds.append(time.perf_counter() - began)
             if self.is_server:
-                traffic.theory_down = self.server.theory_download_floats() * 4 * len(participants)
-
-            compute_began = time.perf_counter()
-            uploads, train_rows, theory_up = self._train_participants(participants, knowledge, round_index)
-            client_seconds = time.perf_counter() - compute_began
-
-            gathered = self._gather_uploads(uploads, participants, round_index, traffic)
-            server_seconds = 0.0
-            diagnostics: dict[str, Any] = {}
-            if self.is_server:
-                gathered, skipped = screen_uploads(gathered, self.server.validate_upload,
-                                                   config.on_bad_upload, round_index + 1)
-                self.skipped_clients.extend(skipped)
-                server_began = time.perf_counter()
-                if gathered or not self.upload_spec:
-                    generator = torch_generator(config.seed, "server", round_index)
-                    diagnostics = self.server.update(gathered, round_index, generator)
-                else:  # every upload was screened out: keep last round's knowledge unchanged
-                    diagnostics = {"server_skipped": True}
-                server_seconds = time.perf_counter() - server_began
-                if self.snapshots.due(round_index + 1):
-                    self.snapshots.save(round_index + 1, gathered, self.server.download())
-            knowledge = None
-
-            evaluate = (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds
-            if self.is_server and evaluate and self.image_grids.enabled:  # download() may compress (FedKD)
-                self.image_grids.save(round_index + 1, self.server.download())
-            eval_rows: dict[int, list[float]] = {}
-            if evaluate:
-                knowledge = self._broadcast_knowledge(traffic)
-                eval_began = time.perf_counter()
-                eval_rows = self._evaluate_clients(knowledge)
-                client_seconds += time.perf_counter() - eval_began
-            report = self._gather_reports(train_rows, eval_rows, client_seconds, theory_up,
-                                          self.preemption.requested, participants, evaluate)
-
-            if self.is_server:
-                reports, rank_rows = report
-                traffic.theory_up = int(sum(r.theory_up_bytes for r in rank_rows))
-                rank_seconds = [r.compute_seconds for r in rank_rows]
-                seconds = time.perf_counter() - began
-                round_seconds.append(seconds)
-                row = None
-                if evaluate:
-                    row = self._metrics_row(round_index, reports, traffic, diagnostics, seconds,
-                                            max(rank_seconds), server_seconds)
-                    row["rank_idle_share"] = idle_shares(rank_seconds[1:] if self.world_size > 1 else rank_seconds)
-                    if setup_traffic.up:  # the one-off setup upload, reported with the first row
-                        row["bytes_setup_up"], setup_traffic.up = setup_traffic.up, 0
-                    self.metrics.append(row)
-                    for sink in self.sinks:
-                        sink.write(self.metrics.rows)
-                    self.skipped_clients = []
-                eta = float(np.mean(round_seconds)) * (config.rounds - round_index - 1)
-                progress(format_progress(round_index + 1, config.rounds, row, seconds, eta))
-            stop = self._agree_to_stop(report)
-            periodic = config.checkpoint_every and (round_index + 1) % config.checkpoint_every == 0
-            if stop or periodic:
-                self._save_checkpoint(round_index + 1)  # inside the deadline: a stuck save must not hang MPI
+                self._record(outcome, round_seconds, setup_traffic)
+            stop = self._close_round(outcome)
             self.watchdog.disarm()
             if stop:
                 self.preempted_after = round_index + 1
                 return None
         return self._finish(round_seconds) if self.is_server else None
+
+    def _play_round(self, round_index: int, knowledge: Payload | None) -> tuple[RoundOutcome, Payload | None]:
+        """One round, as its phases: knowledge down, local training, uploads up, the server step,
+        evaluation (on evaluation rounds), reports up. Returns what it produced and the knowledge
+        the clients now hold (None: the next round must broadcast it)."""
+        config = self.config
+        outcome = RoundOutcome(
+            round_index, sample_participants(config.seed, round_index, config.num_clients, config.join_ratio),
+            evaluated=(round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds)
+        if knowledge is None:
+            knowledge = self._broadcast_knowledge(outcome.traffic)
+        if self.is_server:
+            outcome.traffic.theory_down = self.server.theory_download_floats() * 4 * len(outcome.participants)
+        began = time.perf_counter()
+        uploads, train_rows, theory_up = self._train_participants(outcome.participants, knowledge, round_index)
+        outcome.client_seconds = time.perf_counter() - began
+        gathered = self._gather_uploads(uploads, outcome.participants, round_index, outcome.traffic)
+        if self.is_server:
+            self._server_step(outcome, gathered)
+        knowledge, eval_rows = self._evaluation(outcome)
+        outcome.report = self._gather_reports(train_rows, eval_rows, outcome.client_seconds, theory_up,
+                                              self.preemption.requested, outcome.participants, outcome.evaluated)
+        return outcome, knowledge
+
+    def _server_step(self, outcome: RoundOutcome, gathered: dict[int, Payload]) -> None:
+        """Rank 0: screen the uploads, update the global knowledge (kept as it was when every
+        upload was screened out), keep the snapshots and pictures that are due."""
+        round_number = outcome.round_index + 1
+        gathered, skipped = screen_uploads(gathered, self.server.validate_upload, self.config.on_bad_upload,
+                                           round_number)
+        self.skipped_clients.extend(skipped)
+        began = time.perf_counter()
+        if gathered or not self.upload_spec:
+            generator = torch_generator(self.config.seed, "server", outcome.round_index)
+            outcome.diagnostics = self.server.update(gathered, outcome.round_index, generator)
+        else:
+            outcome.diagnostics = {"server_skipped": True}
+        outcome.server_seconds = time.perf_counter() - began
+        if self.snapshots.due(round_number):
+            self.snapshots.save(round_number, gathered, self.server.download())
+        if outcome.evaluated and self.image_grids.enabled:  # download() may compress (FedKD): only then
+            self.image_grids.save(round_number, self.server.download())
+
+    def _evaluation(self, outcome: RoundOutcome) -> tuple[Payload | None, dict[int, list[float]]]:
+        """On evaluation rounds: the new knowledge goes down and every client of this rank is
+        evaluated on its test split (its time counts as client time). Returns the knowledge the
+        clients now hold (None on other rounds: the next round sends it) and the counts."""
+        if not outcome.evaluated:
+            return None, {}
+        knowledge = self._broadcast_knowledge(outcome.traffic)
+        began = time.perf_counter()
+        eval_rows = self._evaluate_clients(knowledge)
+        outcome.client_seconds += time.perf_counter() - began
+        return knowledge, eval_rows
+
+    def _record(self, outcome: RoundOutcome, round_seconds: list[float], setup_traffic: RoundTraffic) -> None:
+        """Rank 0: the metrics row of an evaluation round (sinks too) and the progress line."""
+        config, traffic = self.config, outcome.traffic
+        reports, rank_rows = outcome.report
+        traffic.theory_up = int(sum(r.theory_up_bytes for r in rank_rows))
+        rank_seconds = [r.compute_seconds for r in rank_rows]
+        seconds = round_seconds[-1]
+        row = None
+        if outcome.evaluated:
+            row = self._metrics_row(outcome.round_index, reports, traffic, outcome.diagnostics, seconds,
+                                    max(rank_seconds), outcome.server_seconds)
+            row["rank_idle_share"] = idle_shares(rank_seconds[1:] if self.world_size > 1 else rank_seconds)
+            if setup_traffic.up:  # the one-off setup upload, reported with the first row
+                row["bytes_setup_up"], setup_traffic.up = setup_traffic.up, 0
+            self.metrics.append(row)
+            for sink in self.sinks:
+                sink.write(self.metrics.rows)
+            self.skipped_clients = []
+        eta = float(np.mean(round_seconds)) * (config.rounds - outcome.round_index - 1)
+        progress(format_progress(outcome.round_index + 1, config.rounds, row, seconds, eta))
+
+    def _close_round(self, outcome: RoundOutcome) -> bool:
+        """Every rank: agree whether to stop (a SIGTERM anywhere) and checkpoint when stopping or
+        when one is due, inside the round's deadline (a stuck save must not hang MPI)."""
+        stop = self._agree_to_stop(outcome.report)
+        completed = outcome.round_index + 1
+        every = self.config.checkpoint_every
+        if stop or (every and completed % every == 0):
+            self._save_checkpoint(completed)
+        return stop
 
     def _setup_exchange(self, traffic: RoundTraffic) -> None:
         """Before the first round of a fresh run, every client sends the algorithm's setup payload
