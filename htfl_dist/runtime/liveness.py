@@ -238,7 +238,6 @@ class Liveness:
                 return False
             time.sleep(0.2)
 
-
     def lost_peers_line(self, seen_by: str, cause: str) -> str | None:
         """After a failed collective or a launcher's SIGTERM: who stopped answering. Returns the
         line naming the peers whose heartbeats stopped, for this rank to print; "" when another
