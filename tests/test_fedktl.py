@@ -674,10 +674,6 @@ def test_real_run_summary_and_generated_images(single_out):
         assert len({tile.tobytes() for tile in tiles}) > 1  # the C class images are not all the same
 
 
-def test_three_torchrun_ranks_equal_one_process(single, tmp_path, cache_dir):
-    assert maths_only(_run("torchrun", 3, tmp_path, cache_dir)) == maths_only(single)
-
-
 def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single, tmp_path, cache_dir):
     """Round 1 on mpirun -n 3 with a checkpoint, then round 2 resumed from it: the same rows as one
     process running both rounds (F with its BN statistics, the centroids and the pairs come back)."""

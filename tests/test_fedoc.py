@@ -317,10 +317,6 @@ def test_real_run_with_partial_participation(single, cache_dir):
     assert single[1]["bytes_theory_down"] > 0
 
 
-def test_three_torchrun_ranks_equal_one_process(single, tmp_path, cache_dir):
-    assert maths_only(_run("torchrun", 3, tmp_path, cache_dir)) == maths_only(single)
-
-
 def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single, tmp_path, cache_dir):
     """Round 1 on mpirun -n 3 with a checkpoint, then round 2 resumed from it on mpirun -n 3: the
     same rows as one process running both rounds (clients' models and optimizers, the server's
