@@ -207,11 +207,8 @@ def _fail(exc: BaseException, context, rank: int) -> None:
         report_once(line, liveness)
     else:
         code = EXIT_FAILURE
-        lost = liveness.lost_peers_line(where, type(exc).__name__) if liveness is not None else None
-        if lost is not None:
-            if lost:
-                report_once(lost, liveness)
-        elif liveness is None or liveness.claim_report():
+        lost_peer = liveness is not None and liveness.report_lost_peers(where, type(exc).__name__)
+        if not lost_peer and (liveness is None or liveness.claim_report()):
             traceback.print_exc()
             line = f"htfl_dist: {where} failed: {type(exc).__name__}: {exc}"
             print(line, file=sys.stderr, flush=True)

@@ -104,7 +104,7 @@ class Liveness:
         self._finished = False
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._beat()  # exists before any peer can look for it
+        self._beat(self._store)  # exists before any peer can look for it
         self._store.set(f"liveness/process/{rank}", f"{machine_identity()} {os.getpid()}")
         threading.Thread(target=self._beat_forever, name="htfl-heartbeat", daemon=True).start()
 
@@ -126,12 +126,12 @@ class Liveness:
     def _key(self, rank: int) -> str:
         return f"liveness/beat/{rank}"
 
-    def _beat(self) -> None:
-        self._store.add(self._key(self.rank), 1)
+    def _beat(self, store: Any) -> None:
+        store.add(self._key(self.rank), 1)
 
     def _beat_forever(self) -> None:
         while not (self._store_lost or self._stop.wait(self.interval_s)):
-            self._op(lambda store: store.add(self._key(self.rank), 1), None)
+            self._op(self._beat, None)
 
     def finish(self) -> None:
         """This rank is done (finished, or checkpointed on SIGTERM) and may exit: its heartbeat
@@ -261,6 +261,22 @@ class Liveness:
         names = ", ".join(self.describe(peer) for peer in silent)
         return (f"htfl_dist: {names} stopped answering (no heartbeat: died, hung or lost the network); "
                 f"ending the job (seen by {seen_by}: {cause})")
+
+
+    def report_lost_peers(self, seen_by: str, cause: str) -> bool:
+        """:meth:`lost_peers_line`, said: True when the job failed because a peer was lost
+        (the line printed here, or by another rank), False when every peer is alive."""
+        line = self.lost_peers_line(seen_by, cause)
+        if line:
+            report_once(line, self)
+        return line is not None
+
+    def end_job(self, line: str) -> None:
+        """What a watcher does with a silent peer: the job's one line, then exit 1 (the launcher
+        ends the ranks still blocked on the lost one)."""
+        report_once(line, self)
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def report_once(line: str, liveness: Liveness | None) -> bool:

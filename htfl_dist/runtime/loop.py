@@ -15,7 +15,6 @@ Per round t (0-based; metrics call it round t+1):
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -52,7 +51,7 @@ from htfl_dist.metrics.writer import (
 from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
-from htfl_dist.runtime.liveness import Liveness, describe_plain, report_once, tell_torchrun
+from htfl_dist.runtime.liveness import Liveness, describe_plain
 from htfl_dist.runtime.placement import client_ranks, plan_placement, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.screening import check_rank_report, check_rank_row, screen_uploads, unpack_rank_message
@@ -165,27 +164,6 @@ def _check_feature_width(model, architecture: str, client_id: int, sample: torch
                         f"model.feature_dim={width}: every client must produce K-wide features")
 
 
-def _end_job_for_lost_rank(liveness: Liveness) -> Callable[[str], None]:
-    def end_job(line: str) -> None:
-        report_once(line, liveness)
-        sys.stdout.flush()
-        os._exit(1)  # the launcher ends the ranks still blocked on the lost one
-
-    return end_job
-
-
-def _lost_rank_probe(run: RunContext) -> Callable[[], str | None]:
-    def probe() -> str | None:
-        line = run.liveness.lost_peers_line(run.rank_description, "SIGTERM from the launcher")
-        if line and not run.liveness.claim_report():
-            return ""
-        if line:
-            tell_torchrun(line)
-        return line
-
-    return probe
-
-
 class Federation:
     """Server and/or client role of this rank, built once, then ``run()``."""
 
@@ -233,14 +211,15 @@ class Federation:
         self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
         self._handshake()
         if run.liveness is not None:
-            run.liveness.watch(self.placement.describe_rank, on_silent=_end_job_for_lost_rank(run.liveness))
+            run.liveness.watch(self.placement.describe_rank, on_silent=run.liveness.end_job)
         self.watchdog.disarm()
         if self.is_server:
             progress(f"start-up: every rank has its data and models ({time.perf_counter() - started:.1f}s)")
         self.metrics = MetricsLog(run.out_dir / "metrics.jsonl") if self.is_server else None
         self.preemption = preemption_flag(config.runtime.preempt_grace_s)
         if run.liveness is not None:  # a SIGTERM may be the launcher tearing down a failed job
-            self.preemption.job_failed = _lost_rank_probe(run)
+            self.preemption.job_failed = lambda: run.liveness.report_lost_peers(run.rank_description,
+                                                                                 "SIGTERM from the launcher")
         self.preempted_after: int | None = None
         self.skipped_clients: list[int] = []
         self.sinks: list[MetricsSink] = []

@@ -34,11 +34,11 @@ class PreemptionFlag:
     def __init__(self, grace_s: float = DEFAULT_GRACE_S) -> None:
         self.requested = False
         self.grace_s = grace_s
-        self.job_failed: Callable[[], str | None] | None = None
+        self.job_failed: Callable[[], bool] | None = None
         """Set by the round loop: asked when SIGTERM arrives, since a launcher also sends it to
-        tear down a job whose rank died. It returns None for a real preemption, or the line that
-        names the lost rank ("" when another rank reports it): then this rank exits with 1 at
-        once instead of announcing a checkpoint that can never come."""
+        tear down a job whose rank died. True (the lost rank already reported, by this rank or
+        another): this rank exits with 1 at once instead of announcing a checkpoint that can
+        never come; False: a real preemption."""
         self.run_over = False
         """Set once this rank's run has ended (finished or checkpointed): a SIGTERM then needs no
         announcement; the process is exiting anyway."""
@@ -65,12 +65,8 @@ class PreemptionFlag:
                          daemon=True).start()
 
     def _announce(self, signum: int) -> None:
-        if self.job_failed is not None:
-            line = self.job_failed()
-            if line is not None:
-                if line:
-                    print(line, file=sys.stderr, flush=True)
-                os._exit(1)
+        if self.job_failed is not None and self.job_failed():
+            os._exit(1)
         if self.run_over:
             return
         print(f"htfl_dist: SIGTERM received: finishing this round, then checkpointing "
