@@ -62,3 +62,45 @@ def test_bad_custom_group_is_one_line(group, needle):
 def test_model_group_list_must_hold_names(value):
     with pytest.raises(ConfigError, match="must be a name or a non-empty list of names"):
         load_config(None, [f"model.group={value}"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("data.beta=0", "config key 'data.beta' must be > 0 (Dirichlet concentration), got 0.0"),
+    ("data.train_ratio=1", "config key 'data.train_ratio' must be in (0, 1), got 1.0"),
+    ("data.subsample=0", "config key 'data.subsample' must be in (0, 1], got 0.0"),
+    ("rounds=0", "config key 'rounds' must be >= 1, got 0"),
+    ("checkpoint_every=-1", "config key 'checkpoint_every' must be >= 0 (0 = never), got -1"),
+    ("data.partition_seed=-1", "config key 'data.partition_seed' must be >= 0 (or null: the run's seed), got -1"),
+])
+def test_bounds_at_their_edges_are_refused_in_one_line(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("override", ["join_ratio=1", "checkpoint_every=0", "data.subsample=1", "data.partition_seed=0",
+                                      "runtime.threads=0", "runtime.heartbeat_timeout_s=0"])
+def test_the_included_edges_are_accepted(override):
+    load_config(None, [override])
+
+
+def test_null_only_where_a_bound_allows_it():
+    from htfl_dist.config import Bound
+
+    assert Bound(at_least=0, optional=True).holds(None)
+    assert not Bound(at_least=0).holds(None)
+
+
+def test_configs_from_before_the_partition_options_keep_their_hash():
+    """data.partition_rules, data.partition_seed and an optional min_samples_per_client came later:
+    at their defaults the experiment (hence the hash that checkpoints are checked against) is
+    the one older versions wrote. 80828acf6e89147d is configs/smoke.yaml's hash at aa55bef."""
+    config = load_config(REPO / "configs" / "smoke.yaml", [])
+    assert config.config_hash() == "80828acf6e89147d"
+    # the legacy guard unset means 10: writing it out is the same experiment
+    assert load_config(None, ["data.min_samples_per_client=10"]).config_hash() == load_config(None, []).config_hash()
+
+
+def test_reading_a_pfllib_directory_needs_the_directory():
+    with pytest.raises(ConfigError, match=r"^data.partition=pfllib needs data.pfllib_dir=DIR"):
+        load_config(None, ["data.partition=pfllib"])
