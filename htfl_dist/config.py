@@ -112,14 +112,15 @@ class DataConfig:
     """The seed the split is drawn from (subsample, partition, train/test); unset: the run's
     ``seed``. PFLlib's generators draw one split with seed 1 and every training repetition
     reuses it: ``partition_seed: 1`` with seeds 0, 1, 2 does the same."""
-    partition_rules: Literal["pfllib", "legacy"] = "legacy"
+    partition_rules: Literal["pfllib", "legacy"] = "pfllib"
     """How ``dirichlet`` and ``pathological`` splits are drawn (partition=pfllib reads a finished
-    split and ignores this). ``pfllib``: PFLlib's ``separate_data`` and ``split_data`` (unbalanced
+    split and ignores this). ``pfllib`` (default; every paper's split came from PFLlib): PFLlib's ``separate_data`` and ``split_data`` (unbalanced
     ``pat``, ``dir``, sklearn's per-client train/test split) from one numpy ``RandomState(seed)``
     drawn in PFLlib's order, so seed 1 gives the very split PFLlib's generators write; pathological
     clients come in blocks sharing their classes, with very unequal sizes. ``legacy``: this
     project's first rules (classes assigned cyclically, Dirichlet(1) shares above a floor, guard
-    10, per-purpose seeded streams). docs/partitions.md describes both."""
+    10, per-purpose seeded streams; the default before this option existed, so configs that
+    predate it resume only with ``partition_rules: legacy``). docs/partitions.md describes both."""
     min_samples_per_client: int | None = bounded(None, at_least=0, optional=True,
                                                  note="or null: the partition rule's own guard")
     """The partition's size guard; unset (null) means the rule's own: legacy re-draws the
@@ -454,8 +455,20 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     return view
 
 
+def spelled_out_partition_rules(view: dict[str, Any]) -> dict[str, Any]:
+    """``view`` with ``data.partition_rules`` written out (a copy): the legacy view drops the key to
+    keep old hashes, so a missing key means legacy. Comparisons use this, so resuming a run made
+    before the default changed names the difference ('legacy' -> 'pfllib') instead of None."""
+    view = copy.deepcopy(view)
+    if isinstance(view.get("data"), dict):
+        view["data"].setdefault("partition_rules", "legacy")
+    return view
+
+
 def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two ``Config.experiment()`` dicts, as 'key: a -> b'."""
+    if not prefix:
+        before, after = spelled_out_partition_rules(before), spelled_out_partition_rules(after)
     changes = []
     for key in sorted(set(before) | set(after)):
         old, new = before.get(key), after.get(key)

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import REPO
 from htfl_dist.algorithms import get_algorithm, parse_options
-from htfl_dist.config import load_config
+from htfl_dist.config import experiment_differences, load_config
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import architecture_for_client, build_model
 
@@ -29,9 +29,48 @@ def test_heterogeneous_classifier_configs_give_four_heads():
     for name in ("cifar100_res34htc4_fedtgp_dirichlet", "cifar100_htfe8htc4_fedtgp_dirichlet"):
         config = load_config(REPO / "configs" / f"{name}.yaml")
         heads = {architecture_for_client(config.model.group, i).partition(":")[2] for i in range(config.num_clients)}
-        assert heads == {"fc", "fc512", "fc256", "fc128"}, name
+        assert heads == {"fc_relu", "fc512_relu", "fc256_relu", "fc128_relu"}, name  # HtFLlib's, as the table
     model = build_model("resnet34:fc128", num_classes=100)
     assert model.head[0].out_features == 128 and model.head[-1].out_features == 100
+
+
+# What produced each paper table, per algorithm: the reference code's options (the configs' comments
+# say why). FedOC's table matches its paper value λ_c = 100; FedKTL's configs set compat themselves.
+REFERENCE_OPTIONS = {
+    "fedproto": {"client_reg": "htfllib", "proto_from": "during_training", "reg_weight": 10.0},
+    "fedtgp": {"client_reg": "htfllib", "proto_from": "pre_update", "reg_weight": 10.0},
+    "feddistill": {"compat": "htfllib", "distill_loss": "mse"},
+    "fedgen": {"compat": "htfllib", "persist_generator": False},
+    "fml": {"compat": "htfllib", "kd": "htfllib"},
+    "fedkd": {"compat": "htfllib", "svd_rank": "htfllib", "compress": "weights"},
+    "lgfedavg": {"compat": "htfllib"},
+    "fedgh": {"compat": "htfllib"},
+    "fedsa": {"compat": "htfllib", "reg_distance": "mse", "reg_weight": 10.0},
+    "fedoc": {"compat": "paper", "reg_weight": 100.0},
+    "fedktl": {"compat": "htfllib"},
+}
+TABLE_CONFIGS = [p for p in CONFIGS if "No paper table claims this file" not in p.read_text()
+                 and p.stem not in ("smoke", "cifar100_cnn_fedktl_single_client")]
+
+
+def test_every_config_says_whether_it_claims_a_paper_table():
+    assert len(TABLE_CONFIGS) == 34  # 46 files: 10 FMNIST ones without a table row, smoke, single-client
+    for path in TABLE_CONFIGS:
+        assert "Table" in path.read_text().split("\nalgorithm:")[0], path.stem
+
+
+@pytest.mark.parametrize("path", TABLE_CONFIGS, ids=[p.stem for p in TABLE_CONFIGS])
+def test_paper_table_configs_run_what_produced_the_table(path):
+    """PFLlib's split drawn once with seed 1, its guard for batch 10, and the reference code's options."""
+    config = load_config(path)
+    assert (config.data.partition_rules, config.data.partition_seed) == ("pfllib", 1)
+    if config.train.batch_size != 10:
+        assert config.data.min_samples_per_client == 40  # PFLlib's generator sized its guard for batch 10
+    options = parse_options(get_algorithm(config.algorithm), config.algo)
+    for key, value in REFERENCE_OPTIONS[config.algorithm].items():
+        assert getattr(options, key) == value, (path.stem, key)
+    if "HtC4" in config.model.group:
+        assert config.model.group.endswith("-htfllib")
 
 
 def test_custom_group_from_a_yaml_list_or_commas(tmp_path):
@@ -93,12 +132,28 @@ def test_null_only_where_a_bound_allows_it():
 
 def test_configs_from_before_the_partition_options_keep_their_hash():
     """data.partition_rules, data.partition_seed and an optional min_samples_per_client came later:
-    at their defaults the experiment (hence the hash that checkpoints are checked against) is
-    the one older versions wrote. 80828acf6e89147d is configs/smoke.yaml's hash at aa55bef."""
-    config = load_config(REPO / "configs" / "smoke.yaml", [])
-    assert config.config_hash() == "80828acf6e89147d"
+    under the legacy rules (the only ones then) the experiment (hence the hash that checkpoints are
+    checked against) is the one older versions wrote. 80828acf6e89147d is configs/smoke.yaml's hash
+    at aa55bef."""
+    legacy = ["data.partition_rules=legacy"]
+    assert load_config(REPO / "configs" / "smoke.yaml", legacy).config_hash() == "80828acf6e89147d"
+    assert load_config(REPO / "configs" / "smoke.yaml", []).config_hash() != "80828acf6e89147d"  # pfllib now
     # the legacy guard unset means 10: writing it out is the same experiment
-    assert load_config(None, ["data.min_samples_per_client=10"]).config_hash() == load_config(None, []).config_hash()
+    assert (load_config(None, [*legacy, "data.min_samples_per_client=10"]).config_hash()
+            == load_config(None, legacy).config_hash())
+    # but not under the pfllib rules, whose own guard comes from the batch size
+    assert (load_config(None, ["data.min_samples_per_client=10"]).config_hash()
+            != load_config(None, []).config_hash())
+
+
+def test_a_run_from_before_the_pfllib_default_is_told_which_rules_it_used():
+    """A checkpoint's experiment written before data.partition_rules existed has no such key: the
+    comparison on resume spells it out as legacy, so the user reads what to pass."""
+    old = load_config(None, ["data.partition_rules=legacy"]).experiment()
+    assert "partition_rules" not in old["data"]
+    assert experiment_differences(old, load_config(None, []).experiment()) == [
+        "data.min_samples_per_client: 10 -> None", "data.partition_rules: 'legacy' -> 'pfllib'"]
+    assert experiment_differences(old, load_config(None, ["data.partition_rules=legacy"]).experiment()) == []
 
 
 def test_reading_a_pfllib_directory_needs_the_directory():

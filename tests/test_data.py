@@ -694,7 +694,13 @@ def test_pathological_cache_and_client_split(tmp_path):
     assert split.train_x.shape[0] == split.train_y.shape[0] == info.class_counts[5].sum()
     assert split.train_x.min() >= -1.0 and split.train_x.max() <= 1.0
     assert split.train_x.min() < -0.99 and split.train_x.max() > 0.5
-    assert set(torch.unique(split.train_y).tolist()) == {(5 * 2) % 10, (5 * 2 + 1) % 10}
+    # PFLlib's rule (the default): each class goes to the first ceil(8 / 10 * 2) = 2 clients with a
+    # free slot, so clients 2j and 2j + 1 share classes 2j and 2j + 1: client 5 holds {4, 5}
+    assert set(torch.unique(split.train_y).tolist()) == {4, 5}
+    # legacy rule: classes dealt cyclically, client i holds {2i, 2i + 1} mod 10
+    legacy = prepare_partition(_cfg(tmp_path, partition="pathological", classes_per_client=2,
+                                    partition_rules="legacy"), 8, seed=0)
+    assert set(torch.unique(load_client_split(legacy.path, 5).train_y).tolist()) == {0, 1}
     # Normalisation as PFLlib: x / 255, then (x - 0.5) / 0.5.
     with h5py.File(info.path, "r") as f:
         raw = f["client_5/train_x"][()]

@@ -307,9 +307,9 @@ def test_a_client_too_small_to_train_names_the_keys():
 
 
 def test_partition_rules_option_and_its_checks(tmp_path):
-    assert DataConfig().partition_rules == "legacy"
-    config = load_config(None, ["data.partition_rules=pfllib", "data.min_samples_per_client=null"])
-    assert config.data.partition_rules == "pfllib" and config.data.min_samples_per_client is None
+    assert DataConfig().partition_rules == "pfllib" and DataConfig().min_samples_per_client is None
+    config = load_config(None, ["data.partition_rules=legacy", "data.min_samples_per_client=null"])
+    assert config.data.partition_rules == "legacy" and config.data.min_samples_per_client is None
     with pytest.raises(ConfigError, match=r"data.partition_rules.*pfllib, legacy"):
         load_config(None, ["data.partition_rules=pflib"])
     with pytest.raises(ConfigError, match=r"data.min_samples_per_client' must be >= 0"):
