@@ -93,6 +93,11 @@ class DataConfig:
     """Which data, and how it is split across logical clients."""
 
     dataset: Literal["fmnist", "cifar10", "cifar100", "tinyimagenet", "flowers102"] = "fmnist"
+    """A dataset registered in ``htfl_dist.data.sources`` (one module per source). The names are
+    spelled out here, not built from the registry, because building them would be an import
+    cycle: the source modules and the data package import this module (``DEFAULT_FMNIST_ROOT``,
+    ``DataConfig``). tests/test_data.py checks that this list equals the registry's names, in
+    registration order, so a dataset added there fails that test until it is named here too."""
     root: str | None = None
     """Directory holding the dataset files (fmnist default: the OS package's directory). The
     others need it, never download, and take the parent of the dataset's folder or the folder
@@ -477,16 +482,6 @@ def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix
         elif old != new:
             changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
     return changes
-
-
-def dataset_root(data: DataConfig) -> str | None:
-    """The directory the dataset is read from (fmnist falls back to the OS package; the other
-    datasets have no default root and say so when it is missing)."""
-    if data.root:
-        return data.root
-    if data.dataset == "fmnist":
-        return DEFAULT_FMNIST_ROOT
-    return None
 
 
 def partition_cache_dir(data: DataConfig) -> str:

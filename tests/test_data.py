@@ -32,7 +32,7 @@ from htfl_dist.data import (
     subsample_indices,
     train_count,
 )
-from htfl_dist.data import datasets as datasets_module
+from htfl_dist.data.sources import jpeg as jpeg_module
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.seeding import numpy_rng
 
@@ -253,8 +253,8 @@ def test_tinyimagenet_root_as_folder_and_determinism(tmp_path, monkeypatch):
     a = load_dataset("tinyimagenet", str(tmp_path))
     b = load_dataset("tinyimagenet", str(folder))
     c = load_dataset("tinyimagenet", str(folder) + "/")
-    monkeypatch.setattr(datasets_module, "_DECODE_CHUNK", 2)  # 9 chunks over several threads
-    monkeypatch.setattr(datasets_module, "_decode_workers", lambda items: min(4, items))
+    monkeypatch.setattr(jpeg_module, "_DECODE_CHUNK", 2)  # 9 chunks over several threads
+    monkeypatch.setattr(jpeg_module, "_decode_workers", lambda items: min(4, items))
     threaded = load_dataset("tinyimagenet", str(tmp_path))
     for other in (b, c, threaded):
         assert np.array_equal(a.images, other.images) and np.array_equal(a.labels, other.labels)

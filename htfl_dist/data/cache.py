@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from htfl_dist.atomic import replaced_atomically
-from htfl_dist.config import DataConfig, dataset_root, partition_cache_dir
+from htfl_dist.config import DataConfig, partition_cache_dir
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.seeding import numpy_rng
 
-from .datasets import NUM_CLASSES, dataset_fingerprint, load_dataset
+from .datasets import dataset_fingerprint, dataset_root, dataset_source, load_dataset
 from .partition import (
     LEGACY_MIN_SAMPLES,
     PFLLIB_BATCH_SIZE,
@@ -234,7 +234,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
 
 def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Report,
                        batch_size: int) -> PartitionInfo:
-    known_classes = NUM_CLASSES.get(data.dataset)
+    known_classes = dataset_source(data.dataset).num_classes
     if data.partition == "pathological" and known_classes and data.classes_per_client > known_classes:
         # Fail before the dataset is read.
         raise ConfigError(

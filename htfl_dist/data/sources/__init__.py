@@ -1,0 +1,33 @@
+"""Dataset sources, one module per source, each registering its datasets on import.
+
+The import order below is the registration order, which is the order the allowed names are
+listed in (``fmnist, cifar10, cifar100, tinyimagenet, flowers102``). A new dataset is one new
+module here plus one line below (see docs/datasets.md).
+"""
+# Each module registers its datasets on import, in this order: keep it.
+# isort: off
+from . import fmnist  # noqa: F401
+from . import cifar  # noqa: F401
+from . import tinyimagenet  # noqa: F401
+from . import flowers102  # noqa: F401
+# isort: on
+
+from .registry import (
+    DatasetArrays,
+    DatasetSource,
+    dataset_names,
+    dataset_source,
+    register_dataset,
+    resolve_root,
+    stat_fingerprint,
+)
+
+__all__ = [
+    "DatasetArrays",
+    "DatasetSource",
+    "dataset_names",
+    "dataset_source",
+    "register_dataset",
+    "resolve_root",
+    "stat_fingerprint",
+]
