@@ -11,6 +11,7 @@ import json
 import multiprocessing
 import os
 import time
+import typing
 
 import h5py
 import numpy as np
@@ -31,6 +32,14 @@ from htfl_dist.data import (
     split_train_test,
     subsample_indices,
     train_count,
+)
+from htfl_dist.data.datasets import dataset_files, dataset_fingerprint
+from htfl_dist.data.sources import (
+    DatasetSource,
+    dataset_names,
+    dataset_source,
+    register_dataset,
+    registry,
 )
 from htfl_dist.data.sources import jpeg as jpeg_module
 from htfl_dist.errors import ConfigError, DataError
@@ -476,6 +485,66 @@ def test_jpeg_dataset_names_in_config(tmp_path):
 def test_unknown_dataset_is_config_error():
     with pytest.raises(ConfigError):
         load_dataset("mnist-ish", None)
+
+
+# --------------------------------------------------------------------------- dataset registry
+
+
+def test_config_dataset_names_equal_the_registry():
+    """DataConfig.dataset spells the names out (building them from the registry would be an
+    import cycle); they must be the registry's, in its order (the order messages list)."""
+    annotation = typing.get_type_hints(DataConfig)["dataset"]
+    assert list(typing.get_args(annotation)) == dataset_names()
+
+
+def test_registered_dataset_is_allowed_and_unknown_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(registry, "_DATASETS", dict(registry._DATASETS))  # undone after the test
+    source_file = tmp_path / "toy.bin"
+    source_file.write_bytes(b"toy")
+    labels = np.arange(40, dtype=np.int64) % 2
+    images = np.repeat(labels.astype(np.uint8)[:, None, None, None], 4, axis=2).repeat(4, axis=3)
+
+    def load(root):
+        assert root == str(tmp_path)
+        return DatasetArrays(images=images, labels=labels, num_classes=2, name="toy")
+
+    register_dataset(DatasetSource(name="toy", num_classes=2, files=lambda root: [str(source_file)],
+                                   load=load, default_root=str(tmp_path)))
+    assert dataset_names()[-1] == "toy" and "fmnist" in dataset_names()
+    assert load_dataset("toy", None).name == "toy"  # the default root
+    assert dataset_files("toy", None) == [str(source_file)]
+    stat = os.stat(source_file)
+    assert dataset_fingerprint("toy", None) == [["toy.bin", 3, stat.st_mtime_ns]]
+    info = prepare_partition(DataConfig(dataset="toy", cache_dir=str(tmp_path / "cache"), beta=1.0,
+                                        min_samples_per_client=2), 2, seed=0)
+    assert os.path.basename(info.path).startswith("toy-dirichlet-") and info.num_classes == 2
+
+    expected = ("config key 'data.dataset' is 'mnist-ish'; "
+                "allowed: fmnist, cifar10, cifar100, tinyimagenet, flowers102, toy")
+    for entry in (load_dataset, dataset_files, dataset_fingerprint):
+        with pytest.raises(ConfigError) as exc:
+            entry("mnist-ish", None)
+        assert _one_line(exc) == expected
+
+
+def test_unknown_dataset_message_is_the_configs():
+    from htfl_dist.config import load_config
+
+    with pytest.raises(ConfigError) as from_config:
+        load_config(None, ["data.dataset=mnist-ish"])
+    with pytest.raises(ConfigError) as from_registry:
+        load_dataset("mnist-ish", None)
+    assert _one_line(from_config) == _one_line(from_registry) == (
+        "config key 'data.dataset' is 'mnist-ish'; allowed: fmnist, cifar10, cifar100, tinyimagenet, flowers102")
+
+
+def test_duplicate_dataset_registration_fails(monkeypatch):
+    monkeypatch.setattr(registry, "_DATASETS", dict(registry._DATASETS))
+    before = dataset_names()
+    with pytest.raises(ValueError, match="dataset 'cifar10' is already registered"):
+        register_dataset(DatasetSource(name="cifar10", num_classes=10, files=lambda root: [],
+                                       load=lambda root: None))
+    assert dataset_names() == before and dataset_source("cifar10").num_classes == 10
 
 
 # --------------------------------------------------------------------------- pathological
