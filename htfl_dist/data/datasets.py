@@ -20,7 +20,6 @@ from .sources import (
     dataset_names,
     dataset_source,
     register_dataset,
-    resolve_root,
     stat_fingerprint,
 )
 from .sources.flowers102 import flowers102_files
@@ -51,7 +50,7 @@ def dataset_root(data: DataConfig) -> str | None:
     """The directory the dataset is read from: ``data.root``, else the dataset's default root
     (fmnist: the OS package's directory; the other datasets have none and say so when they are
     read without one)."""
-    return resolve_root(data.dataset, data.root)
+    return dataset_source(data.dataset).resolve_root(data.root)
 
 
 def dataset_files(name: str, root: str | None) -> list[str]:
@@ -60,7 +59,7 @@ def dataset_files(name: str, root: str | None) -> list[str]:
     For the JPEG datasets: their metadata files and image directories, not every image.
     """
     source = dataset_source(name)
-    return source.files(resolve_root(name, root))
+    return source.files(source.resolve_root(root))
 
 
 def dataset_fingerprint(name: str, root: str | None) -> list[list]:
@@ -80,7 +79,7 @@ def dataset_fingerprint(name: str, root: str | None) -> list[list]:
     dataset folder, so a moved copy of the same data reuses its cache.
     """
     source = dataset_source(name)
-    root = resolve_root(name, root)
+    root = source.resolve_root(root)
     if source.fingerprint is None:
         return stat_fingerprint(source.files(root))
     return source.fingerprint(root)
@@ -92,4 +91,4 @@ def load_dataset(name: str, root: str | None) -> DatasetArrays:
     FMNIST / CIFAR: train + test; Tiny-ImageNet: train + val; Flowers102: train + val + test.
     """
     source = dataset_source(name)
-    return source.load(resolve_root(name, root))
+    return source.load(source.resolve_root(root))

@@ -18,7 +18,6 @@ from .registry import (
     dataset_names,
     dataset_source,
     register_dataset,
-    resolve_root,
     stat_fingerprint,
 )
 
@@ -28,6 +27,5 @@ __all__ = [
     "dataset_names",
     "dataset_source",
     "register_dataset",
-    "resolve_root",
     "stat_fingerprint",
 ]

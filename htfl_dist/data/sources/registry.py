@@ -47,6 +47,10 @@ class DatasetSource:
     default_root: str | None = None
     """The root used when ``data.root`` is unset (None: the dataset needs ``data.root``)."""
 
+    def resolve_root(self, root: str | None) -> str | None:
+        """``root``, else ``default_root`` (None where the dataset has none)."""
+        return root or self.default_root
+
 
 _DATASETS: dict[str, DatasetSource] = {}
 
@@ -72,11 +76,6 @@ def dataset_source(name: str) -> DatasetSource:
             f"config key 'data.dataset' is {name!r}; allowed: {', '.join(dataset_names())}"
         )
     return source
-
-
-def resolve_root(name: str, root: str | None) -> str | None:
-    """``root``, else the dataset's default root (None where it has none)."""
-    return root or dataset_source(name).default_root
 
 
 def stat_fingerprint(paths: list[str]) -> list[list]:
