@@ -119,8 +119,9 @@ class DataConfig:
     reuses it: ``partition_seed: 1`` with seeds 0, 1, 2 does the same."""
     partition_rules: Literal["pfllib", "legacy"] = "pfllib"
     """How ``dirichlet`` and ``pathological`` splits are drawn (partition=pfllib reads a finished
-    split and ignores this). ``pfllib`` (default; every paper's split came from PFLlib): PFLlib's ``separate_data`` and ``split_data`` (unbalanced
-    ``pat``, ``dir``, sklearn's per-client train/test split) from one numpy ``RandomState(seed)``
+    split and ignores this). ``pfllib`` (default; every paper's split came from PFLlib):
+    PFLlib's ``separate_data`` and ``split_data`` (unbalanced ``pat``, ``dir``, sklearn's
+    per-client train/test split) from one numpy ``RandomState(seed)``
     drawn in PFLlib's order, so seed 1 gives the very split PFLlib's generators write; pathological
     clients come in blocks sharing their classes, with very unequal sizes. ``legacy``: this
     project's first rules (classes assigned cyclically, Dirichlet(1) shares above a floor, guard
