@@ -294,3 +294,70 @@ def test_uploaded_prototypes_are_taken_in_eval_mode(algorithm, proto_from):
     expected = torch.tensor([[2.0, 2.0], [5.0, -4.0]]) / math.sqrt(1.0 + EPS)
     torch.testing.assert_close(result.upload["protos"], expected)
     assert client.model.training  # the mode training left it in is restored
+
+
+# ------------------------------------------------------ edges found by a mutmut pass (issue 12)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"client_reg": "l2"}, r"^config key 'algo.client_reg' is 'l2'; allowed: paper, htfllib$"),
+    ({"proto_from": "later"},
+     r"^config key 'algo.proto_from' is 'later'; allowed: post_update, pre_update, during_training$"),
+    ({"reg_weight": -0.1}, r"^config key 'algo.reg_weight' must be >= 0, got -0.1$"),
+])
+def test_option_errors_are_one_exact_line(options, message):
+    with pytest.raises(ConfigError, match=message):
+        _context(**options)
+
+
+def test_a_zero_regulariser_weight_is_allowed():
+    assert _context(reg_weight=0.0)[1].options.reg_weight == 0.0
+
+
+def test_upload_fields_are_bounded_by_the_class_count():
+    entry, context = _context(weighted=True)
+    ids, protos, counts = entry.client.upload_fields(context)
+    assert (ids.max_rows, protos.max_rows, protos.trailing_shape) == (C, C, (K,))
+    assert (counts.name, counts.dtype, counts.max_rows) == ("counts", torch.int64, C)
+    assert [f.name for f in entry.server.download_fields(context)] == ["class_ids", "protos"]
+    assert all(f.max_rows == C for f in entry.server.download_fields(context))
+
+
+def test_prediction_without_global_prototypes_is_minus_one():
+    entry, context = _context()
+    empty = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, K)}
+    predicted = entry.client(context).predict(None, empty, torch.zeros(3, K), torch.zeros(3, C))
+    assert predicted.dtype == torch.int64 and predicted.tolist() == [-1, -1, -1]
+
+
+def test_theory_upload_is_k_floats_per_held_class():
+    entry, context = _context()
+    assert entry.client(context).theory_upload_floats(_client([0, 3, 3, 1])) == K * 3
+
+
+def test_weighted_client_uploads_its_class_counts():
+    entry, context = _context(weighted=True)
+    client = _client([0, 0, 3, 3, 3, 1])
+    result = entry.client(context).train(client, {"class_ids": torch.empty(0, dtype=torch.int64),
+                                                  "protos": torch.empty(0, K)}, 0, torch_generator(0, "t"))
+    assert result.upload["class_ids"].tolist() == [0, 1, 3]
+    assert result.upload["counts"].tolist() == [2, 1, 3]
+    assert "counts" not in entry.client(_context()[1]).train(
+        _client([0, 1]), {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, K)}, 0,
+        torch_generator(0, "t")).upload
+
+
+@pytest.mark.parametrize("counts", [torch.tensor([2]), torch.tensor([2, 0]), torch.tensor([2, -1])])
+def test_weighted_server_refuses_bad_counts_naming_the_client(counts):
+    entry, context = _context(weighted=True)
+    upload = {"class_ids": torch.tensor([0, 1]), "protos": torch.ones(2, K), "counts": counts}
+    with pytest.raises(ProtocolError, match=r"^client 6 sent invalid class counts$"):
+        entry.server(context).validate_upload(6, upload)
+    good = dict(upload, counts=torch.tensor([1, 1]))  # a class seen once is a valid count
+    entry.server(context).validate_upload(6, good)
+
+
+def test_server_refuses_bad_rows_naming_the_client():
+    entry, context = _context()
+    with pytest.raises(ProtocolError, match=r"^client 6 sent 1 class ids for 2 rows$"):
+        entry.server(context).validate_upload(6, {"class_ids": torch.tensor([0]), "protos": torch.ones(2, K)})

@@ -213,3 +213,67 @@ def test_drift_is_the_move_of_the_global_prototypes_between_rounds(use_mapping):
     second = server.update(uploads, 1, torch_generator(0, "server", 1))
     expected = (server.global_prototypes() - before).norm(dim=1).mean()
     assert second["proto_drift"] == pytest.approx(float(expected)) and second["proto_drift"] > 0
+
+
+# ------------------------------------------------------ edges found by a mutmut pass (issue 12)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"margin": "huge"}, r"^config key 'algo.margin' is 'huge'; allowed: adaptive, fixed, none$"),
+    ({"margin": "fixed", "fixed_margin": -0.5},
+     r"^algo.margin=fixed needs algo.fixed_margin=VALUE \(>= 0\); the paper gives no default$"),
+    ({"tau": -1.0}, r"^config key 'algo.tau' must be >= 0, got -1.0$"),
+    ({"server_lr": 0.0}, r"^config key 'algo.server_lr' must be > 0, got 0.0$"),
+    ({"hidden_dim": 0}, r"^config key 'algo.hidden_dim' must be >= 1, got 0$"),
+    ({"server_batch_size": 0}, r"^config key 'algo.server_batch_size' must be >= 1, got 0$"),
+])
+def test_option_errors_are_one_exact_line(options, message):
+    with pytest.raises(ConfigError, match=message):
+        _server(**options)
+
+
+def test_option_edges_that_are_allowed():
+    """δ = 0 is a valid fixed margin (the standard contrastive loss by another name), τ = 0
+    caps the adaptive margin at 0, and a hidden layer or server batch of 1 is legal."""
+    _server(margin="fixed", fixed_margin=0.0)
+    _server(margin="fixed", fixed_margin=0.5)
+    _server(tau=0.0)
+    _server(tau=0.5)
+    _server(hidden_dim=1, server_batch_size=1)
+
+
+def test_class_margins_by_hand():
+    from htfl_dist.algorithms.fedtgp import class_margins
+
+    assert class_margins(torch.empty(0, 3)).shape == (0,)
+    single = class_margins(torch.tensor([[1.0, 2.0, 3.0]]))
+    assert single.shape == (1,) and math.isnan(float(single[0]))  # no other row: no margin
+    two = class_margins(torch.tensor([[0.0, 0.0], [3.0, 4.0]]))
+    assert two.tolist() == [5.0, 5.0]
+    one_wide = class_margins(torch.tensor([[0.0], [2.0], [7.0]]))  # K = 1 works too
+    assert one_wide.tolist() == [2.0, 2.0, 5.0]
+
+
+def test_a_single_uploaded_pair_trains_and_empty_uploads_do_not():
+    server = _server(server_epochs=1)
+    empty = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 2)}
+    assert server.update({0: empty}, 0, torch_generator(0, "s")) == {}
+    assert server.download()["class_ids"].numel() == 0  # still untrained: nothing goes down
+    metrics = server.update({0: _upload([2], [[1.0, 1.0]])}, 0, torch_generator(0, "s"))
+    assert metrics["server_pairs"] == 1 and server.download()["class_ids"].tolist() == [0, 1, 2, 3]
+
+
+def test_untrained_server_downloads_no_rows_of_width_k():
+    download = _server(feature_dim=3).download()
+    assert download["class_ids"].dtype == torch.int64
+    assert download["class_ids"].shape == (0,) and download["protos"].shape == (0, 3)
+
+
+def test_server_state_survives_a_state_dict_round_trip():
+    server = _server(server_epochs=2)
+    server.update({0: _upload([0, 1], [[0.0, 1.0], [1.0, 0.0]])}, 0, torch_generator(0, "s"))
+    fresh = _server(seed=9)
+    fresh.load_state_dict(server.state_dict())
+    assert fresh.trained and server.state_dict()["trained"].item() is True
+    torch.testing.assert_close(fresh.download()["protos"], server.download()["protos"])
+    assert not _server().state_dict()["trained"].item()

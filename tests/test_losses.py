@@ -109,3 +109,18 @@ def test_fedkd_gradient_flows_through_the_scale_and_the_kl_targets():
             minus[index][position] -= step
             numeric = (float(total(*plus)) - float(total(*minus))) / (2 * step)
             assert float(gradient[position]) == pytest.approx(numeric, rel=1e-5, abs=1e-8), (index, position)
+
+
+def test_the_defaults_are_deep_mutual_learning():
+    """kl_divergence defaults to the batch mean with a constant target, fml_losses to dml: the
+    paper's forms; HtFLlib's are opt-in."""
+    assert float(kl_divergence(TARGET, LOGITS)) == pytest.approx((KL_ROW0 + KL_ROW1) / 2, rel=1e-12)
+    target = TARGET.clone().requires_grad_(True)
+    (grad_target,) = torch.autograd.grad(kl_divergence(target, LOGITS.clone().requires_grad_(True)), (target,),
+                                         allow_unused=True)
+    assert grad_target is None
+    logits = torch.tensor([[LN3, 0.0]], dtype=torch.float64)
+    shared = torch.tensor([[0.0, 0.0]], dtype=torch.float64)
+    by_default = fml_losses(logits, shared, torch.tensor([0]), 0.5, 0.3)
+    dml = fml_losses(logits, shared, torch.tensor([0]), 0.5, 0.3, "dml")
+    assert [float(v) for v in by_default] == [float(v) for v in dml]
