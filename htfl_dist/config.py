@@ -192,8 +192,14 @@ class RuntimeConfig:
     preempt_grace_s: float = bounded(120.0, above=0)
     """After SIGTERM, the job checkpoints at the next round boundary; past this it exits anyway."""
     placement: Literal["balanced", "round_robin"] = "balanced"
-    """balanced: clients onto client ranks by training samples, largest first, each to the least
-    loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes the results."""
+    """balanced: clients onto client ranks by estimated work (``placement_work``), largest first,
+    each to the least loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes
+    the results."""
+    placement_work: Literal["samples", "flops"] = "samples"
+    """What balanced placement weighs a client by: its training samples, or its samples times
+    its architecture's forward FLOPs per sample (counted on the meta device, the same on every
+    rank), for model groups whose members differ in cost (bench/arch_cost.py measures how well
+    the count predicts step times). Never changes the results."""
     max_message_mb: float = bounded(1024.0, above=0)
     """Largest message rank 0 accepts from one client rank per gather (checked before allocating
     it); raise it only for shared models larger than this."""

@@ -100,3 +100,30 @@ def test_torchrun_variables_win(monkeypatch):
     launch = _launch_with(monkeypatch, RANK="1", WORLD_SIZE="3", LOCAL_RANK="1", SLURM_PROCID="0",
                           SLURM_STEP_NUM_TASKS="2")
     assert (launch.launcher, launch.rank, launch.world_size) == ("torchrun", 1, 3)
+
+
+def test_forward_flops_of_fedavgs_cnn_by_hand():
+    """FedAvg's CNN on 1×28×28, counted as 2 FLOPs per multiply-add: conv 1→32 (5×5) to 24×24:
+    2·25·32·576 = 921,600; pool to 12×12; conv 32→64 (5×5) to 8×8: 2·800·64·64 = 6,553,600;
+    pool to 4×4; Linear 1024→512: 1,048,576; head 512→10: 10,240. Total 8,534,016."""
+    from htfl_dist.models.cost import forward_flops_per_sample
+
+    flops = forward_flops_per_sample("cnn", num_classes=10, feature_dim=512, in_channels=1, image_size=28)
+    assert flops == 921_600 + 6_553_600 + 1_048_576 + 10_240
+    assert forward_flops_per_sample("cnn", num_classes=10, feature_dim=512, in_channels=1, image_size=28) == flops
+    wider_head = forward_flops_per_sample("cnn", num_classes=100, feature_dim=512, in_channels=1, image_size=28)
+    assert wider_head - flops == 2 * 512 * 90
+
+
+def test_work_by_flops_weighs_samples_by_the_members_cost():
+    from htfl_dist.runtime.placement import client_work
+
+    assert client_work([10, 20], ["a", "b"], None) == [10.0, 20.0]
+    assert client_work([10, 20, 5], ["a", "b", "a"], {"a": 3.0, "b": 1.0}) == [30.0, 20.0, 15.0]
+    # by samples client 1 is the biggest; by FLOPs client 0 is, and balanced placement follows
+    by_flops = plan_placement("balanced", 3, client_work([10, 20, 5], ["a", "b", "a"], {"a": 3.0, "b": 1.0}),
+                              "FLOPs")
+    assert by_flops.clients_of(1) == [0] and by_flops.clients_of(2) == [1, 2]
+    assert "(share of FLOPs)" in by_flops.describe()
+    with pytest.raises(ValueError):
+        client_work([10], ["a", "b"], {"a": 1.0, "b": 1.0})

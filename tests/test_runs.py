@@ -21,10 +21,14 @@ def reference(tmp_path_factory, cache_dir):
     return out, _run("single", 1, out, cache_dir)
 
 
-@pytest.mark.parametrize("launcher,nproc", [("torchrun", 2), ("torchrun", 4), ("mpirun", 3)])
-def test_world_size_invariance(reference, launcher, nproc, tmp_path, cache_dir):
+@pytest.mark.parametrize("launcher,nproc,overrides", [
+    ("torchrun", 2, ()),
+    ("torchrun", 4, ("runtime.placement_work=flops",)),  # another placement: the same numbers
+    ("mpirun", 3, ()),
+])
+def test_world_size_invariance(reference, launcher, nproc, overrides, tmp_path, cache_dir):
     _, expected = reference
-    rows = _run(launcher, nproc, tmp_path, cache_dir)
+    rows = _run(launcher, nproc, tmp_path, cache_dir, *overrides)
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert [r["test_acc"] for r in rows] == [r["test_acc"] for r in expected]
     assert [r["test_acc_head"] for r in rows] == [r["test_acc_head"] for r in expected]

@@ -49,10 +49,11 @@ from htfl_dist.metrics.writer import (
     write_json,
 )
 from htfl_dist.models import architecture_for_client, initial_client_model
+from htfl_dist.models.cost import forward_flops_per_sample
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.liveness import Liveness, describe_plain
-from htfl_dist.runtime.placement import client_ranks, plan_placement, sample_participants
+from htfl_dist.runtime.placement import Placement, client_ranks, client_work, plan_placement, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.screening import check_rank_report, check_rank_row, screen_uploads, unpack_rank_message
 from htfl_dist.runtime.transport import Transport
@@ -181,8 +182,7 @@ class Federation:
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)
         self.partition = self._prepare_data()
-        self.placement = plan_placement(config.runtime.placement, self.world_size,
-                                        [float(n) for n in self.partition.class_counts.sum(axis=1)])
+        self.placement = self._plan_placement()
         run.rank_description = self.placement.describe_rank(self.rank)
         run.describe_rank = self.placement.describe_rank
         self.watchdog.name_as(run.rank_description)
@@ -249,6 +249,22 @@ class Federation:
             resources["generator"] = generator
         seed_global_torch(self.config.seed, "server-init")  # server parameters, if any
         return self.entry.server(self.context, **resources)
+
+    def _plan_placement(self) -> Placement:
+        """Which rank hosts which client, by ``runtime.placement`` and ``runtime.placement_work``;
+        every rank computes the same plan from the partition and the model group."""
+        config, info = self.config, self.partition
+        samples = info.class_counts.sum(axis=1)
+        members = [architecture_for_client(config.model.group, cid) for cid in range(config.num_clients)]
+        flops = None
+        if config.runtime.placement_work == "flops":
+            flops = {member: forward_flops_per_sample(member, num_classes=info.num_classes,
+                                                      feature_dim=config.model.feature_dim,
+                                                      in_channels=info.in_channels, image_size=info.image_size)
+                     for member in set(members)}
+        work = client_work(samples, members, flops)
+        unit = "samples" if flops is None else "FLOPs"
+        return plan_placement(config.runtime.placement, self.world_size, work, unit)
 
     def _prepare_data(self):
         """Rank 0 builds the partition cache while the others wait; they then find it (or, on a

@@ -5,6 +5,7 @@ computes the same answer without talking to the others.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -36,7 +37,10 @@ class Placement:
     ranks: tuple[int, ...]
     """``ranks[client_id]``: the hosting rank."""
     work: tuple[float, ...] = ()
-    """Estimated work per client (training samples), for the start-up line; empty if unknown."""
+    """Estimated work per client (training samples, or samples × FLOPs), for the start-up line;
+    empty if unknown."""
+    work_unit: str = "samples"
+    """What ``work`` counts, as the start-up line names it."""
 
     @classmethod
     def round_robin(cls, world_size: int, num_clients: int) -> Placement:
@@ -102,14 +106,26 @@ class Placement:
             parts.append(f"rank {rank}: {len(hosted)} ({shown})" + (f" {share:.0%}" if share is not None else ""))
         rest = self.world_size - 1 - ranks_shown
         more = f"; {rest} more ranks" if rest > 0 else ""
-        return f"placement: rank 0 is the server; clients per rank (share of samples): {'; '.join(parts)}{more}"
+        return (f"placement: rank 0 is the server; clients per rank (share of {self.work_unit}): "
+                f"{'; '.join(parts)}{more}")
 
 
-def plan_placement(policy: str, world_size: int, work: Sequence[float]) -> Placement:
-    """``runtime.placement``: balanced (by training samples) or round_robin."""
+def plan_placement(policy: str, world_size: int, work: Sequence[float], work_unit: str = "samples") -> Placement:
+    """``runtime.placement``: balanced (by ``work``) or round_robin."""
     if policy == "round_robin":
-        return Placement(world_size, Placement.round_robin(world_size, len(work)).ranks, tuple(work))
-    return Placement.balanced(world_size, work)
+        placement = Placement(world_size, Placement.round_robin(world_size, len(work)).ranks, tuple(work))
+    else:
+        placement = Placement.balanced(world_size, work)
+    return dataclasses.replace(placement, work_unit=work_unit)
+
+
+def client_work(samples: Sequence[float], members: Sequence[str], flops_per_sample: dict[str, float] | None
+                ) -> list[float]:
+    """Each client's estimated work: its training samples, times its architecture's FLOPs per
+    sample when ``flops_per_sample`` (member -> FLOPs) is given."""
+    if flops_per_sample is None:
+        return [float(n) for n in samples]
+    return [float(n) * flops_per_sample[member] for n, member in zip(samples, members, strict=True)]
 
 
 def client_ranks(world_size: int) -> list[int]:
