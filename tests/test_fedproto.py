@@ -361,3 +361,51 @@ def test_server_refuses_bad_rows_naming_the_client():
     entry, context = _context()
     with pytest.raises(ProtocolError, match=r"^client 6 sent 1 class ids for 2 rows$"):
         entry.server(context).validate_upload(6, {"class_ids": torch.tensor([0]), "protos": torch.ones(2, K)})
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedtgp"])
+def test_the_sample_order_comes_from_the_round_generator_not_the_global_rng(algorithm):
+    """Two clients in the same state trained with equal generators give equal uploads, whatever
+    torch's global RNG holds (it is reseeded in between); another generator gives another order
+    and so other prototypes (lr > 0, several batches, prototypes taken during training)."""
+    def run(global_seed: int, stream: str):
+        torch.manual_seed(global_seed)
+        client = _client([0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1])
+        entry, context = _context(proto_from="during_training") if algorithm == "fedproto" else (
+            get_algorithm("fedtgp"), AlgorithmContext(num_classes=C, feature_dim=K, seed=0,
+                                                      train=TrainConfig(batch_size=5),
+                                                      options=parse_options(get_algorithm("fedtgp"),
+                                                                            {"proto_from": "during_training"})))
+        knowledge = {"class_ids": torch.tensor([0, 1]),
+                     "protos": torch.randn(2, K, generator=torch.Generator().manual_seed(3))}
+        torch.manual_seed(global_seed + 1000)  # the global RNG differs between the calls
+        return entry.client(context).train(client, knowledge, 1, torch_generator(0, stream))
+
+    first, second, other = run(1, "order"), run(2, "order"), run(1, "another order")
+    torch.testing.assert_close(first.upload["protos"], second.upload["protos"])
+    assert not torch.allclose(first.upload["protos"], other.upload["protos"])
+
+
+def test_server_state_round_trips():
+    entry, context = _context()
+    server = entry.server(context)
+    server.update({0: {"class_ids": torch.tensor([1, 3]), "protos": torch.randn(2, K)}}, 0, torch_generator(0, "s"))
+    fresh = entry.server(context)
+    fresh.load_state_dict(server.state_dict())
+    assert fresh.download()["class_ids"].tolist() == [1, 3]
+    torch.testing.assert_close(fresh.download()["protos"], server.download()["protos"])
+
+
+def test_fedtgp_fields_and_upload_checks():
+    entry = get_algorithm("fedtgp")
+    context = AlgorithmContext(num_classes=C, feature_dim=K, seed=0, train=TrainConfig(),
+                               options=parse_options(entry, {}))
+    for fields in (entry.client.upload_fields(context), entry.server.download_fields(context)):
+        assert [(f.name, f.max_rows) for f in fields] == [("class_ids", C), ("protos", C)]
+        assert fields[1].trailing_shape == (K,)
+    server = entry.server(context)
+    with pytest.raises(ProtocolError, match=r"^client 2 sent 1 class ids for 2 rows$"):
+        server.validate_upload(2, {"class_ids": torch.tensor([0]), "protos": torch.ones(2, K)})
+    with pytest.raises(ProtocolError, match=r"^client 2 sent a class id outside \[0, 5\)$"):
+        server.validate_upload(2, {"class_ids": torch.tensor([5]), "protos": torch.ones(1, K)})
+    server.validate_upload(2, {"class_ids": torch.tensor([4]), "protos": torch.ones(1, K)})
