@@ -293,7 +293,7 @@ def test_mentee_and_w_h_live_in_client_modules_and_persist():
         assert all(torch.equal(state[k], v) for k, v in module.state_dict().items())
 
 
-def test_each_of_the_three_modules_is_clipped_to_norm_10():
+def test_mentor_mentee_and_w_h_are_each_clipped_to_norm_10():
     """One batch (4 samples, batch 4) of inputs scaled ×1000: every gradient is huge, so one SGD step
     moves each module by exactly lr·10 (its clipped gradient norm)."""
     entry, context, algorithm, clients = _kd_clients(count=1, mentee_lr=0.02, wh_lr=0.03)
@@ -391,3 +391,168 @@ def test_resume_matches_the_uninterrupted_run(two_rounds, tmp_path, cache_dir):
     for key in ("test_acc", "train_loss", "bytes_theory_up", "bytes_theory_down", "floats_up", "ranks_down",
                 "mean_norm"):
         assert rows[1][key] == two_rounds[1][key], key
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def test_option_bounds_are_inclusive_where_documented():
+    """T ∈ (0, 1] includes 1; R ≥ 1 includes 1; the messages are the exact one-liners."""
+    entry = get_algorithm("fedkd")
+    parse_options(entry, {"t_start": 1.0, "t_end": 1.0})
+    assert energy_at(parse_options(entry, {"global_rounds": 1}), 5) == pytest.approx(0.98)  # R = 1: T_end from t = 1
+    with pytest.raises(ConfigError) as info:
+        parse_options(entry, {"global_rounds": 0})
+    assert str(info.value) == "config key 'algo.global_rounds' must be >= 1, got 0"
+    with pytest.raises(ConfigError) as info:
+        parse_options(entry, {"t_end": 1.5})
+    assert str(info.value) == "config key 'algo.t_end' must be in (0, 1], got 1.5"
+
+
+def test_layout_max_rank_and_allowed_ranks_by_hand():
+    """[4, 5]: a matrix with min(4, 5) = 4 singular values; [5] and [1, 5]: raw (none). A conv weight
+    [2, 1, 3, 5] is the [2, 15] matrix under fixed (2 values) but 2·1 slices of 3×5 under htfllib
+    (min(3, 5) = 3 values each); a 3-D tensor is always a matrix. fixed may declare 1 … k, htfllib
+    0 … k − 1 (its loop never reaches k)."""
+    from htfl_dist.algorithms.compression import allowed_ranks, layout, max_rank
+
+    assert layout((4, 5), "fixed") == layout((4, 5), "htfllib") == layout((2, 3, 5), "htfllib") == "matrix"
+    assert layout((5,), "fixed") == layout((1, 5), "htfllib") == "raw"
+    assert (layout((2, 1, 3, 5), "fixed"), layout((2, 1, 3, 5), "htfllib")) == ("matrix", "slices")
+    assert max_rank((4, 5), "fixed") == max_rank((4, 5), "htfllib") == 4
+    assert max_rank((5,), "fixed") == max_rank((1, 5), "htfllib") == 0
+    assert (max_rank((2, 1, 3, 5), "fixed"), max_rank((2, 1, 3, 5), "htfllib"), max_rank((2, 1, 5, 3), "htfllib")) \
+        == (2, 3, 3)
+    assert list(allowed_ranks((4, 5), "fixed")) == [1, 2, 3, 4]
+    assert list(allowed_ranks((4, 5), "htfllib")) == [0, 1, 2, 3]
+    assert list(allowed_ranks((2, 1, 3, 5), "fixed")) == [1, 2]
+    assert list(allowed_ranks((2, 1, 3, 5), "htfllib")) == [0, 1, 2]
+    assert tuple(allowed_ranks((5,), "fixed")) == tuple(allowed_ranks((1, 5), "htfllib")) == ()
+
+
+def test_htfllib_rule_when_the_total_energy_is_below_one():
+    """e = (0.5, 0.25, 0.125) (exact in binary), T = 0.5: threshold 0.4375. fixed stops at n = 1
+    (0.5 ≥ 0.4375); htfllib starts from an empty sum 0 at n = 0 (not above) and stops at n = 1."""
+    assert select_rank(torch.tensor([0.5, 0.25, 0.125]), 0.5, "fixed") == 1
+    assert select_rank(torch.tensor([0.5, 0.25, 0.125]), 0.5, "htfllib") == 1
+
+
+def test_slice_cost_multiplies_out_and_in_channels():
+    """[o=2, i=3, 4, 5] at rank 2: slices cost 2·3·2·(4+5+1) = 120 floats; as the [2, 60] matrix
+    (fixed) 2·(2+60+1) = 126."""
+    assert compressed_cost((2, 3, 4, 5), 2, "htfllib") == 120
+    assert compressed_cost((2, 3, 4, 5), 2, "fixed") == 126
+
+
+def test_compressed_fields_bound_every_factor_by_its_tensor():
+    from htfl_dist.algorithms.compression import compressed_fields, empty_compressed
+    from htfl_dist.payload import Field
+
+    # one rank per tensor; each factor at most numel rows: 4·5 = 20 for the matrix, 5 for the bias
+    assert compressed_fields([(4, 5), (5,)]) == (
+        Field("ranks", torch.int64, max_rows=2),
+        Field("p0.u", torch.float32, max_rows=20), Field("p0.s", torch.float32, max_rows=20),
+        Field("p0.v", torch.float32, max_rows=20),
+        Field("p1.u", torch.float32, max_rows=5), Field("p1.s", torch.float32, max_rows=5),
+        Field("p1.v", torch.float32, max_rows=5))
+    empty = empty_compressed([(4, 5), (5,)])
+    assert empty["ranks"].dtype == torch.int64 and empty["p1.v"].dtype == torch.float32
+    assert all(tensor.numel() == 0 for tensor in empty.values())
+
+
+def test_fedkd_fields_are_the_codec_fields_plus_the_version():
+    from htfl_dist.algorithms.compression import compressed_fields
+    from htfl_dist.payload import Field
+
+    entry, context = make_context("fedkd", num_classes=3, feature_dim=16)
+    codec = compressed_fields(parameter_shapes(context))
+    assert entry.client.upload_fields(context) == codec
+    assert entry.server.download_fields(context) == (Field("version", torch.int64, max_rows=1), *codec)
+
+
+def test_payload_cost_and_recovery_refuse_a_rank_count_that_does_not_match():
+    """Two ranks for three shapes: zip(strict=True) raises instead of silently dropping a tensor."""
+    payload, _ = compress_tensors([torch.ones(5), torch.ones(3)], 0.95, "fixed")
+    with pytest.raises(ValueError):
+        payload_cost(payload, [(5,), (3,), (2,)], "fixed")
+    with pytest.raises(ValueError):
+        recover_tensors(payload, [(5,), (3,), (2,)], "fixed")
+
+
+def test_server_counts_versions_and_reports_by_hand():
+    """Uploads 1, 3, 5 everywhere (constants: rank 1 or raw, exact): the mean is 3 in each of the P
+    shared parameters, so ‖mean‖ = 3·√P; each update increments the version."""
+    _, context, server = _kd_server()
+    shapes = parameter_shapes(context)
+    count = params.parameter_count(build_shared_model(context))
+    uploads = {c: compress_tensors([torch.full(shape, value) for shape in shapes], 0.95, "fixed")[0]
+               for c, value in ((0, 1.0), (2, 3.0), (5, 5.0))}
+    got = server.update(uploads, 0, torch_generator(0, "server", 0))
+    assert got["shared_floats"] == count
+    assert got["mean_norm"] == pytest.approx(3.0 * math.sqrt(count), rel=1e-5)
+    assert got["ranks_down"] == server.download()["ranks"].tolist()
+    assert server.download()["version"].dtype == torch.int64
+    server.update(uploads, 1, torch_generator(0, "server", 1))
+    assert server.download()["version"].tolist() == [2]
+    assert roundtrip(server.state_dict())["version"].dtype == torch.int64
+
+
+def test_server_mean_is_summed_in_float64():
+    """Raw (1-D) parameters of 1, 1e-8 and −1 in client order: float64 keeps 1e-8, so the mean is
+    1e-8/3; a float32 sum would lose it (1 + 1e-8 rounds to 1) and give 0."""
+    _, context, server = _kd_server()
+    shapes = parameter_shapes(context)
+    uploads = {c: compress_tensors([torch.full(shape, value) for shape in shapes], 0.95, "fixed")[0]
+               for c, value in ((0, 1.0), (1, 1e-8), (2, -1.0))}
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    for shape, tensor in zip(shapes, recover_tensors(server.download(), shapes, "fixed"), strict=True):
+        if len(shape) == 1:
+            assert torch.allclose(tensor, torch.full(shape, 1e-8 / 3), rtol=1e-5, atol=0.0)
+
+
+def test_htfllib_server_costs_count_conv_slices():
+    """Under htfllib the conv weights travel as per-slice factors: the theoretical floats each way
+    (o·i·r(kh+kw+1) per conv weight) equal the floats actually carried."""
+    _, context, server = _kd_server("htfllib")
+    shapes = parameter_shapes(context)
+    assert any(len(shape) == 4 for shape in shapes)
+    uploads = {c: compress_tensors([torch.randn(shape) for shape in shapes], 0.95, "htfllib")[0] for c in (0, 1)}
+    got = server.update(uploads, 0, torch_generator(0, "server", 0))
+    assert got["floats_up_theory"] == got["floats_up"]
+    assert server.theory_download_floats() == got["floats_down"] == got["floats_down_theory"]
+
+
+def test_client_records_sync_state_costs_and_samples():
+    _, _, algorithm, clients = _kd_clients(count=2)
+    assert clients[0].modules["sync"].version.dtype == torch.int64
+    assert algorithm.theory_upload_floats(clients[0]) == 0  # nothing uploaded yet
+    server = get_algorithm("fedkd").server(_kd_server()[1])
+    result = _train(algorithm, clients[0], server.download())
+    assert result.samples == 8  # 9 samples in batches of 4: 4 + 4, the final single sample is skipped
+    assert isinstance(result.loss_sum, float) and result.loss_sum > 0
+    assert algorithm.theory_upload_floats(clients[0]) > 0
+    assert algorithm.theory_upload_floats(clients[1]) == 0  # client 1 has not uploaded
+    _, _, _, weights = _kd_clients(count=1, compress="weights")
+    assert weights[0].modules["sync"].row.numel() == 0  # weights mode keeps no G_sync
+
+
+def test_batches_come_from_the_round_generator_not_the_global_stream():
+    """The same client, generator and start, under two different global seeds: identical uploads."""
+    uploads = []
+    for global_seed in (1, 2):
+        entry, context, algorithm, clients = _kd_clients(count=1)
+        torch.manual_seed(global_seed)
+        result = algorithm.train(clients[0], entry.server(context).download(), 0, torch_generator(0, "batches", 0))
+        uploads.append(result.upload)
+    assert all(torch.equal(uploads[0][name], uploads[1][name]) for name in uploads[0])
+
+
+def test_w_h_learning_rate_defaults_to_the_client_lr():
+    """As the clipping test, without wh_lr: W_h moves by train.lr·10 = 0.05·10."""
+    entry, context, algorithm, clients = _kd_clients(count=1)
+    client = clients[0]
+    client.train_x, client.train_y = client.train_x[:4] * 1000, client.train_y[:4]
+    before = params.parameter_row(client.modules["w_h"])
+    _train(algorithm, client, entry.server(context).download())
+    moved = float((params.parameter_row(client.modules["w_h"]) - before).norm())
+    assert moved == pytest.approx(0.5, rel=1e-3)

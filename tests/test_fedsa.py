@@ -403,3 +403,112 @@ def test_resume_matches_the_uninterrupted_run(reference, tmp_path, cache_dir):
     for key in ("test_acc", "test_acc_head", "train_loss", "global_margin", "local_margin_mean", "anchor_drift",
                 "upload_to_anchor", "proto_drift", "bytes_theory_up"):
         assert rows[1].get(key) == reference[1].get(key), key
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def test_ema_decay_bounds_are_inclusive_and_the_message_exact():
+    for value in (0.0, 1.0):
+        assert _context(ema_decay=value)[1].options.ema_decay == value
+    with pytest.raises(ConfigError) as info:
+        _context(ema_decay=1.5)
+    assert str(info.value) == "config key 'algo.ema_decay' must be in [0, 1], got 1.5"
+
+
+def test_anchors_come_from_the_documented_streams():
+    """build_anchors' docstring: A ~ N(0, I) from the stream (seed, "fedsa-anchors"); h_ψ =
+    (Linear → BatchNorm → ReLU) × 2 initialised from torch seeded by (seed, "fedsa-projection"),
+    applied once in train mode."""
+    from htfl_dist.seeding import derive_seed
+
+    _, context = _context(num_classes=4, feature_dim=3, seed=5)
+    table = torch.randn(4, 3, generator=torch_generator(5, "fedsa-anchors"))
+    _, raw = _context(num_classes=4, feature_dim=3, seed=5, anchor_projection="none")
+    assert torch.equal(build_anchors(raw), table)
+    torch.manual_seed(derive_seed(5, "fedsa-projection"))
+    first, norm1 = nn.Linear(3, 3), nn.BatchNorm1d(3)
+    second, norm2 = nn.Linear(3, 3), nn.BatchNorm1d(3)
+    with torch.no_grad():
+        expected = torch.relu(norm2(second(torch.relu(norm1(first(table))))))
+    torch.testing.assert_close(build_anchors(context), expected)
+
+
+def test_batch_class_means_keep_the_feature_dtype():
+    from htfl_dist.algorithms.fedsa import batch_class_means
+
+    features = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64)
+    means, present = batch_class_means(features, torch.tensor([0, 0, 2]), 3)
+    assert means.dtype == torch.float64
+    torch.testing.assert_close(means, torch.tensor([[2.0, 3.0], [0.0, 0.0], [5.0, 6.0]], dtype=torch.float64))
+    assert present.tolist() == [True, False, True]
+
+
+def test_losses_with_more_classes_than_feature_dimensions():
+    """C = 3 anchors in the plane (TRIANGLE). One sample at A2 = (0, 4), label 2, margin 0:
+    distances 4, 5, 0 → L_MCL = log(1 + e^{−4} + e^{−5}). A zero head gives 3 equal logits per
+    anchor: L_CC = ln 3."""
+    sample, label = torch.tensor([[0.0, 4.0]]), torch.tensor([2])
+    expected = math.log(1 + math.exp(-4.0) + math.exp(-5.0))
+    for on in ("prototypes", "samples"):
+        value = anchor_contrastive_loss(sample, label, TRIANGLE, 0.0, on)
+        assert value.item() == pytest.approx(expected, rel=1e-5)  # float32 distances
+    head = nn.Linear(2, 3)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    assert calibration_loss(head, TRIANGLE).item() == pytest.approx(math.log(3.0), rel=1e-6)
+
+
+def test_client_margins_follow_the_margin_rule():
+    """nearest: TRIANGLE's nearest distances 3, 3, 4 → 10/3 for the anchors and for stored prototypes
+    at the same points (pairwise would give 4)."""
+    entry, context = _context(margin_rule="nearest")
+    algorithm = entry.client(context)
+    client = _linear_client(context)
+    assert algorithm.margins(client, TRIANGLE) == (pytest.approx(10 / 3), None)
+    client.modules[MEMORY].store(torch.tensor([0, 1, 2]), TRIANGLE)
+    assert algorithm.margins(client, TRIANGLE) == (pytest.approx(10 / 3), pytest.approx(10 / 3))
+    with pytest.raises(AssertionError, match=r"^C >= 2 anchors$"):
+        algorithm.margins(client, TRIANGLE[:1])
+
+
+def test_contrast_on_samples_in_the_client_objective():
+    """contrast_on=samples, only L_MCL (λ1 = λ3 = 0), zero head, lr = 0; two class-0 samples at
+    (−1, 0) and (1, 0), anchors A0 = (3, 0), A1 = (0, 4), d* = d_global = 5:
+    per sample −log softmax_0(−(d0 + 5), −√17) with d0 = 4 and 2, averaged; CE = ln 2; one batch of 2."""
+    entry, context = _context(num_classes=2, reg_weight=0.0, cc_weight=0.0, contrast_on="samples")
+    client = _linear_client(context, x=((-1.0, 0.0), (1.0, 0.0)), y=(0, 0))
+    result = entry.client(context).train(client, _knowledge(TRIANGLE[1:]), 0, torch_generator(0, "b"))
+    root17 = math.sqrt(17.0)
+    mcl = (math.log(1 + math.exp(9 - root17)) + math.log(1 + math.exp(7 - root17))) / 2
+    assert result.loss_sum == pytest.approx(2 * (math.log(2.0) + mcl), rel=1e-5)
+
+
+def test_client_batches_come_from_the_round_generator():
+    """lr > 0 and batches of one: the loss depends on the order, which only the generator decides."""
+    x = ((0.0, 1.0), (2.0, 0.0), (1.0, 3.0), (4.0, 1.0), (0.5, 2.0), (3.0, 3.0))
+    losses = []
+    for global_seed in (1, 2):
+        entry, context = _context(batch_size=1, lr=0.1)
+        client = _linear_client(context, x=x, y=(0, 1, 2, 0, 1, 2))
+        torch.manual_seed(global_seed)
+        losses.append(entry.client(context).train(client, _knowledge(TRIANGLE), 0, torch_generator(0, "b")).loss_sum)
+    assert losses[0] == losses[1]
+
+
+def test_download_fields_by_hand():
+    from htfl_dist.payload import Field
+
+    entry, context = _context(feature_dim=2)
+    assert entry.server.download_fields(context) == (
+        Field("class_ids", torch.int64), Field("anchors", torch.float32, (2,)),
+        Field("protos", torch.float32, (2,)), Field("proto_present", torch.bool))
+
+
+def test_server_refuses_a_bad_upload_naming_the_client():
+    from htfl_dist.errors import ProtocolError
+
+    server = _server(compat="htfllib")
+    server.validate_upload(7, {"class_ids": torch.tensor([1]), "protos": torch.ones(1, 2)})
+    with pytest.raises(ProtocolError, match="client 7"):
+        server.validate_upload(7, {"class_ids": torch.tensor([5]), "protos": torch.ones(1, 2)})

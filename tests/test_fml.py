@@ -3,6 +3,7 @@ scratch copy of G, and one real run. The shared-model helpers here serve tests/t
 from __future__ import annotations
 
 import io
+import math
 
 import pytest
 import torch
@@ -112,6 +113,7 @@ def test_shared_model_check_refuses_what_does_not_fit(odd_architectures, algorit
         get_algorithm(algorithm).client.check_models(context)
     message = str(info.value)
     assert needle in message and "algo.shared_model" in message and "\n" not in message
+    assert message.startswith(f"{ {'fml': 'FML', 'fedkd': 'FedKD'}[algorithm]} shared model {member} ")
 
 
 def test_shared_model_check_refuses_an_image_too_small():
@@ -255,3 +257,138 @@ def test_real_run(tmp_path, cache_dir):
     rows = launch_smoke("fml", tmp_path, cache_dir)
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)  # inference is M_i's own argmax
     assert all(r["shared_uploads"] == 6 for r in rows)
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def test_alpha_and_beta_bounds_are_inclusive_and_the_message_exact():
+    entry = get_algorithm("fml")
+    for value in (0.0, 1.0):
+        parse_options(entry, {"alpha": value, "beta": value})
+    with pytest.raises(ConfigError) as info:
+        parse_options(entry, {"alpha": 1.5})
+    assert str(info.value) == "config key 'algo.alpha' must be in [0, 1], got 1.5"
+
+
+def test_shared_model_names_are_checked_with_exact_messages():
+    entry = get_algorithm("fml")
+    from htfl_dist.models import architectures, heads
+
+    cases = {
+        "HtCNN8": "config key 'algo.shared_model' is 'HtCNN8', a model group; name one architecture "
+                  "(ARCH or ARCH:HEAD), e.g. htcnn2 or cnn:fc",
+        "htcnn1,htcnn2": "config key 'algo.shared_model' is 'htcnn1,htcnn2', a model group; name one architecture "
+                         "(ARCH or ARCH:HEAD), e.g. htcnn2 or cnn:fc",
+        "bogus": "config key 'algo.shared_model' is 'bogus': unknown architecture 'bogus'; allowed: "
+                 + ", ".join(architectures()) + " (optionally ARCH:HEAD)",
+        "htcnn2:fc64": "config key 'algo.shared_model' is 'htcnn2:fc64': unknown head 'fc64'; allowed heads: "
+                       + ", ".join(heads()),
+    }
+    assert "cnn, googlenet, htcnn1" in cases["bogus"] and "fc, fc128, " in cases["htcnn2:fc64"]
+    for value, message in cases.items():
+        with pytest.raises(ConfigError) as info:
+            parse_options(entry, {"shared_model": value})
+        assert str(info.value) == message, value
+
+
+def test_shared_model_is_drawn_from_the_named_stream():
+    """Module docstring: G is built from torch's RNG seeded by (seed, "shared-model")."""
+    from htfl_dist.models import build_model
+
+    _, context = make_context("fml", num_classes=10, feature_dim=16)
+    seed_global_torch(0, "shared-model")
+    expected = build_model("htcnn1", num_classes=10, feature_dim=16, in_channels=1, image_size=28)
+    assert torch.equal(params.parameter_row(build_shared_model(context)), params.parameter_row(expected))
+
+
+def test_fml_fields_by_hand():
+    from htfl_dist.payload import Field
+
+    for avg, extra in (("uniform", ()), ("sample_weighted", (Field("num_samples", torch.int64, max_rows=1),))):
+        entry, context = make_context("fml", num_classes=10, feature_dim=16, avg=avg)
+        shared = Field("shared", torch.float32, (params.parameter_count(build_shared_model(context)),), max_rows=1)
+        assert entry.client.upload_fields(context) == (shared, *extra)
+        assert entry.server.download_fields(context) == (shared,)
+
+
+def test_upload_checks_accept_the_edges_and_name_what_is_wrong():
+    server, _ = _server(avg="sample_weighted")
+    width = server.shared.shape[1]
+    server.validate_upload(2, {"shared": torch.zeros(1, width), "num_samples": torch.tensor([1])})  # one count of 1
+    with pytest.raises(ProtocolError) as info:
+        server.validate_upload(2, {"shared": torch.zeros(2, width), "num_samples": torch.tensor([5])})
+    assert str(info.value) == "client 2 sent 2 shared-model rows, expected 1"
+    with pytest.raises(ProtocolError) as info:
+        server.validate_upload(2, {"shared": torch.zeros(1, width), "num_samples": torch.tensor([3, 4])})
+    assert str(info.value) == "client 2 sent num_samples=[3, 4], expected one count > 0"
+
+
+def test_server_diagnostics_by_hand():
+    """All-2.5 then a lone upload of all-4: G moves by 1.5 in each of its P entries, ‖·‖ = 1.5·√P."""
+    server, _ = _server()
+    width = server.shared.shape[1]
+    server.update({0: {"shared": torch.full((1, width), 2.5)}}, 0, torch_generator(0, "server", 0))
+    got = server.update({1: {"shared": torch.full((1, width), 4.0)}}, 1, torch_generator(0, "server", 1))
+    assert got == {"shared_uploads": 1, "shared_change": pytest.approx(1.5 * width ** 0.5, rel=1e-5)}
+
+
+def _constant_logits(bias):
+    """Features from a linear map of the image, a zero-weight head: logits = ``bias`` for every input."""
+    head = nn.Linear(4, len(bias))
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.copy_(torch.tensor(bias))
+    return SplitModel(nn.Sequential(nn.Flatten(), nn.Linear(784, 4)), head, 4)
+
+
+@pytest.mark.parametrize("kd,kl_scale", [("dml", 1.0), ("htfllib", 0.5)])
+def test_mutual_objective_by_hand(monkeypatch, kd, kl_scale):
+    """Local logits (0, 0): p = (1/2, 1/2); shared logits (ln 3, 0): p_g = (3/4, 1/4); labels 0, 1, 0, …
+    One batch of 8, α = β = 1/2, so the first forward is the whole loss:
+        CE(z) = ln 2; CE(z_g) = (ln(4/3) + ln 4)/2 (half the labels 0, half 1);
+        KL(p_g‖p) = 3/4·ln(3/2) + 1/4·ln(1/2); KL(p‖p_g) = 1/2·ln(2/3) + 1/2·ln 2;
+    dml averages KL over the batch (scale 1), htfllib over B·C = 2B (scale 1/2);
+    loss_sum = 8 · (L + L_g)."""
+    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_constant",
+                        lambda **_: _constant_logits([math.log(3.0), 0.0]))
+    entry, context = make_context("fml", num_classes=2, feature_dim=4, batch_size=8, kd=kd,
+                                  shared_model="test_constant")
+    client = make_client(context, samples=8)
+    client.model = _constant_logits([0.0, 0.0])
+    client.optimizer = torch.optim.SGD(client.model.parameters(), lr=context.train.lr)
+    seed_global_torch(0, "train", 0, 0)
+    result = entry.client(context).train(client, entry.server(context).download(), 0,
+                                         torch_generator(0, "batches", 0, 0))
+    kl_local = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    kl_shared = 0.5 * math.log(2 / 3) + 0.5 * math.log(2.0)
+    local = 0.5 * math.log(2.0) + 0.5 * kl_scale * kl_local
+    shared = 0.5 * (math.log(4 / 3) + math.log(4.0)) / 2 + 0.5 * kl_scale * kl_shared
+    assert result.samples == 8
+    assert result.loss_sum == pytest.approx(8 * (local + shared), rel=1e-5)
+
+
+def test_average_rows_edges():
+    """No rows: the exact message; a weight per row or ValueError; summed in float64 (1 + 1e-8 − 1
+    keeps the 1e-8 in float64, loses it in float32), so the uniform mean is 1e-8/3."""
+    with pytest.raises(ValueError) as info:
+        params.average_rows([])
+    assert str(info.value) == "average of no rows"
+    with pytest.raises(ValueError):
+        params.average_rows([torch.ones(1, 2), torch.ones(1, 2)], [1.0])
+    rows = [torch.full((1, 2), value) for value in (1.0, 1e-8, -1.0)]
+    assert torch.allclose(params.average_rows(rows), torch.full((1, 2), 1e-8 / 3), rtol=1e-5, atol=0.0)
+
+
+def test_identical_heads_check_describes_both_heads():
+    """HtFE8-HtC4: client 0 is cnn:fc (Linear(4, 3)), client 1 googlenet:fc512 (Linear(4, 512),
+    ReLU, Linear(512, 3)): the first mismatch is reported with both signatures."""
+    from htfl_dist.algorithms.parameters import require_identical_heads
+
+    _, context = make_context("fml", num_classes=3, feature_dim=4, num_clients=4, group="HtFE8-HtC4")
+    with pytest.raises(ConfigError) as info:
+        require_identical_heads(context, "LG-FedAvg")
+    assert str(info.value) == (
+        "LG-FedAvg shares the head, so all heads must be identical; client 1 (googlenet:fc512) has "
+        "{0.weight:[512, 4], 0.bias:[512], 2.weight:[3, 512], 2.bias:[3]} but client 0 (cnn:fc) has "
+        "{weight:[3, 4], bias:[3]}. Use a group with homogeneous heads, or feddistill/fml/fedkd/fedproto/fedtgp.")
