@@ -34,9 +34,10 @@ from htfl_dist.algorithms.fedktl import (
     kernel_saturation,
     mmd_loss,
     simplex_etf,
+    squared_distances,
 )
 from htfl_dist.config import TrainConfig, load_config
-from htfl_dist.errors import ConfigError
+from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.generators import to_client_images
 from htfl_dist.generators.dcgan import PriorLatentGenerator
 from htfl_dist.models import SplitModel
@@ -693,3 +694,370 @@ def test_single_client_mode(tmp_path, cache_dir):
         assert row["bytes_theory_down"] == 4 * 1 * 10 * (28 * 28 + 100)
         assert row["server_pairs"] == row["bytes_theory_up"] // (4 * 10)
         assert 0 < row["test_acc"] <= 1
+
+
+# ------------------------------------------------------ edges found by a mutmut pass (issue 12)
+
+
+def test_option_bounds_accept_their_edge_values():
+    """server_epochs, server_batch_size and pairs_per_step must be >= 1: 1 itself is allowed."""
+    o = parse_options(ENTRY, {"server_epochs": 1, "server_batch_size": 1, "pairs_per_step": 1})
+    assert (o.server_epochs, o.server_batch_size, o.pairs_per_step) == (1, 1, 1)
+
+
+def test_simplex_etf_needs_two_classes_exact_message():
+    with pytest.raises(ConfigError, match=r"^FedKTL's ETF classifier needs at least 2 classes$"):
+        simplex_etf(1, 1, 0)  # K = C = 1 passes the K >= C check, then fails this one
+
+
+@pytest.mark.parametrize("num_classes,dim", [(3, 5), (4, 7)])
+def test_simplex_etf_lies_in_the_span_of_its_documented_stream(num_classes, dim):
+    """V = sqrt(C/(C−1)) · U · (I − 11ᵀ/C) with U the Q of a QR of D = U[0, 1)^{K×C} drawn from stream
+    (seed, "fedktl-etf"): every column of V is a combination of U's columns, hence of D's. For K > C
+    that span is a proper subspace of R^K, so the projection of V onto span(D) must give V back;
+    a C-dim subspace drawn from another stream does not contain V (the second check)."""
+    etf = simplex_etf(num_classes, dim, seed=2).double()
+
+    def residual(stream: str) -> float:
+        draw = torch.rand(dim, num_classes, generator=torch_generator(2, stream), dtype=torch.float64)
+        projector = draw @ torch.linalg.solve(draw.t() @ draw, draw.t())  # onto span(D)
+        return float((etf - projector @ etf).abs().max())
+
+    assert residual("fedktl-etf") < 1e-6
+    assert residual("fedktl-aux") > 1e-2
+
+
+def test_arcface_gradient_is_finite_at_exact_opposition():
+    """cos θ_y = −1 exactly (z = −v_y): arccos' is infinite at −1, so the clamp at −1 + ε must hold
+    it off. V = I, z = (−1, 0), y = 0, s = 2, m = 0.5: float32 rounds −1 + 1e-7 to −1 + 1.19e-7, θ_y =
+    arccos(−1 + 1.19e-7) = π − 4.88e-4 = 3.141104; target logit 2·cos(3.141104 + 0.5) = −1.755633,
+    other 2·0 = 0; CE = log(1 + e^{1.755633}) = log(6.786992) = 1.915025."""
+    outputs = torch.tensor([[-1.0, 0.0]], requires_grad=True)
+    loss = arcface_loss(outputs, torch.tensor([0]), torch.eye(2), 2.0, 0.5)
+    assert loss.item() == pytest.approx(1.915025, abs=2e-5)
+    loss.backward()
+    assert torch.isfinite(outputs.grad).all()
+
+
+def test_auxiliary_projection_is_the_documented_affine_map_of_its_stream():
+    """U(±b) with b = 1/√K′ is u ↦ 2b·u − b of U[0, 1) draws u from stream (seed, "fedktl-aux"),
+    weight first (row-major), then bias: (w + b)/(2b) gives those draws back. K′ = 16: b = 0.25;
+    both signs occur (a map onto [−b, −b/2) would pass a |w| <= b check)."""
+    layer = auxiliary_projection(16, 6, seed=5)
+    stream = torch_generator(5, "fedktl-aux")
+    draws = torch.rand(6 * 16 + 6, generator=stream)
+    bound = 0.25
+    torch.testing.assert_close((layer.weight.detach() + bound) / (2 * bound), draws[:96].view(6, 16))
+    torch.testing.assert_close((layer.bias.detach() + bound) / (2 * bound), draws[96:])
+    assert layer.weight.min() < -0.8 * bound and layer.weight.max() > 0.8 * bound
+
+
+def test_pair_batches_use_an_exact_pair_of_leftovers_before_reshuffling():
+    """C = 4, 2 per step: after the first step 2 pairs remain, a full batch, so they are used;
+    each two steps are a permutation of the 4 pairs."""
+    batches = PairBatches(4, 2, torch.Generator().manual_seed(0))
+    passes = [torch.cat([batches.next(), batches.next()]).tolist() for _ in range(5)]
+    for order in passes:
+        assert sorted(order) == [0, 1, 2, 3]
+    assert len({tuple(p) for p in passes}) > 1  # reshuffled between passes
+
+
+def test_pair_batches_with_no_pairs_or_one_pair():
+    empty = PairBatches(0, 2, torch.Generator().manual_seed(0)).next()
+    assert empty.dtype == torch.int64 and empty.numel() == 0  # an index usable on an empty tensor
+    single = PairBatches(1, 2, torch.Generator().manual_seed(0))
+    assert [single.next().tolist() for _ in range(3)] == [[0]] * 3  # the only pair, again and again
+
+
+def test_client_fields_and_generator_check():
+    context = _client_context(num_classes=3)
+    assert [(f.name, f.dtype, f.trailing_shape, f.max_rows) for f in FedKTLClient.upload_fields(context)] == [
+        ("class_ids", torch.int64, (), 3), ("protos", torch.float32, (3,), 3)]  # K = C wide, at most C rows
+    FedKTLClient.check_models(_client_context(latent_dim=1))  # H = 1 is a generator
+    with pytest.raises(ConfigError, match=r"^FedKTL needs a generator \(generator\.name\)$"):
+        FedKTLClient.check_models(_client_context(latent_dim=0))
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.0])
+def test_client_loss_with_one_pair_and_a_small_mu(mu):
+    """One downloaded pair is enough to transfer, and μ <= 1 still counts (lr = 0: the loss is
+    ArcFace on the split plus μ·MSE(h′(f(I_0)), Q_0))."""
+    context = _client_context(mu=mu)
+    algorithm = FedKTLClient(context)
+    client = _tiny_client()
+    full = _pairs_download()
+    pair = {"class_ids": full["class_ids"][:1], "images": full["images"][:1], "latents": full["latents"][:1]}
+    with torch.no_grad():
+        arcface = float(arcface_loss(client.model(client.train_x), client.train_y, algorithm.etf, 64.0, 0.5))
+        transfer = float(F.mse_loss(algorithm.aux_init(client.model.features(pair["images"])), pair["latents"]))
+    assert transfer > 0.01
+    result = algorithm.train(client, pair, 1, torch_generator(0, "b"))
+    assert result.loss_sum / result.samples == pytest.approx(arcface + mu * transfer, rel=1e-5)
+
+
+def test_mu_zero_does_not_even_run_the_pairs_through_the_model():
+    """μ = 0: the generated images never pass through f_i, so f_i's BatchNorm statistics (and so the
+    eval-mode prototypes) are those of a round without pairs."""
+    context = _client_context(lr=0.05, mu=0.0)
+    with_pairs = FedKTLClient(context).train(_batchnorm_client(), _pairs_download(), 1, torch_generator(0, "b"))
+    without = FedKTLClient(context).train(_batchnorm_client(), _empty_download(context), 1, torch_generator(0, "b"))
+    assert torch.equal(with_pairs.upload["protos"], without.upload["protos"])
+
+
+def test_htfllib_pair_batches_come_from_the_round_generator_not_the_global_rng():
+    """pairs_per_step = 2 of C = 3 pairs: which two a step uses is drawn from the round's generator;
+    reseeding torch's global RNG in between changes nothing."""
+    context = _client_context(lr=0.05, compat="htfllib", pairs_per_step=2)
+
+    def run(global_seed):
+        client = _tiny_client(lr=0.05)
+        torch.manual_seed(global_seed)
+        return FedKTLClient(context).train(client, _pairs_download(), 1, torch_generator(0, "b")).upload["protos"]
+
+    torch.testing.assert_close(run(1), run(2), rtol=0, atol=0)
+
+
+def test_client_steps_h_prime_with_sgd_and_clips_both_to_norm_100(monkeypatch):
+    """The local loop gets two optimizers, the client's and a plain SGD on h′ = Linear(K′ = 8, H = 5)
+    at train.lr, and a before_step that clips f_i ∘ h_i's and h′'s gradients to norm 100 each."""
+    calls = []
+    real = fedktl_module.run_local_training
+
+    def spy(client, context, loss_fn, generator, **kwargs):
+        calls.append(kwargs)
+        return real(client, context, loss_fn, generator, **kwargs)
+
+    monkeypatch.setattr(fedktl_module, "run_local_training", spy)
+    client = _tiny_client(lr=0.05)
+    FedKTLClient(_client_context(lr=0.05)).train(client, _pairs_download(), 1, torch_generator(0, "b"))
+    (kwargs,) = calls
+    model_optimizer, aux_optimizer = kwargs["optimizers"]
+    assert model_optimizer is client.optimizer
+    assert type(aux_optimizer) is torch.optim.SGD and aux_optimizer.param_groups[0]["lr"] == 0.05
+    aux_parameters = aux_optimizer.param_groups[0]["params"]
+    assert [tuple(p.shape) for p in aux_parameters] == [(5, 8), (5,)]
+    groups = (list(client.model.parameters()), aux_parameters)
+    for group in groups:
+        for parameter in group:
+            parameter.grad = torch.full_like(parameter, 1000.0)  # norms far above 100
+    kwargs["before_step"]()
+    for group in groups:
+        assert float(torch.stack([p.grad.norm() for p in group]).norm()) == pytest.approx(100.0, rel=1e-5)
+
+
+def test_plain_mean_prototypes_when_unit_prototypes_is_off():
+    """unit_prototypes = false: P_i^c is the plain mean of g_i(x) (lr = 0: the model never moves)."""
+    client = _tiny_client()
+    result = FedKTLClient(_client_context(unit_prototypes=False)).train(client, _pairs_download(), 1,
+                                                                        torch_generator(0, "b"))
+    with torch.no_grad():
+        client.model.eval()
+        outputs = client.model(client.train_x)
+    expected = torch.stack([outputs[client.train_y == c].mean(0) for c in (0, 2)])
+    torch.testing.assert_close(result.upload["protos"], expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(expected.norm(dim=1), torch.ones(2), atol=1e-3)  # so not normalised
+
+
+def test_head_prediction_is_the_same_nearest_column_rule():
+    algorithm = FedKTLClient(_client_context(num_classes=2, feature_dim=4, latent_dim=3))
+    algorithm.etf = torch.tensor([[0.6, -0.6], [0.8, -0.8]])  # ±v, v = (0.6, 0.8)
+    logits = torch.tensor([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.1], [-30.0, 20.0]])  # v·z = 0.6, 0.8, −0.52, −2
+    assert algorithm.head_predict(_tiny_client(), logits).tolist() == [0, 0, 1, 1]
+
+
+def test_squared_distances_by_hand():
+    # a = (1,0), (0,2); b = (1,1), (3,0): ‖·‖² = [[0 + 1, 4 + 0], [1 + 1, 9 + 4]] = [[1, 4], [2, 13]]
+    a, b = torch.tensor([[1.0, 0.0], [0.0, 2.0]]), torch.tensor([[1.0, 1.0], [3.0, 0.0]])
+    assert squared_distances(a, b).tolist() == [[1.0, 4.0], [2.0, 13.0]]
+    assert squared_distances(b, b).tolist() == [[0.0, 5.0], [5.0, 0.0]]  # ‖(1,1) − (3,0)‖² = 4 + 1
+
+
+def test_kernel_bandwidths_median_below_one_and_zero():
+    # ‖q − w‖² = 0.01, 0.04, 0.09 → median 0.04 → 20 becomes 0.02: every σ² × 0.001
+    queries = torch.tensor([[0.0, 0.0]])
+    latents = torch.tensor([[0.1, 0.0], [0.0, 0.2], [0.3, 0.0]])
+    assert kernel_bandwidths(queries, latents, "median") == pytest.approx((0.01, 0.015, 0.02, 0.05), rel=1e-5)
+    # every latent on the query: median 0 is floored at 1e-12 → scale 1e-12/40 = 2.5e-14
+    same = torch.zeros(3, 2)
+    assert kernel_bandwidths(queries, same, "median") == pytest.approx((2.5e-13, 3.75e-13, 5e-13, 1.25e-12), rel=1e-9)
+
+
+def test_kernel_saturation_uses_two_sigma_squared_and_strict_bounds():
+    q = torch.tensor([[0.0]])
+    # σ² = 1, d² = 15: k = e^{−15/2} = 5.5e-4 < 1e-3, saturated (e^{−15/3} = 6.7e-3 would not be)
+    assert kernel_saturation(q, torch.tensor([[math.sqrt(15.0)]]), (1.0,)) == 1.0
+    # σ² = 0.5 (k = e^{−d²}) and d² = −ln 0.999 ≈ 1.0005e-3: k is exactly float32(0.999) = 1 − 1e-3,
+    # on the bound, which is not "above 1 − 1e-3"
+    w = torch.tensor([[math.sqrt(-math.log(0.999))]])
+    assert torch.exp(-(w * w)).item() == torch.tensor(0.999).item()  # the construction hits the bound
+    assert kernel_saturation(q, w, (0.5,)) == 0.0
+
+
+def test_feature_transformer_layers():
+    """F = Linear(K, K) → BatchNorm1d(K) → ReLU → Linear(K, H), K = C = 4, H = 16."""
+    layers = _server().transformer.layers
+    assert [type(m) for m in layers] == [nn.Linear, nn.BatchNorm1d, nn.ReLU, nn.Linear]
+    assert (layers[0].in_features, layers[0].out_features, layers[1].num_features) == (C, C, C)
+    assert (layers[3].in_features, layers[3].out_features) == (C, H)
+
+
+def test_server_fields_generator_width_and_upload_checks():
+    context = _server_context()
+    assert [(f.name, f.dtype, f.trailing_shape, f.max_rows) for f in FedKTLServer.download_fields(context)] == [
+        ("class_ids", torch.int64, (), None), ("images", torch.float32, (1, 8, 8), None),
+        ("latents", torch.float32, (H,), None)]
+    narrow = AlgorithmContext(num_classes=C, feature_dim=8, seed=0, train=TrainConfig(),
+                              options=parse_options(ENTRY, {}), latent_dim=8)
+    with pytest.raises(ConfigError, match=r"^generator latents are 16 wide, the context says 8$"):
+        FedKTLServer(narrow, generator=_tiny_generator())
+    server = _server()
+    with pytest.raises(ProtocolError, match=r"^client 4 sent 1 class ids for 2 rows$"):
+        server.validate_upload(4, {"class_ids": torch.tensor([0]), "protos": torch.ones(2, C)})
+    with pytest.raises(ProtocolError, match=r"^client 4 sent a class id outside \[0, 4\)$"):
+        server.validate_upload(4, {"class_ids": torch.tensor([4]), "protos": torch.ones(1, C)})
+    server.validate_upload(4, {"class_ids": torch.tensor([3, 0]), "protos": torch.ones(2, C)})
+
+
+def test_uploads_without_rows_change_nothing():
+    server = _server()
+    empty = {0: {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, C)}}
+    assert server.update(empty, 0, torch_generator(0, "server", 0)) == {}
+    assert server.download()["latents"].shape == (0, H)  # still no pairs
+
+
+@pytest.mark.parametrize("rows,trained", [(1, False), (2, True)])
+def test_server_trains_from_two_prototypes(rows, trained):
+    """F trains on >= 2 prototypes (BatchNorm needs two); with one, server_loss is None."""
+    server = _server(server_epochs=2)
+    upload = {"class_ids": torch.arange(rows), "protos": F.normalize(torch.ones(rows, C) + torch.eye(rows, C), dim=1)}
+    result = server.update({0: upload}, 0, torch_generator(0, "server", 0))
+    assert (result["server_loss"] is not None) == trained
+    if trained:
+        assert math.isfinite(result["server_loss"])
+
+
+def test_a_trailing_single_prototype_batch_is_skipped():
+    """3 prototypes in batches of 2: the second batch (one row) cannot train F's BatchNorm; skipped."""
+    server = _server(server_epochs=2, server_batch_size=2)
+    result = server.update({0: {"class_ids": torch.tensor([0, 1, 2]), "protos": torch.eye(3, C)}}, 0,
+                           torch_generator(0, "server", 0))
+    assert math.isfinite(result["server_loss"])
+
+
+@pytest.mark.parametrize("compat", ["paper", "htfllib"])
+def test_server_mse_at_the_first_step(compat):
+    """One epoch, one batch of all 12 prototypes, no MMD, λ = 2: server_loss is the loss of that one
+    step, at F's initial state in train mode. htfllib (table): 2·mean over pairs of ‖F(P) − T[y]‖²/H
+    with T the eval-mode class means of F(P); paper (in_graph): 2·in_graph_mse of the train-mode F(P)."""
+    server = _server(compat=compat, use_mmd=False, server_epochs=1, mse_weight=2.0)
+    protos, labels = _pairs(_uploads())
+    transformer = copy.deepcopy(server.transformer)
+    with torch.no_grad():
+        transformer.eval()
+        evaluated = transformer(protos)
+        table = torch.stack([evaluated[labels == c].mean(0) for c in range(C)])
+        transformer.train()
+        queries = transformer(protos)
+    if compat == "htfllib":
+        expected = 2.0 * float((queries - table[labels]).pow(2).mean())
+    else:
+        expected = 2.0 * float(in_graph_mse(queries, labels, C))
+    result = server.update(_uploads(), 0, torch_generator(0, "server", 0))
+    assert result["server_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("compat", ["paper", "htfllib"])
+def test_adam_trains_f_and_only_in_table_mode_the_centroid_table(monkeypatch, compat):
+    """htfllib: Adam (lr η_S) also trains a [C, H] table that starts at the eval-mode means of the
+    present classes and at the kept centroids of the others; paper: F only."""
+    created = []
+
+    class Spy(torch.optim.Adam):
+        def __init__(self, params, lr):
+            params = list(params)
+            created.append(([p.detach().clone() for p in params], lr))
+            super().__init__(params, lr=lr)
+
+    monkeypatch.setattr(torch.optim, "Adam", Spy)
+    server = _server(compat=compat, server_lr=0.02, server_epochs=1)
+    kept = server.centroids.clone()
+    transformer = copy.deepcopy(server.transformer).eval()
+    uploads = _uploads(classes=((0, 1), (1, 2), (0, 2)))  # class 3 absent
+    protos, labels = _pairs(uploads)
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    ((parameters, lr),) = created
+    assert lr == 0.02
+    shapes = [tuple(p.shape) for p in server.transformer.parameters()]
+    if compat == "paper":
+        assert [tuple(p.shape) for p in parameters] == shapes
+        return
+    assert [tuple(p.shape) for p in parameters] == [*shapes, (C, H)]
+    with torch.no_grad():
+        evaluated = transformer(protos)
+    for c in range(3):
+        torch.testing.assert_close(parameters[-1][c], evaluated[labels == c].mean(0), rtol=1e-5, atol=1e-6)
+    assert torch.equal(parameters[-1][3], kept[3])
+
+
+def test_server_clips_f_and_the_table_to_norm_100_each(monkeypatch):
+    calls = []
+    real = fedktl_module.train_on_pairs
+
+    def spy(*args, **kwargs):
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fedktl_module, "train_on_pairs", spy)
+    server = _server(compat="htfllib", server_epochs=1)
+    server.update(_uploads(), 0, torch_generator(0, "server", 0))
+    ((args, kwargs),) = calls
+    assert kwargs["skip_single"] is True
+    optimizer = args[3]
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    transformer, table = parameters[:-1], parameters[-1:]
+    for parameter in parameters:
+        parameter.grad = torch.full_like(parameter, 1000.0)
+    kwargs["before_step"]()
+    for group in (transformer, table):
+        assert float(torch.stack([p.grad.norm() for p in group]).norm()) == pytest.approx(100.0, rel=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["fixed", "median"])
+def test_each_server_batch_is_matched_with_as_many_latents_at_the_right_bandwidths(monkeypatch, mode):
+    """12 prototypes in batches of 5: the MMD compares 5, 5 and 2 queries with as many fresh latents
+    (then all 12 in the diagnostics); fixed: σ² = (10, 15, 20, 50); median: those × median(d²)/40."""
+    calls = []
+    real = fedktl_module.mmd_loss
+
+    def spy(queries, latents, bandwidths):
+        calls.append((queries.detach().clone(), latents.clone(), bandwidths))
+        return real(queries, latents, bandwidths)
+
+    monkeypatch.setattr(fedktl_module, "mmd_loss", spy)
+    server = _server(server_epochs=1, server_batch_size=5, mmd_bandwidth=mode)
+    server.update(_uploads(), 0, torch_generator(0, "server", 0))
+    assert [(q.shape[0], w.shape[0]) for q, w, _ in calls] == [(5, 5), (5, 5), (2, 2), (12, 12)]
+    for queries, latents, bandwidths in calls:
+        if mode == "fixed":
+            assert bandwidths == (10.0, 15.0, 20.0, 50.0)
+        else:
+            median = float((queries[:, None] - latents[None]).pow(2).sum(-1).median())
+            assert bandwidths == pytest.approx(tuple(s * median / 40 for s in (10.0, 15.0, 20.0, 50.0)), rel=1e-4)
+
+
+def test_server_state_round_trips_into_a_differently_initialised_server():
+    """F (with its BatchNorm statistics), the centroids and the pairs come back; the next round is
+    then the same as on the original server."""
+    server = _server(compat="htfllib", server_epochs=3)
+    server.update(_uploads(classes=((0, 1), (1, 2))), 0, torch_generator(0, "server", 0))
+    torch.manual_seed(1)  # another initial F and other N(0, 1) centroids
+    fresh = FedKTLServer(_server_context(compat="htfllib", server_epochs=3), generator=_tiny_generator())
+    assert not torch.equal(fresh.centroids, server.centroids)
+    fresh.load_state_dict(copy.deepcopy(server.state_dict()))
+    for key in ("class_ids", "images", "latents"):
+        assert torch.equal(fresh.download()[key], server.download()[key])
+    assert torch.equal(fresh.centroids, server.centroids)
+    a = server.update(_uploads(classes=((1, 3),), seed=2), 1, torch_generator(0, "server", 1))
+    b = fresh.update(_uploads(classes=((1, 3),), seed=2), 1, torch_generator(0, "server", 1))
+    assert a == b
+    assert torch.equal(fresh.download()["latents"], server.download()["latents"])
