@@ -135,3 +135,85 @@ def test_server_takes_the_unweighted_mean_per_class_and_forgets_absent_classes()
     server.update({1: {"class_ids": torch.tensor([1]), "logits": torch.ones(1, 3)}}, 1, torch_generator(0, "s"))
     assert server.download()["class_ids"].tolist() == [1]  # nothing remembered across rounds
     assert server.theory_download_floats() == 3 * 3
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def _lse(*values: float) -> float:
+    return math.log(sum(math.exp(v) for v in values))
+
+
+def test_reg_weight_bound_is_inclusive_and_its_message_exact():
+    for weight in (0.0, 0.5):  # λ = 0 (CE only) and 0 < λ < 1 are valid
+        assert _context(reg_weight=weight)[1].options.reg_weight == weight
+    with pytest.raises(ConfigError) as info:
+        _context(reg_weight=-0.5)
+    assert str(info.value) == "config key 'algo.reg_weight' must be >= 0, got -0.5"
+
+
+def test_upload_fields_declare_class_ids_and_c_wide_logit_rows():
+    from htfl_dist.payload import Field
+
+    entry, context = _context(num_classes=3)
+    assert entry.client.upload_fields(context) == (
+        Field("class_ids", torch.int64, (), max_rows=3), Field("logits", torch.float32, (3,), max_rows=3))
+
+
+def test_mse_averages_over_classes_per_row_before_the_batch_mean():
+    # row 0 (class 0, target [0, 1]): ((1−0)² + (3−1)²)/2 = 2.5; row 1 (class 1): no target, masked;
+    # (2.5 + 0)/B with B = 2 -> 1.25 (a mean over all 4 entries would give 5/4/2 = 0.625)
+    table, available = _table({0: [0.0, 1.0]})
+    logits = torch.tensor([[1.0, 3.0], [5.0, -5.0]])
+    value = distillation_term(logits, torch.tensor([0, 1]), table, available, "mse", "mask")
+    assert value.item() == pytest.approx(1.25)
+
+
+def test_client_loss_adds_lambda_times_the_masked_softmax_distillation_term():
+    """lr 0, so loss_sum is Σ over the 4 samples of CE + λ·ℓ (each batch's mean × its size).
+
+    logits z = [x0, x1, x0 + x1]: class 0 rows [1, 2, 3], [3, 4, 7]; class 2 rows [0, 1, 1], [2, 2, 4].
+    Only class 0 has a global logit, ḡ^0 = [ln 2, 0, 0], softmax = [½, ¼, ¼], so for its rows
+    ℓ = −Σ_k w_k (z_k − lse z) = lse z − (½z_0 + ¼z_1 + ¼z_2); class 2's rows are masked (add 0)."""
+    entry, context = _context(num_classes=3, reg_weight=2.0)
+    client = _linear_client()
+    knowledge = {"class_ids": torch.tensor([0]), "logits": torch.tensor([[math.log(2.0), 0.0, 0.0]])}
+    generator = torch_generator(0, "b")
+    before = generator.get_state().clone()
+    result = entry.client(context).train(client, knowledge, 1, generator)
+    ce = (_lse(1, 2, 3) - 1) + (_lse(3, 4, 7) - 3) + (_lse(0, 1, 1) - 1) + (_lse(2, 2, 4) - 4)
+    distill = (_lse(1, 2, 3) - 1.75) + (_lse(3, 4, 7) - 4.25)
+    assert result.samples == 4
+    assert result.loss_sum == pytest.approx(ce + 2.0 * distill, rel=1e-6)
+    assert not torch.equal(generator.get_state(), before)  # batches drawn from the round's stream
+
+
+def test_round_zero_is_ce_only_even_where_missing_rows_would_self_target():
+    """compat htfllib (raw, self_target): with a global table, rows without a target would add
+    −Σ z·log softmax(z) ≠ 0; in round 0 (nothing downloaded) the loss is CE alone."""
+    entry, context = _context(num_classes=3, compat="htfllib")
+    empty = {"class_ids": torch.empty(0, dtype=torch.int64), "logits": torch.empty(0, 3)}
+    result = entry.client(context).train(_linear_client(), empty, 0, torch_generator(0, "b"))
+    ce = (_lse(1, 2, 3) - 1) + (_lse(3, 4, 7) - 3) + (_lse(0, 1, 1) - 1) + (_lse(2, 2, 4) - 4)
+    assert result.loss_sum == pytest.approx(ce, rel=1e-6)
+
+
+@pytest.mark.parametrize("logits_from", ["during_training", "post_update"])
+def test_logits_during_training_are_taken_before_the_step(logits_from):
+    """lr > 0 and one batch of all 4 samples (one step): during_training uploads the logits the
+    batch had before its step (the initial model's means, by hand as above); post_update uploads
+    the trained model's class means, which moved."""
+    entry = get_algorithm("feddistill")
+    context = AlgorithmContext(num_classes=3, feature_dim=2, seed=0, train=TrainConfig(batch_size=4, lr=0.5),
+                               options=parse_options(entry, {"logits_from": logits_from}))
+    client = _linear_client()
+    client.optimizer = torch.optim.SGD(client.model.parameters(), lr=0.5)
+    empty = {"class_ids": torch.empty(0, dtype=torch.int64), "logits": torch.empty(0, 3)}
+    result = entry.client(context).train(client, empty, 0, torch_generator(0, "b"))
+    initial = torch.tensor([[2.0, 3.0, 5.0], [1.0, 1.5, 2.5]])
+    with torch.no_grad():
+        trained = client.model(client.train_x)
+    trained_means = torch.stack([trained[:2].mean(dim=0), trained[2:].mean(dim=0)])
+    assert not torch.allclose(trained_means, initial)
+    expected = initial if logits_from == "during_training" else trained_means
+    torch.testing.assert_close(result.upload["logits"], expected)

@@ -222,3 +222,128 @@ def test_real_run(tmp_path, cache_dir, persist):
     rows = launch_smoke("fedgen", tmp_path, cache_dir, f"algo.persist_generator={persist}")
     assert rows[0]["bytes_setup_up"] > 0
     assert all(("generator_loss" in r) == (persist == "true") for r in rows)
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def test_declared_fields_prior_head_and_generator():
+    from htfl_dist.payload import Field
+
+    entry, context = make_context("fedgen")  # C = 3, K = 4, nd = 32, hd = K
+    prior = Field("label_counts", torch.int64, (3,), max_rows=1)
+    head = Field("head", torch.float32, (15,), max_rows=1)
+    assert entry.client.setup_upload_fields(context) == (prior,)
+    # Θ = (32+3)·4 + 3·4 + 4·4 + 4 = 172
+    assert entry.server.download_fields(context) == (head, Field("generator", torch.float32, (172,), max_rows=1), prior)
+    entry, context = make_context("fedgen", hidden_dim=6)  # (32+3)·6 + 3·6 + 6·4 + 4 = 256
+    assert entry.server.download_fields(context)[1] == Field("generator", torch.float32, (256,), max_rows=1)
+    assert entry.server(context).download()["generator"].shape == (1, 256)
+
+
+def test_initial_generator_comes_from_its_own_named_stream_and_is_frozen_on_clients():
+    from htfl_dist.seeding import derive_seed
+
+    entry, context = make_context("fedgen")
+    torch.manual_seed(derive_seed(0, "fedgen-generator"))  # the stream the module docstring names
+    expected = FedGenGenerator(32, 3, 4, 4)
+    torch.manual_seed(99)
+    server, client_side = entry.server(context), entry.client(context)
+    for module in (server.generator, client_side.generator):
+        torch.testing.assert_close(head_row(module), head_row(expected), rtol=0, atol=0)
+    assert not any(p.requires_grad for p in client_side.generator.parameters())
+
+
+def test_all_zero_prior_falls_back_to_uniform_and_a_single_label_prior_is_kept():
+    labels, _ = draw_labels_and_noise(torch.tensor([0, 0, 0]), 300, 2, "uniform", torch_generator(0, "x"))
+    assert sorted(set(labels.tolist())) == [0, 1, 2]
+    labels, _ = draw_labels_and_noise(torch.tensor([0, 1, 0]), 50, 2, "uniform", torch_generator(0, "x"))
+    assert labels.tolist() == [1] * 50  # Σ = 1 is a real prior, not "no prior"
+
+
+def test_batches_of_two_are_accepted_and_one_is_an_exact_message():
+    entry, context = make_context("fedgen", batch_size=2)
+    entry.client.check_models(context)
+    entry, context = make_context("fedgen", batch_size=1)
+    with pytest.raises(ConfigError) as info:
+        entry.client.check_models(context)
+    assert str(info.value) == ("FedGen's generator has BatchNorm in train mode, which needs batches of at least "
+                               "2 generated samples; config key 'train.batch_size' is 1")
+
+
+def test_setup_upload_counts_every_class_even_absent_ones():
+    entry, context = make_context("fedgen")
+    client = make_client(context, 0, samples=4)
+    client.train_y = torch.tensor([0, 1, 0, 1])  # class 2 (the last) is absent
+    assert entry.client(context).setup_upload(client)["label_counts"].tolist() == [[2, 2, 0]]
+
+
+def test_prior_is_int64_before_and_after_setup_and_setup_checks_have_one_message():
+    entry, context = make_context("fedgen")
+    server = entry.server(context)
+    before = server.download()["label_counts"]
+    assert before.dtype == torch.int64 and before.tolist() == [[0, 0, 0]]
+    server.validate_setup_upload(0, _counts([0, 1, 0]))  # one sample is enough
+    server.setup({0: _counts([0, 1, 0]), 1: _counts([2, 0, 0])})
+    after = server.download()["label_counts"]
+    assert after.dtype == torch.int64 and after.tolist() == [[2, 1, 0]]
+    for bad in (_counts([0, 0, 0]), {"label_counts": torch.tensor([[1, 0, 0], [1, 0, 0]])}):
+        with pytest.raises(ProtocolError) as info:
+            server.validate_setup_upload(4, bad)
+        assert str(info.value) == "client 4 sent invalid label counts (expected one row, >= 0, sum > 0)"
+
+
+def test_checkpointed_label_counts_come_back_as_int64():
+    entry, context, server = _server_with_prior()
+    state = server.state_dict()
+    state["label_counts"] = state["label_counts"].double()
+    fresh = entry.server(context)
+    fresh.load_state_dict(state)
+    assert fresh.download()["label_counts"].dtype == torch.int64
+
+
+def test_per_round_optimizer_is_fresh_every_round_and_not_checkpointed():
+    _, _, server = _server_with_prior(server_steps=3, generator_optimizer="per_round")
+    uploads = {0: head_upload([3, 0, -3, 0, 0, 0], 5)}
+    server.update(uploads, 0, torch_generator(0, "server", 0))
+    server.update(uploads, 1, torch_generator(0, "server", 1))
+    assert [int(state["step"]) for state in server.optimizer.state.values()] == [3] * 6  # not 6
+    assert "optimizer" not in server.state_dict()
+    _, _, persistent = _server_with_prior(server_steps=3)
+    assert "optimizer" not in persistent.state_dict()  # no optimizer yet: nothing to save
+    persistent.update(uploads, 0, torch_generator(0, "server", 0))
+    assert "optimizer" in persistent.state_dict()
+
+
+def test_generator_loss_is_the_mean_over_the_steps():
+    """Two Adam steps replayed by hand on one uploaded head (weight 1): the reported loss is
+    (loss_1 + loss_2)/2, each step drawing its ŷ, ε next from the round's stream."""
+    _, _, server = _server_with_prior(server_steps=2, server_lr=0.1)
+    reference = copy.deepcopy(server.generator)
+    diagnostics = server.update({0: head_upload([1, 0, 0, -1, 0.5, 0], 3)}, 0,
+                                torch_generator(0, "server", 0))
+    stream = torch_generator(0, "server", 0)
+    weight, bias = torch.tensor([[1.0, 0.0], [0.0, -1.0]]), torch.tensor([0.5, 0.0])
+    optimizer = torch.optim.Adam(reference.parameters(), lr=0.1)
+    losses = []
+    for _ in range(2):
+        labels, noise = draw_labels_and_noise(torch.tensor([1, 1]), 4, 32, "uniform", stream)
+        loss = F.cross_entropy(reference(labels, noise) @ weight.t() + bias, labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[0] != losses[1]
+    assert diagnostics["generator_loss"] == pytest.approx((losses[0] + losses[1]) / 2, rel=1e-5)
+    torch.testing.assert_close(head_row(server.generator), head_row(reference))
+
+
+def test_training_uses_the_rounds_own_label_stream():
+    """Two identical clients, the same batches, rounds 0 and 1: the generated labels differ, so the
+    trained heads differ."""
+    entry, context = make_context("fedgen")
+    algorithm = entry.client(context)
+    knowledge = _knowledge(entry, context)
+    heads = [algorithm.train(make_client(context, 1), knowledge, round_index,
+                             torch_generator(0, "batches", 1, 0)).upload["head"] for round_index in (0, 1)]
+    assert not torch.allclose(heads[0], heads[1])

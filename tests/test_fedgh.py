@@ -2,6 +2,8 @@
 persistent head, post-update prototypes, the identical-heads check, options, one real run."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_lgfedavg import head_row, launch_smoke, make_client, make_context
@@ -134,3 +136,47 @@ def test_bad_options_name_their_key(options, key):
 def test_real_run(tmp_path, cache_dir):
     rows = launch_smoke("fedgh", tmp_path, cache_dir)
     assert all(r["server_pairs"] > 0 for r in rows)
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def test_upload_fields_are_class_ids_and_k_wide_prototypes():
+    from htfl_dist.payload import Field
+
+    entry, context = make_context("fedgh")  # C = 3, K = 4
+    assert entry.client.upload_fields(context) == (
+        Field("class_ids", torch.int64, (), max_rows=3), Field("protos", torch.float32, (4,), max_rows=3))
+
+
+def test_bad_upload_message_names_the_client():
+    server = _server()
+    with pytest.raises(ProtocolError) as info:
+        server.validate_upload(1, {"class_ids": torch.tensor([1, 1]), "protos": torch.zeros(2, 2)})
+    assert str(info.value) == "client 1 sent a class id twice"
+
+
+def test_uploads_without_pairs_keep_the_head_and_a_single_pair_trains_it():
+    server = _server(server_lr=0.4)
+    start = torch.tensor([[0.0, 0.0, 0.0, 0.0, math.log(3.0), 0.0]])  # W = 0, b = (ln 3, 0)
+    server.load_state_dict({"head": start})
+    empty = {0: {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 2)}}
+    assert server.update(empty, 0, torch_generator(0, "server", 0)) == {}
+    assert torch.equal(server.download()["head"], start)
+    # one pair (P, c) = ((1, 0), 0): softmax(b) = (¾, ¼), s − onehot = (−¼, ¼);
+    # dW = [(−¼, 0), (¼, 0)], db = (−¼, ¼); step −0.4·grad = (0.1, 0, −0.1, 0, 0.1, −0.1), norm 0.2
+    diagnostics = server.update({0: {"class_ids": torch.tensor([0]), "protos": torch.tensor([[1.0, 0.0]])}}, 1,
+                                torch_generator(0, "server", 1))
+    expected = torch.tensor([[0.1, 0.0, -0.1, 0.0, math.log(3.0) + 0.1, -0.1]])
+    torch.testing.assert_close(server.download()["head"], expected)
+    assert diagnostics["server_pairs"] == 1
+    assert diagnostics["head_change"] == pytest.approx(0.2, rel=1e-5)
+    assert diagnostics["server_loss"] == pytest.approx(math.log(4 / 3), rel=1e-6)  # CE before the step
+
+
+def test_pairs_are_shuffled_by_the_given_stream():
+    server = _server()
+    generator = torch_generator(0, "server", 0)
+    state = generator.get_state().clone()
+    server.update(_pairs(), 0, generator)
+    assert not torch.equal(generator.get_state(), state)

@@ -327,3 +327,35 @@ def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single,
                                    *PARTIAL, "checkpoint_every=1", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert maths_only(read_metrics(tmp_path)) == maths_only(single)
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def test_other_classes_norm_with_two_classes_divides_by_one_other_class():
+    # C = 2: P̂^0 = (1, 0), P̂^1 = (0, 2); a = (3, 4) class 0, b = (0, −2) class 1
+    # cos(a, ·) = [0.6, 0.8], cos(b, ·) = [0, −1]; Σ_{c̄≠c} |cos| = 0.8 + 0 = 0.8
+    # other_classes: d = 0.8 / (|B|·(C − 1)) = 0.8 / 2 = 0.4;  all_classes: 0.8 / 4 = 0.2
+    protos = PROTOS[:2]
+    assert orthogonality_loss(PAIRS, LABELS, protos, 0.0, 1.0, "other_classes").item() == pytest.approx(0.4)
+    assert orthogonality_loss(PAIRS, LABELS, protos, 0.0, 1.0, "all_classes").item() == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("key", ["reg_weight", "intra_weight", "inter_weight"])
+def test_weights_may_be_zero_or_below_one_and_negative_ones_have_an_exact_message(key):
+    for value in (0.0, 0.5):
+        assert getattr(_context(**{key: value})[1].options, key) == value
+    with pytest.raises(ConfigError) as info:
+        _context(**{key: -2.0})
+    assert str(info.value) == f"config key 'algo.{key}' must be >= 0, got -2.0"
+
+
+def test_one_downloaded_prototype_is_enough_to_align():
+    """Only class 0 has a global prototype: L_R = (1 − 0.6)/2 = 0.2 (r_2's class adds nothing)."""
+    entry, context = _context(reg_weight=3.0)
+    knowledge = {"class_ids": torch.tensor([0]), "protos": PROTOS[:1]}
+    generator = torch_generator(0, "b")
+    before = generator.get_state().clone()
+    result = entry.client(context).train(_linear_client(), knowledge, 1, generator)
+    assert result.loss_sum / result.samples == pytest.approx(math.log(2) + 3.0 * 0.2, rel=1e-6)
+    assert not torch.equal(generator.get_state(), before)  # batches drawn from the round's stream

@@ -166,3 +166,46 @@ def test_bad_options_name_their_key(options, key):
 def test_real_run(tmp_path, cache_dir):
     rows = launch_smoke("lgfedavg", tmp_path, cache_dir)
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)
+
+
+# --------------------------------------------------------------------------- edges found by a mutmut pass
+
+
+def test_declared_fields_are_one_head_row_and_one_sample_count():
+    from htfl_dist.payload import Field
+
+    entry, context = make_context("lgfedavg")  # Linear(4, 3): 12 + 3 = 15 floats
+    head = Field("head", torch.float32, (15,), max_rows=1)
+    assert entry.client.upload_fields(context) == (head, Field("num_samples", torch.int64, (), max_rows=1))
+    assert entry.server.download_fields(context) == (head,)
+
+
+def test_upload_checks_have_exact_messages_and_accept_a_count_of_one():
+    server = _server()
+    with pytest.raises(ProtocolError) as info:
+        server.validate_upload(3, {"head": torch.zeros(2, 6), "num_samples": torch.tensor([5])})
+    assert str(info.value) == "client 3 sent 2 head rows, expected 1"
+    with pytest.raises(ProtocolError) as info:
+        server.validate_upload(3, head_upload([1, 2, 3, 4, 5, 6], 0))
+    assert str(info.value) == "client 3 sent num_samples=[0], expected one count > 0"
+    with pytest.raises(ProtocolError, match=r"num_samples=\[2, 2\]"):
+        server.validate_upload(3, {"head": torch.zeros(1, 6), "num_samples": torch.tensor([2, 2])})
+    server.validate_upload(3, head_upload([1, 2, 3, 4, 5, 6], 1))  # one sample is a valid client
+
+
+def test_update_reports_the_uploads_and_how_far_the_head_moved():
+    server = _server()
+    server.load_state_dict({"head": torch.tensor([[1.0, 1.0, 0.0, 0.0, 0.0, 0.0]])})
+    diagnostics = server.update({0: head_upload([4, 5, 0, 0, 0, 0], 1), 1: head_upload([4, 5, 0, 0, 0, 0], 3)},
+                                0, torch_generator(0, "server", 0))
+    # new head (4, 5, 0, 0, 0, 0); change ‖(3, 4, 0, …)‖ = 5
+    assert diagnostics == {"head_uploads": 2, "head_change": pytest.approx(5.0)}
+
+
+def test_training_reports_its_loss_and_draws_batches_from_the_given_stream():
+    entry, context = make_context("lgfedavg")
+    generator = torch_generator(0, "batches", 1, 0)
+    before = generator.get_state().clone()
+    result = entry.client(context).train(make_client(context, 1), _global_head(context), 0, generator)
+    assert isinstance(result.loss_sum, float) and result.loss_sum > 0.0
+    assert not torch.equal(generator.get_state(), before)
