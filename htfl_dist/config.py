@@ -168,6 +168,16 @@ class TrainConfig:
     batch_size: int = bounded(10, at_least=1)
     lr: float = bounded(0.01, above=0)
     local_epochs: int = bounded(1, at_least=1)
+    batch_order: Literal["shuffled", "fixed"] = "shuffled"
+    """shuffled: every local epoch visits the client's training split in a fresh permutation drawn
+    from the (seed, client, round) batch stream; fixed: in the split's stored order, the same
+    batches every epoch and every round, as HtFLlib's client loader (``shuffle=False``) does.
+    With data.partition=pfllib the stored order is the order of the PFLlib file."""
+    last_batch: Literal["keep", "drop"] = "keep"
+    """What happens to an epoch's trailing partial batch. keep: it trains like any other, except a
+    batch of a single sample (BatchNorm cannot train on it); drop: it is left out, as HtFLlib's
+    client loader (``drop_last=True``) does, so a client with fewer samples than one batch does
+    not train (nor collect prototypes while training)."""
 
 
 @dataclass
@@ -453,6 +463,15 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
         data["min_samples_per_client"] = 10
 
 
+def _default_train_view(train: dict[str, Any]) -> None:
+    """``train.batch_order`` and ``train.last_batch`` came later: at their defaults (the only
+    behaviour before them) they are left out, so earlier runs and checkpoints keep their hash."""
+    if train.get("batch_order", "shuffled") == "shuffled":
+        train.pop("batch_order", None)
+    if train.get("last_batch", "keep") == "keep":
+        train.pop("last_batch", None)
+
+
 def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     """The experiment part of a config dict (a copy). Tolerates keys that are absent, so it also
     reads the experiments stored by older versions in checkpoint manifests."""
@@ -460,6 +479,7 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
     _legacy_partition_view(view.get("data", {}))
+    _default_train_view(view.get("train", {}))
     for key in PLUMBING_KEYS:
         view.pop(key, None)
     for key in DATA_LOCATION_KEYS:

@@ -31,23 +31,28 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
     a generator) on ``batch.x``. ``optimizers`` (default: the client's own) all step after one
     backward pass, after ``before_step`` (e.g. gradient clipping). ``on_batch`` sees every batch
     with detached outputs, taken before the step (FedProto's and FedDistill's running means).
-    Batches are drawn with ``generator`` (derived from seed, client id and round by the runtime),
-    so the sample order does not depend on where the client runs. A trailing batch of a single
-    sample is skipped (BatchNorm in the torchvision models cannot train on it; HtFLlib drops every
-    partial batch). Returns (sum of batch losses × batch size, samples).
+    ``train.batch_order=shuffled`` (default) permutes the split afresh every epoch with
+    ``generator`` (derived from seed, client id and round by the runtime), so the sample order
+    does not depend on where the client runs; ``fixed`` keeps the split's stored order and draws
+    nothing from ``generator``. ``train.last_batch=keep`` (default) trains the trailing partial
+    batch unless it holds a single sample (BatchNorm in the torchvision models cannot train on
+    it); ``drop`` leaves every trailing partial batch out (HtFLlib's ``drop_last=True``).
+    Returns (sum of batch losses × batch size, samples).
     """
     model = client.model
     optimizers = (client.optimizer,) if optimizers is None else tuple(optimizers)
-    batch_size = context.train.batch_size
+    train = context.train
+    batch_size = train.batch_size
     count = client.train_y.shape[0]
+    end = count - count % batch_size if train.last_batch == "drop" else count
     model.train()
     loss_total, seen = torch.zeros((), device=client.device), 0  # summed on device: no per-step sync
-    for _ in range(context.train.local_epochs):
-        order = torch.randperm(count, generator=generator).to(client.device)
-        for start in range(0, count, batch_size):
-            if count - start == 1 and start > 0:
+    for _ in range(train.local_epochs):
+        order = None if train.batch_order == "fixed" else torch.randperm(count, generator=generator).to(client.device)
+        for start in range(0, end, batch_size):
+            if end - start == 1 and start > 0:
                 break  # a final batch of one sample breaks BatchNorm on 1×1 maps; skip it
-            index = order[start : start + batch_size]
+            index = slice(start, start + batch_size) if order is None else order[start : start + batch_size]
             x, y = client.train_x[index], client.train_y[index]
             features, logits = model.forward_with_features(x)
             loss = loss_fn(Batch(x, y, features, logits))
