@@ -113,7 +113,7 @@ def main() -> int:
         split = load_client_split(info.path, client_id)
         model = initial_client_model(config.model.group, client_id, config.seed, num_classes=info.num_classes,
                                      feature_dim=config.model.feature_dim, in_channels=info.in_channels,
-                                     image_size=info.image_size)
+                                     image_size=info.image_size, init=config.model.init)
         client = ClientState(client_id, architecture_for_client(config.model.group, client_id), model,
                              torch.optim.SGD(model.parameters(), lr=config.train.lr), split.train_x, split.train_y,
                              split.test_x, split.test_y, torch.device("cpu"))

@@ -157,6 +157,14 @@ class ModelConfig:
     group: a YAML list of members, or the same members comma-separated (a list is stored in that
     comma form, so both spellings are one experiment)."""
     feature_dim: int = bounded(512, at_least=1)
+    init: Literal["per_client", "htfllib"] = "per_client"
+    """per_client: client i's initial weights come from a stream keyed by (seed, client i), so no
+    two clients start alike. htfllib: as HtFLlib's clients, torch's RNG is set to ``seed`` before
+    each client's model is built (HtFLlib always uses 0), so clients of the same architecture
+    start with identical weights and different architectures share their first draws; the
+    architecture's own ``Linear(K, C)`` is drawn and replaced by a freshly drawn head, as
+    HtFLlib's BaseHeadSplit does. With seed 0 this is HtFLlib's initial model, bit for bit,
+    wherever our architecture draws its parameters in HtFLlib's order (checked for HtCNN8)."""
 
     LIST_KEYS = ("group",)  # not a field: keys that also accept a YAML list of strings
 
@@ -463,6 +471,12 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
         data["min_samples_per_client"] = 10
 
 
+def _default_model_view(model: dict[str, Any]) -> None:
+    """``model.init`` came later: at its default it is left out, so earlier runs keep their hash."""
+    if model.get("init", "per_client") == "per_client":
+        model.pop("init", None)
+
+
 def _default_train_view(train: dict[str, Any]) -> None:
     """``train.batch_order`` and ``train.last_batch`` came later: at their defaults (the only
     behaviour before them) they are left out, so earlier runs and checkpoints keep their hash."""
@@ -479,6 +493,7 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
     _legacy_partition_view(view.get("data", {}))
+    _default_model_view(view.get("model", {}))
     _default_train_view(view.get("train", {}))
     for key in PLUMBING_KEYS:
         view.pop(key, None)

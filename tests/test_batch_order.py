@@ -119,3 +119,11 @@ def test_defaults_written_out_keep_the_hash_and_the_reference_order_changes_it()
     fixed = load_config(None, ["train.batch_order=fixed"]).config_hash()
     drop = load_config(None, ["train.last_batch=drop"]).config_hash()
     assert len({base, fixed, drop}) == 3
+
+
+def test_model_init_default_keeps_the_hash_and_htfllib_changes_it():
+    base = load_config(None, []).config_hash()
+    assert load_config(None, ["model.init=per_client"]).config_hash() == base
+    assert load_config(None, ["model.init=htfllib"]).config_hash() != base
+    with pytest.raises(ConfigError, match=r"^config key 'model.init' is 'zero'; allowed: per_client, htfllib$"):
+        load_config(None, ["model.init=zero"])

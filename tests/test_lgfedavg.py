@@ -3,6 +3,8 @@ training, the identical-heads check, options, and one real run. The helpers here
 tests/test_fedgh.py and tests/test_fedgen.py."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,6 +91,16 @@ def test_initial_global_head_is_client_0s_initial_head():
     assert head.shape == (1, 4 * 3 + 3)
     torch.testing.assert_close(head, head_row(make_client(context, 0).model.head), rtol=0, atol=0)
     assert not torch.equal(head, head_row(make_client(context, 1).model.head))
+
+
+def test_the_initial_global_head_follows_model_init():
+    entry, context = make_context("lgfedavg")
+    context = dataclasses.replace(context, model_init="htfllib")
+    head = entry.server(context).download()["head"]
+    expected = initial_client_model(GROUP, 0, 0, num_classes=3, feature_dim=4, in_channels=1, image_size=28,
+                                    init="htfllib")
+    torch.testing.assert_close(head, head_row(expected.head), rtol=0, atol=0)
+    assert not torch.equal(head, head_row(make_client(context, 0).model.head))  # make_client: per_client
 
 
 def test_no_uploads_keep_the_head_and_bad_uploads_are_refused():

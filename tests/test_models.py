@@ -467,3 +467,52 @@ def test_register_rejects_separator_and_duplicate_heads() -> None:
         def _comma_arch(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
             raise AssertionError("never called")
     assert "a:b" not in heads() and "cnn:wide" not in architectures() and "cnn,wide" not in architectures()
+
+
+# ---------------------------------------------------------------- model.init
+
+
+def _initial(client_id, init, group="HtCNN8", seed=0):
+    from htfl_dist.models import initial_client_model
+
+    return initial_client_model(group, client_id, seed, num_classes=10, feature_dim=512, in_channels=1,
+                                image_size=28, init=init)
+
+
+def _same_weights(a, b) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_htfllib_init_is_the_reference_draw_order_for_htcnn1():
+    """HtFLlib: torch.manual_seed(0), its CNN (conv, fc1, its own fc), then BaseHeadSplit draws a new
+    Linear(512, 10) head; the CNN's own fc is thrown away. Written out layer by layer here."""
+    torch.manual_seed(0)
+    conv = nn.Conv2d(1, 32, kernel_size=5)
+    fc1 = nn.Linear(32 * 12 * 12, 512)
+    nn.Linear(512, 10)  # the architecture's own classifier, drawn and discarded
+    head = nn.Linear(512, 10)
+    expected = [conv.weight, conv.bias, fc1.weight, fc1.bias, head.weight, head.bias]
+    got = list(_initial(0, "htfllib").parameters())
+    assert len(got) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_htfllib_init_gives_equal_weights_to_clients_of_one_architecture():
+    assert _same_weights(_initial(0, "htfllib"), _initial(8, "htfllib"))  # both htcnn1
+    assert not _same_weights(_initial(0, "per_client"), _initial(8, "per_client"))
+    # the seed still matters: HtFLlib's 0 is our seed 0
+    assert not _same_weights(_initial(0, "htfllib"), _initial(0, "htfllib", seed=1))
+
+
+def test_htfllib_init_draws_a_named_head_once_after_the_own_classifier():
+    torch.manual_seed(3)
+    expected = build_model("htcnn1:fc512", num_classes=10, feature_dim=512, in_channels=1, image_size=28)
+    assert _same_weights(_initial(0, "htfllib", group="htcnn1:fc512", seed=3), expected)
+
+
+def test_per_client_init_is_unchanged():
+    from htfl_dist.seeding import seed_global_torch
+
+    seed_global_torch(0, "init", 5)
+    expected = build_model("htcnn6", num_classes=10, feature_dim=512, in_channels=1, image_size=28)
+    assert _same_weights(_initial(5, "per_client"), expected)

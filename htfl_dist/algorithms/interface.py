@@ -38,6 +38,8 @@ class AlgorithmContext:
     num_clients: int = 0
     model_group: str = ""
     """``model.group`` as configured; client i's member is ``architecture_for_client(model_group, i)``."""
+    model_init: str = "per_client"
+    """``model.init``: how the clients' initial weights were drawn (servers that rebuild them need it)."""
     in_channels: int = 1
     image_size: int = 28
     latent_dim: int = 0

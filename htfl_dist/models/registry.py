@@ -22,6 +22,8 @@ import math
 from collections.abc import Callable
 from typing import Protocol
 
+import torch
+
 from htfl_dist.errors import ConfigError
 
 from .base import SplitModel, check_new_name, natural_key
@@ -208,13 +210,24 @@ def build_model(
 
 
 def initial_client_model(group: str, client_id: int, seed: int, *, num_classes: int, feature_dim: int,
-                         in_channels: int, image_size: int) -> SplitModel:
+                         in_channels: int, image_size: int, init: str = "per_client") -> SplitModel:
     """Client ``client_id``'s model as it is at the start of a run: its group member, initialised
-    from torch's global RNG seeded by (seed, "init", client id). The runtime builds every client
-    with it, and a server that starts from a client's initial weights (LG-FedAvg's global head is
-    client 0's initial head) rebuilds them with it. Reseeds the global RNG."""
+    from torch's global RNG seeded by (seed, "init", client id) (``init="per_client"``), or seeded
+    by ``seed`` alone with the default head drawn a second time (``init="htfllib"``, HtFLlib's
+    ``torch.manual_seed(0)`` per client followed by BaseHeadSplit's fresh head; see
+    ``model.init``). The runtime builds every client with it, and a server that starts from a
+    client's initial weights (LG-FedAvg's global head is client 0's initial head) rebuilds them
+    with it. Reseeds the global RNG."""
     from htfl_dist.seeding import seed_global_torch
 
-    seed_global_torch(seed, "init", client_id)
-    return build_model(architecture_for_client(group, client_id), num_classes=num_classes,
-                       feature_dim=feature_dim, in_channels=in_channels, image_size=image_size)
+    member = architecture_for_client(group, client_id)
+    if init == "htfllib":
+        torch.manual_seed(seed)
+    else:
+        seed_global_torch(seed, "init", client_id)
+    model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
+                        image_size=image_size)
+    if init == "htfllib" and split_architecture(member)[1] == DEFAULT_HEAD:
+        # ARCH:HEAD already draws the architecture's own Linear and then the head, HtFLlib's order
+        model.head = build_head(DEFAULT_HEAD, feature_dim, num_classes)
+    return model

@@ -192,7 +192,7 @@ class Federation:
         self.context = AlgorithmContext(
             num_classes=self.partition.num_classes, feature_dim=config.model.feature_dim,
             seed=config.seed, train=config.train, options=options, device=self.device,
-            num_clients=config.num_clients, model_group=config.model.group,
+            num_clients=config.num_clients, model_group=config.model.group, model_init=config.model.init,
             in_channels=self.partition.in_channels, image_size=self.partition.image_size,
             latent_dim=latent_dim,
         )
@@ -290,6 +290,7 @@ class Federation:
         model = initial_client_model(
             config.model.group, client_id, config.seed, num_classes=info.num_classes,
             feature_dim=config.model.feature_dim, in_channels=info.in_channels, image_size=info.image_size,
+            init=config.model.init,
         ).to(self.device)
         _check_feature_width(model, architecture, client_id, split.train_x[:2].to(self.device),
                              config.model.feature_dim)
