@@ -61,7 +61,8 @@ def test_every_config_says_whether_it_claims_a_paper_table():
 
 @pytest.mark.parametrize("path", TABLE_CONFIGS, ids=[p.stem for p in TABLE_CONFIGS])
 def test_paper_table_configs_run_what_produced_the_table(path):
-    """PFLlib's split drawn once with seed 1, its guard for batch 10, and the reference code's options."""
+    """PFLlib's split drawn once with seed 1, its guard for batch 10, and the reference code's options,
+    batching and initial weights."""
     config = load_config(path)
     assert (config.data.partition_rules, config.data.partition_seed) == ("pfllib", 1)
     if config.train.batch_size != 10:
@@ -71,6 +72,8 @@ def test_paper_table_configs_run_what_produced_the_table(path):
         assert getattr(options, key) == value, (path.stem, key)
     if "HtC4" in config.model.group:
         assert config.model.group.endswith("-htfllib")
+    # the reference clients' DataLoader(shuffle=False, drop_last=True) and torch.manual_seed before each model
+    assert (config.train.batch_order, config.train.last_batch, config.model.init) == ("fixed", "drop", "htfllib")
 
 
 def test_custom_group_from_a_yaml_list_or_commas(tmp_path):
