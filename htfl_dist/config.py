@@ -218,6 +218,14 @@ class RuntimeConfig:
     its architecture's forward FLOPs per sample (counted on the meta device, the same on every
     rank), for model groups whose members differ in cost (bench/arch_cost.py measures how well
     the count predicts step times). Never changes the results."""
+    resident_clients: int = bounded(0, at_least=0, note="0 = all")
+    """At most this many of a rank's clients stay in memory; the least recently used others are
+    parked (to ``client_scratch_dir`` on disk when computing on the CPU, to host memory on a GPU)
+    and come back bit for bit when next needed (0 = all stay resident). For runs with many more
+    clients than take part in a round (1000 clients at ρ = 0.1). Never changes the results."""
+    client_scratch_dir: str | None = None
+    """Where a CPU rank parks clients (a private directory is made inside and removed at the end;
+    None: the system's temporary directory, $TMPDIR, usually node-local)."""
     max_message_mb: float = bounded(1024.0, above=0)
     """Largest message rank 0 accepts from one client rank per gather (checked before allocating
     it); raise it only for shared models larger than this."""

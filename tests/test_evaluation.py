@@ -62,7 +62,7 @@ def _federation(monkeypatch, out, *overrides: str) -> Federation:
     monkeypatch.setattr(Federation, "_prepare_data",
                         lambda self: SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None,
                                                      class_counts=np.ones((NUM_CLIENTS, 2), dtype=np.int64)))
-    monkeypatch.setattr(Federation, "_build_client", lambda self, client_id: _client(client_id))
+    monkeypatch.setattr(Federation, "_build_client", lambda self, client_id, shell=False: _client(client_id))
     config = load_config(SMOKE, ["algorithm=fedproto", "rounds=1", f"num_clients={NUM_CLIENTS}",
                                  "join_ratio=0.5", "model.feature_dim=2", *overrides])
     return Federation(RunContext(config, LocalTransport(), torch.device("cpu"), out))

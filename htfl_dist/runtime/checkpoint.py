@@ -22,11 +22,12 @@ from pathlib import Path
 
 import torch
 
-from htfl_dist.algorithms import ClientState, ServerAlgorithm, spelled_out_options
+from htfl_dist.algorithms import ServerAlgorithm, spelled_out_options
 from htfl_dist.atomic import replaced_atomically
 from htfl_dist.config import Config, experiment_differences, experiment_view
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import write_json
+from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.transport import Transport
 
 _ROUND_DIR = re.compile(r"round_(\d+)")
@@ -63,21 +64,14 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transport, *,
-         clients: dict[int, ClientState], server: ServerAlgorithm | None) -> None:
+         clients: ClientStore, server: ServerAlgorithm | None) -> None:
     """Every rank writes the clients it hosts (and rank 0 the server); rank 0 publishes the
     manifest after a barrier, then prunes all but the newest ``config.checkpoint_keep``."""
     expected_clients = list(range(config.num_clients))
     directory = _round_dir(out_dir, completed_rounds)
     directory.mkdir(parents=True, exist_ok=True)
-    for client_id, client in clients.items():
-        state = {
-            "client_id": client_id,
-            "architecture": client.architecture,
-            "model": client.model.state_dict(),
-            "optimizer": client.optimizer.state_dict(),
-            "modules": {name: module.state_dict() for name, module in client.modules.items()},
-        }
-        _save_atomic(state, directory / f"client_{client_id}.pt")
+    for client_id in clients:  # parked clients' records come from the store, one at a time
+        _save_atomic(clients.record(client_id), directory / f"client_{client_id}.pt")
     if server is not None:
         _save_atomic({"server": server.state_dict()}, directory / "server.pt")
     _fsync_directory(directory)  # each rank its own renames, before the manifest vouches for them
@@ -161,7 +155,7 @@ def find_checkpoint(source: Path) -> Path | None:
     return complete[-1][1] if complete else None
 
 
-def load(directory: Path, config: Config, *, clients: dict[int, ClientState], server: ServerAlgorithm | None,
+def load(directory: Path, config: Config, *, clients: ClientStore, server: ServerAlgorithm | None,
          device: torch.device) -> int:
     """Restore the checkpoint in ``directory``; returns its completed-round count."""
     try:
@@ -177,19 +171,8 @@ def load(directory: Path, config: Config, *, clients: dict[int, ClientState], se
             f"({'; '.join(changes[:4])}); "
             f"resume with the same config or use a new --out directory"
         )
-    for client_id, client in clients.items():
-        state = _load(directory / f"client_{client_id}.pt", device)
-        if state["architecture"] != client.architecture:
-            raise HtflError(f"checkpoint client {client_id} is a {state['architecture']}, config says "
-                            f"{client.architecture}")
-        client.model.load_state_dict(state["model"])
-        client.optimizer.load_state_dict(state["optimizer"])
-        saved_modules = state.get("modules", {})
-        if set(saved_modules) != set(client.modules):
-            raise HtflError(f"checkpoint client {client_id} holds algorithm modules {sorted(saved_modules)}, "
-                            f"this algorithm has {sorted(client.modules)}")
-        for name, module in client.modules.items():
-            module.load_state_dict(saved_modules[name])
+    for client_id in clients:
+        clients.restore(client_id, _load(directory / f"client_{client_id}.pt", device), f"checkpoint {directory}")
     if server is not None:
         server.load_state_dict(_load(directory / "server.pt", torch.device("cpu"))["server"])
     return completed_rounds

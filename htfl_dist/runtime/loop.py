@@ -28,6 +28,7 @@ import yaml
 
 from htfl_dist.algorithms import (
     AlgorithmContext,
+    ClientAlgorithm,
     ClientState,
     get_algorithm,
     parse_options,
@@ -52,6 +53,7 @@ from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.models.cost import forward_flops_per_sample
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
+from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.liveness import Liveness, describe_plain
 from htfl_dist.runtime.placement import Placement, client_ranks, client_work, plan_placement, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
@@ -208,7 +210,8 @@ class Federation:
         self.snapshots = PrototypeSnapshots(run.out_dir, config.output.prototypes_every)
         self.image_grids = GeneratedImageGrids(run.out_dir, self.download_spec)
         self.my_client_ids = self.placement.clients_of(self.rank)
-        self.clients = {cid: self._build_client(cid) for cid in self.my_client_ids}
+        self._splits: dict[int, Any] = {}
+        self.clients = self._client_store()
         self._handshake()
         if run.liveness is not None:
             run.liveness.watch(self.placement.describe_rank, on_silent=run.liveness.end_job)
@@ -283,22 +286,65 @@ class Federation:
         self.transport.barrier()
         return info
 
-    def _build_client(self, client_id: int) -> ClientState:
+    def _client_store(self) -> ClientStore:
+        """This rank's clients: all resident, or (``runtime.resident_clients``) an LRU of them.
+        A bounded store builds one client of each architecture now, so a model that does not fit
+        the data fails at start-up rather than in the round that first needs it."""
+        runtime = self.config.runtime
+        scratch = Path(runtime.client_scratch_dir) if runtime.client_scratch_dir else None
+        store = ClientStore(self.my_client_ids, self._build_client, resident=runtime.resident_clients,
+                            device=self.device, rank=self.rank, scratch_dir=scratch)
+        if store.bounded:
+            first_of_architecture = {}
+            for client_id in self.my_client_ids:
+                first_of_architecture.setdefault(architecture_for_client(self.config.model.group, client_id), client_id)
+            for client_id in sorted(first_of_architecture.values()):
+                store.peek(client_id)
+        return store
+
+    def _client_split(self, client_id: int):
+        """The client's data on this rank's device, loaded once (data stays resident: its total is
+        the dataset's size, however many clients share it)."""
+        split = self._splits.get(client_id)
+        if split is None:
+            raw = load_client_split(self.partition.path, client_id)
+            split = self._splits[client_id] = tuple(tensor.to(self.device) for tensor in
+                                                    (raw.train_x, raw.train_y, raw.test_x, raw.test_y))
+        return split
+
+    def _initial_model(self, client_id: int, shell: bool) -> torch.nn.Module:
+        """Client ``client_id``'s initial model; a ``shell`` (about to receive a parked state) is
+        built on the meta device and only allocated, unless the model keeps buffers outside its
+        state dict, which a parked record could not restore."""
         config, info = self.config, self.partition
-        split = load_client_split(info.path, client_id)
+
+        def build() -> torch.nn.Module:
+            return initial_client_model(
+                config.model.group, client_id, config.seed, num_classes=info.num_classes,
+                feature_dim=config.model.feature_dim, in_channels=info.in_channels, image_size=info.image_size,
+                init=config.model.init,
+            )
+
+        if shell:
+            with torch.device("meta"):
+                model = build()
+            held = set(model.state_dict())
+            if all(name in held for name, _ in (*model.named_parameters(), *model.named_buffers())):
+                return model.to_empty(device=self.device)
+        return build().to(self.device)
+
+    def _build_client(self, client_id: int, shell: bool = False) -> ClientState:
+        """A client with its data and model (``shell``: weights to be overwritten, see ClientStore)."""
+        config = self.config
+        train_x, train_y, test_x, test_y = self._client_split(client_id)
         architecture = architecture_for_client(config.model.group, client_id)
-        model = initial_client_model(
-            config.model.group, client_id, config.seed, num_classes=info.num_classes,
-            feature_dim=config.model.feature_dim, in_channels=info.in_channels, image_size=info.image_size,
-            init=config.model.init,
-        ).to(self.device)
-        _check_feature_width(model, architecture, client_id, split.train_x[:2].to(self.device),
-                             config.model.feature_dim)
+        model = self._initial_model(client_id, shell)
+        if not shell:
+            _check_feature_width(model, architecture, client_id, train_x[:2], config.model.feature_dim)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
         client = ClientState(
             client_id=client_id, architecture=architecture, model=model, optimizer=optimizer,
-            train_x=split.train_x.to(self.device), train_y=split.train_y.to(self.device),
-            test_x=split.test_x.to(self.device), test_y=split.test_y.to(self.device), device=self.device,
+            train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y, device=self.device,
         )
         seed_global_torch(config.seed, "algorithm-init", client_id)
         self.client_algorithm.init_client(client)
@@ -357,7 +403,10 @@ class Federation:
     @torch.no_grad()
     def _evaluate_clients(self, knowledge: Payload) -> dict[int, list[float]]:
         rows = {}
-        for client_id, client in self.clients.items():
+        installs = type(self.client_algorithm).prepare_evaluation is not ClientAlgorithm.prepare_evaluation
+        for client_id in self.clients:
+            # evaluation only reads a client unless the algorithm installs knowledge first
+            client = self.clients[client_id] if installs else self.clients.peek(client_id)
             self.client_algorithm.prepare_evaluation(client, knowledge)
             client.model.eval()
             correct = correct_head = 0
@@ -450,6 +499,7 @@ class Federation:
         finally:
             for sink in self.sinks:
                 sink.close()
+            self.clients.close()
 
     def _run_rounds(self, start_round: int) -> dict[str, Any] | None:
         setup_traffic = RoundTraffic()
@@ -563,7 +613,7 @@ class Federation:
         spec = self.entry.client.setup_upload_fields(self.context)
         if not spec:
             return
-        entries = {cid: self.client_algorithm.setup_upload(client) for cid, client in self.clients.items()}
+        entries = {cid: self.client_algorithm.setup_upload(self.clients.peek(cid)) for cid in self.clients}
         gathered = self.transport.gather(encode(spec, entries), self._bounds(
             spec, lambda rank: len(self.placement.clients_of(rank))))
         if gathered is None:

@@ -1,0 +1,233 @@
+"""The logical clients a rank hosts, with at most ``runtime.resident_clients`` of them in memory.
+
+With 1000 clients of HtCNN8 (10 MB of weights each on average) a rank cannot keep every model
+resident, yet a round with ρ = 0.1 trains only 100 of them. The store keeps the most recently
+used clients materialised (an LRU) and *parks* the others: their state (the checkpoint's
+per-client record: model, optimizer, algorithm modules) goes to a per-rank scratch directory on
+disk when the rank computes on the CPU, or to host memory when it computes on a GPU. A client
+never touched yet is not parked at all: its initial state is a function of (seed, client id),
+so it is built when first needed. A parked client is rebuilt on the meta device (no weight
+initialisation) and takes its parked state back, so it continues bit for bit.
+
+Results never depend on the limit: every stream is keyed by (seed, client id, round), and a
+client comes back exactly as it was parked. Data splits stay resident (their total is the
+dataset's size, whatever the number of clients). Checkpoints read parked clients' states from
+the store, one at a time, so they stay per client id.
+
+``resident_clients = 0`` (the default) builds every client at start-up and keeps them all, which
+is how the runtime always worked.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from htfl_dist.algorithms import ClientState
+from htfl_dist.errors import HtflError
+
+ClientRecord = dict[str, Any]
+"""One client's state as the checkpoint stores it (``client_record``)."""
+
+
+def client_record(client: ClientState) -> ClientRecord:
+    """What survives a client leaving memory: the same record a checkpoint writes per client id."""
+    return {
+        "client_id": client.client_id,
+        "architecture": client.architecture,
+        "model": client.model.state_dict(),
+        "optimizer": client.optimizer.state_dict(),
+        "modules": {name: module.state_dict() for name, module in client.modules.items()},
+    }
+
+
+def restore_client(client: ClientState, record: ClientRecord, origin: str) -> None:
+    """Put ``record`` back into ``client``; ``origin`` names where it came from in errors."""
+    if record["architecture"] != client.architecture:
+        raise HtflError(f"{origin}: client {client.client_id} is a {record['architecture']}, config says "
+                        f"{client.architecture}")
+    client.model.load_state_dict(record["model"])
+    client.optimizer.load_state_dict(record["optimizer"])
+    saved_modules = record.get("modules", {})
+    if set(saved_modules) != set(client.modules):
+        raise HtflError(f"{origin}: client {client.client_id} holds algorithm modules {sorted(saved_modules)}, "
+                        f"this algorithm has {sorted(client.modules)}")
+    for name, module in client.modules.items():
+        module.load_state_dict(saved_modules[name])
+
+
+class _DiskParking:
+    """Parked records as files in a private scratch directory, removed when the store closes."""
+
+    def __init__(self, parent: Path | None, rank: int) -> None:
+        if parent is not None:
+            parent.mkdir(parents=True, exist_ok=True)
+        self.directory = Path(tempfile.mkdtemp(prefix=f"htfl_dist_rank{rank}_clients_", dir=parent))
+        # removed on close, or when the process exits without closing (an exception mid-run)
+        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, ignore_errors=True)
+
+    def put(self, client_id: int, record: ClientRecord) -> None:
+        path = self.directory / f"client_{client_id}.pt"
+        partial = path.with_suffix(".partial")
+        torch.save(record, partial)
+        os.replace(partial, path)
+
+    def get(self, client_id: int, device: torch.device) -> ClientRecord:
+        return torch.load(self.directory / f"client_{client_id}.pt", map_location=device, weights_only=True)
+
+    def close(self) -> None:
+        self._remove()
+
+
+class _HostParking:
+    """Parked records as CPU tensors (pinned where a GPU can use that), for ranks computing on a GPU."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, ClientRecord] = {}
+
+    def put(self, client_id: int, record: ClientRecord) -> None:
+        pin = torch.cuda.is_available()
+        self.records[client_id] = _map_tensors(record, lambda t: t.detach().to("cpu", copy=True).pin_memory()
+                                               if pin else t.detach().to("cpu", copy=True))
+
+    def get(self, client_id: int, device: torch.device) -> ClientRecord:
+        return _map_tensors(self.records[client_id], lambda t: t.to(device, non_blocking=True))
+
+    def close(self) -> None:
+        self.records.clear()
+
+
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_map_tensors(item, fn) for item in value]
+    return value
+
+
+class ClientStore(Mapping[int, ClientState]):
+    """This rank's clients by id (a read-only mapping, iterated in id order).
+
+    ``build(client_id, shell)`` makes a client with its data; ``shell=True`` means its weights
+    are about to be overwritten by a parked record, so they need not be initialised (the meta
+    device). Parked records go to host memory when ``park_in_memory`` (default: on a GPU), else
+    to a scratch directory made in ``scratch_dir``. ``store[client_id]`` materialises the client
+    (building or unparking it) and may park the least recently used one; a ``ClientState``
+    obtained earlier must not be used after other clients were fetched (it may have been parked)."""
+
+    def __init__(self, client_ids: list[int], build: Callable[[int, bool], ClientState], *,
+                 resident: int, device: torch.device, rank: int, scratch_dir: Path | None = None,
+                 park_in_memory: bool | None = None) -> None:
+        self.client_ids = sorted(client_ids)
+        self._ids = set(self.client_ids)
+        self._build = build
+        self.limit = resident
+        self.device = device
+        self._resident: OrderedDict[int, ClientState] = OrderedDict()
+        self._parked: set[int] = set()
+        self._unchanged: set[int] = set()
+        self._parking = None
+        if self.bounded:
+            in_memory = device.type == "cuda" if park_in_memory is None else park_in_memory
+            self._parking = _HostParking() if in_memory else _DiskParking(scratch_dir, rank)
+        else:
+            for client_id in self.client_ids:
+                self._resident[client_id] = build(client_id, False)
+        self.built = self.unparked = self.parked_count = 0
+        """How often clients were built fresh, unparked and parked (benchmarks print them)."""
+
+    @property
+    def bounded(self) -> bool:
+        return self.limit > 0
+
+    def __len__(self) -> int:
+        return len(self.client_ids)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.client_ids)
+
+    def __contains__(self, client_id: object) -> bool:
+        return client_id in self._ids
+
+    def __getitem__(self, client_id: int) -> ClientState:
+        """The client, to be changed (trained, given knowledge): it is written out when parked."""
+        client = self._fetch(client_id)
+        self._unchanged.discard(client_id)
+        return client
+
+    def peek(self, client_id: int) -> ClientState:
+        """The client, only to be read (evaluated without installing anything): if it leaves
+        memory before anyone changes it, nothing needs writing."""
+        if client_id in self._resident:
+            return self._fetch(client_id)
+        client = self._fetch(client_id)
+        self._unchanged.add(client_id)
+        return client
+
+    def _fetch(self, client_id: int) -> ClientState:
+        if client_id not in self._ids:
+            raise KeyError(client_id)
+        client = self._resident.get(client_id)
+        if client is not None:
+            self._resident.move_to_end(client_id)
+            return client
+        client = self._materialise(client_id)
+        self._resident[client_id] = client
+        while len(self._resident) > self.limit:
+            self._park_oldest()
+        return client
+
+    def _materialise(self, client_id: int) -> ClientState:
+        if client_id not in self._parked:
+            self.built += 1
+            return self._build(client_id, False)
+        client = self._build(client_id, True)
+        restore_client(client, self._parking.get(client_id, self.device), f"parked client {client_id}")
+        self.unparked += 1
+        return client
+
+    def _park_oldest(self) -> None:
+        """Evict the least recently used client; write its record unless it is unchanged since it
+        was built from the seed or unparked (then what is parked, or the seed, still holds it)."""
+        client_id, client = self._resident.popitem(last=False)
+        if client_id in self._unchanged:
+            self._unchanged.discard(client_id)
+            return
+        self._parking.put(client_id, client_record(client))
+        self._parked.add(client_id)
+        self.parked_count += 1
+
+    def record(self, client_id: int) -> ClientRecord:
+        """The client's current record, without making it resident (checkpoints read every client)."""
+        client = self._resident.get(client_id)
+        if client is not None:
+            return client_record(client)
+        if client_id in self._parked:
+            return self._parking.get(client_id, torch.device("cpu"))
+        return client_record(self._build(client_id, False))
+
+    def restore(self, client_id: int, record: ClientRecord, origin: str) -> None:
+        """Install a checkpoint's record for the client, parking it again if it is not resident."""
+        client = self._resident.get(client_id)
+        if client is not None:
+            restore_client(client, record, origin)
+            self._unchanged.discard(client_id)
+            return
+        shell = self._build(client_id, True)
+        restore_client(shell, record, origin)  # checks architecture and modules before parking
+        self._parking.put(client_id, client_record(shell))
+        self._parked.add(client_id)
+
+    def close(self) -> None:
+        """Remove the parked records (scratch files); the store is not used afterwards."""
+        if self._parking is not None:
+            self._parking.close()

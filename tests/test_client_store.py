@@ -1,0 +1,195 @@
+"""runtime.resident_clients: an LRU of resident clients, the others parked, results unchanged.
+
+The unit tests drive ``ClientStore`` with small real models and count what it builds, parks and
+unparks; the runs go through the real program and compare metrics with every client resident.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import SMOKE, launch, maths_only, read_metrics, run_smoke
+from htfl_dist.algorithms import ClientState
+from htfl_dist.errors import HtflError
+from htfl_dist.runtime.client_store import ClientStore, client_record
+
+CPU = torch.device("cpu")
+
+
+class _Builder:
+    """Clients with a 3→2 linear model drawn from the client id (as the runtime draws from
+    (seed, client id)), an SGD optimizer and, optionally, an algorithm module."""
+
+    def __init__(self, with_module: bool = False, architecture: str = "linear") -> None:
+        self.with_module = with_module
+        self.architecture = architecture
+        self.calls: list[tuple[int, bool]] = []
+
+    def __call__(self, client_id: int, shell: bool) -> ClientState:
+        self.calls.append((client_id, shell))
+        torch.manual_seed(client_id)
+        if shell:
+            with torch.device("meta"):
+                model = nn.Linear(3, 2)
+            model = model.to_empty(device=CPU)
+        else:
+            model = nn.Linear(3, 2)
+        data = torch.zeros(4, 3)
+        client = ClientState(client_id=client_id, architecture=self.architecture, model=model,
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             train_x=data, train_y=torch.zeros(4, dtype=torch.long), test_x=data,
+                             test_y=torch.zeros(4, dtype=torch.long), device=CPU)
+        if self.with_module:
+            client.modules["extra"] = nn.Linear(2, 2)
+        return client
+
+
+def _train_step(client: ClientState) -> None:
+    """One momentum-SGD step, so both the weights and the optimizer state change."""
+    loss = client.model(torch.ones(1, 3)).sum()
+    client.optimizer.zero_grad()
+    loss.backward()
+    client.optimizer.step()
+
+
+def _store(tmp_path: Path, build: _Builder, resident: int, ids=(0, 1, 2, 3), **kwargs) -> ClientStore:
+    return ClientStore(list(ids), build, resident=resident, device=CPU, rank=1, scratch_dir=tmp_path, **kwargs)
+
+
+def _weights(client: ClientState) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in client.model.parameters()])
+
+
+def test_all_resident_builds_every_client_once_and_never_parks(tmp_path):
+    build = _Builder()
+    store = _store(tmp_path, build, resident=0)
+    assert build.calls == [(0, False), (1, False), (2, False), (3, False)]
+    assert store[2] is store[2] and list(store) == [0, 1, 2, 3] and len(store) == 4
+    assert list(tmp_path.iterdir()) == []  # nothing on disk
+    assert 7 not in store
+    with pytest.raises(KeyError):
+        store[7]
+
+
+@pytest.mark.parametrize("in_memory", [False, True], ids=["disk", "host-memory"])
+def test_a_parked_client_comes_back_exactly_as_it_left(tmp_path, in_memory):
+    build = _Builder(with_module=True)
+    store = _store(tmp_path, build, resident=2, park_in_memory=in_memory)
+    assert build.calls == []  # nothing is built before it is needed
+    client = store[0]
+    _train_step(client)
+    _train_step(client)
+    client.modules["extra"].weight.data.fill_(3.0)
+    trained = client_record(client)
+    store[1], store[2]  # client 0 is the least recently used: parked
+    assert store.parked_count == 1 and 0 not in store._resident
+    back = store[0]
+    assert back is not client and build.calls[-1] == (0, True)  # rebuilt as a shell, not re-initialised
+    assert torch.equal(back.model.weight, trained["model"]["weight"])
+    assert torch.equal(back.model.bias, trained["model"]["bias"])
+    momentum = back.optimizer.state_dict()["state"][0]["momentum_buffer"]
+    assert torch.equal(momentum, trained["optimizer"]["state"][0]["momentum_buffer"])
+    assert torch.equal(back.modules["extra"].weight, torch.full((2, 2), 3.0))
+    # it trains on from there exactly as a client that never left
+    twin = _Builder(with_module=True)(0, False)
+    _train_step(twin)
+    _train_step(twin)
+    _train_step(twin)
+    _train_step(back)
+    assert torch.equal(_weights(back), _weights(twin))
+
+
+def test_the_least_recently_used_client_is_the_one_parked(tmp_path):
+    store = _store(tmp_path, _Builder(), resident=2)
+    store[0], store[1]
+    store[0]  # 1 is now the least recently used
+    store[2]
+    assert list(store._resident) == [0, 2]
+
+
+def test_a_client_only_read_is_not_written_when_it_leaves(tmp_path):
+    """Evaluation peeks: an unchanged client is rebuilt from its seed or its parked record."""
+    build = _Builder()
+    store = _store(tmp_path, build, resident=1)
+    initial = _weights(store.peek(0)).clone()
+    store.peek(1)  # evicts 0, which nobody changed: nothing written
+    assert store.parked_count == 0
+    assert torch.equal(_weights(store.peek(0)), initial) and build.calls[-1] == (0, False)
+    _train_step(store[1])
+    store.peek(2)  # 1 was changed: written
+    assert store.parked_count == 1
+    trained = _weights(store.peek(1)).clone()
+    store.peek(3)  # 1 was unparked and only read: not written again
+    assert store.parked_count == 1
+    assert torch.equal(_weights(store.peek(1)), trained)
+    changed = store.peek(1)
+    store[1]  # fetched to be changed while resident: written when it leaves
+    _train_step(changed)
+    store.peek(2)
+    assert store.parked_count == 2
+
+
+def test_records_and_restores_reach_parked_and_unbuilt_clients(tmp_path):
+    """What checkpoints use: every client's record without making it resident, and restoring a
+    record into a client that is not resident."""
+    build = _Builder()
+    store = _store(tmp_path, build, resident=1)
+    fresh = _Builder()(3, False)
+    assert torch.equal(store.record(3)["model"]["weight"], fresh.model.weight)  # never built: its seed's
+    _train_step(store[0])
+    store[1]
+    parked = store.record(0)
+    assert 0 not in store._resident  # reading a record does not make it resident
+    record = client_record(_Builder()(0, False))
+    record["model"]["weight"] = torch.full((2, 3), 5.0)
+    store.restore(2, record | {"client_id": 2}, "checkpoint /x")
+    assert torch.equal(store[2].model.weight, torch.full((2, 3), 5.0))
+    assert not torch.equal(parked["model"]["weight"], fresh.model.weight)
+
+
+def test_a_record_of_another_architecture_is_refused_with_its_origin(tmp_path):
+    store = _store(tmp_path, _Builder(architecture="htcnn1"), resident=1)
+    record = client_record(_Builder(architecture="htcnn2")(0, False))
+    with pytest.raises(HtflError, match=r"checkpoint /runs/x: client 0 is a htcnn2, config says htcnn1"):
+        store.restore(0, record, "checkpoint /runs/x")
+    with pytest.raises(HtflError, match="holds algorithm modules"):
+        _store(tmp_path, _Builder(with_module=True, architecture="htcnn2"), resident=0).restore(0, record, "here")
+
+
+def test_close_removes_the_scratch_directory(tmp_path):
+    store = _store(tmp_path, _Builder(), resident=1)
+    _train_step(store[0])
+    store[1]
+    (scratch,) = tmp_path.iterdir()
+    assert [p.name for p in scratch.iterdir()] == ["client_0.pt"]
+    store.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "lgfedavg", "fedkd"])
+def test_a_bounded_store_gives_the_metrics_of_an_all_resident_run(algorithm, tmp_path, cache_dir):
+    """8 clients, half of them per round, at most 2 resident: FedProto (evaluation only reads),
+    LG-FedAvg (evaluation installs the global head, so evaluated clients change), FedKD (each
+    client owns extra modules: the mentee)."""
+    common = (f"algorithm={algorithm}", "num_clients=8", "join_ratio=0.5", "rounds=2")
+    expected = run_smoke("single", 1, tmp_path / "all", cache_dir, *common)
+    rows = run_smoke("single", 1, tmp_path / "bounded", cache_dir, *common, "runtime.resident_clients=2",
+                     f"runtime.client_scratch_dir={tmp_path / 'scratch'}")
+    assert maths_only(rows) == maths_only(expected)
+    assert list((tmp_path / "scratch").iterdir()) == []  # the parked records are gone at the end
+
+
+def test_bounded_ranks_checkpoint_and_resume_like_one_uninterrupted_process(tmp_path, cache_dir):
+    """Three ranks keeping one client each resident, stopped after round 2 and resumed on two
+    ranks: the metrics of one process that kept every client and never stopped."""
+    common = ("num_clients=8", "join_ratio=0.5", "checkpoint_every=1")
+    expected = run_smoke("single", 1, tmp_path / "reference", cache_dir, *common)
+    out = tmp_path / "bounded"
+    run_smoke("torchrun", 3, out, cache_dir, *common, "rounds=2", "runtime.resident_clients=1")
+    result = launch("torchrun", 2, ["--config", str(SMOKE), "--out", str(out), "--resume", "auto",
+                                    f"data.cache_dir={cache_dir}", *common, "runtime.resident_clients=3"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert maths_only(read_metrics(out)) == maths_only(expected)
