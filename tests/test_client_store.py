@@ -148,6 +148,10 @@ def test_records_and_restores_reach_parked_and_unbuilt_clients(tmp_path):
     store.restore(2, record | {"client_id": 2}, "checkpoint /x")
     assert torch.equal(store[2].model.weight, torch.full((2, 3), 5.0))
     assert not torch.equal(parked["model"]["weight"], fresh.model.weight)
+    store.peek(3)  # resident and unchanged, then restored: the restored weights must be kept
+    store.restore(3, record | {"client_id": 3}, "checkpoint /x")
+    store.peek(1)
+    assert torch.equal(store.peek(3).model.weight, torch.full((2, 3), 5.0))
 
 
 def test_a_record_of_another_architecture_is_refused_with_its_origin(tmp_path):
