@@ -58,8 +58,37 @@ class ClassMeans:
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(class ids int64 [m], means [m, D]) of the m present classes, on the CPU."""
-        present = torch.nonzero(self.present()).flatten()
-        return present.cpu(), (self.sums[present] / self.weights[present].unsqueeze(1)).cpu()
+        return _present_means(self.sums, self.weights)
+
+
+def _present_means(sums: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    present = torch.nonzero(weights > 0).flatten()
+    return present.cpu(), (sums[present] / weights[present].unsqueeze(1)).cpu()
+
+
+class GroupClassMeans:
+    """``ClassMeans`` of G clients in one [G·C, D] table (client g's class c is row g·C + c), so
+    a batched training step (``training.run_batched_training``) adds every client's rows at once.
+    Per client the sums are what its own ``ClassMeans`` would hold."""
+
+    def __init__(self, groups: int, num_classes: int, width: int, device: torch.device | str = "cpu") -> None:
+        self.groups, self.num_classes = groups, num_classes
+        self.means = ClassMeans(groups * num_classes, width, device)
+
+    def add(self, rows: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """One client's rows [B, D] (a group of one, ``weights`` None), or a batched step's
+        [G, B, D] with labels and ``weights`` [G, B] (0 for padding rows)."""
+        if weights is None:
+            self.means.add(rows, labels)
+            return
+        offsets = torch.arange(self.groups, device=labels.device).unsqueeze(1) * self.num_classes
+        self.means.add(rows.flatten(0, 1), (labels + offsets).flatten(), weights.flatten())
+
+    def rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per client, ``ClassMeans.rows``: (class ids [m], means [m, D]) on the CPU."""
+        sums = self.means.sums.view(self.groups, self.num_classes, -1)
+        weights = self.means.weights.view(self.groups, self.num_classes)
+        return [_present_means(sums[g], weights[g]) for g in range(self.groups)]
 
 
 @torch.no_grad()

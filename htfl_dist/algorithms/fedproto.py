@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from htfl_dist.algorithms.class_rows import (
-    ClassMeans,
     ClassMeanServer,
+    GroupClassMeans,
     class_prototypes,
     class_row_fields,
     dense_prototypes,
@@ -28,7 +28,13 @@ from htfl_dist.algorithms.interface import (
     TrainResult,
 )
 from htfl_dist.algorithms.registry import register_algorithm
-from htfl_dist.algorithms.training import Batch, run_local_training
+from htfl_dist.algorithms.training import (
+    Batch,
+    batch_cross_entropy,
+    run_batched_training,
+    run_local_training,
+    weighted_mean,
+)
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
@@ -74,15 +80,21 @@ def prototype_fields(context: AlgorithmContext) -> PayloadSpec:
 
 
 def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, labels: torch.Tensor,
-                          table: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
-    """λ·φ between this batch's features and the global prototypes (0 where none exists)."""
+                          table: torch.Tensor, available: torch.Tensor,
+                          weights: torch.Tensor | None = None) -> torch.Tensor:
+    """λ·φ between this batch's features and the global prototypes (0 where none exists).
+    ``weights`` (``Batch.weights``: 0 for the padding rows of a batched step) leave rows out."""
     if options.client_reg == "htfllib":
         target = torch.where(available[labels].unsqueeze(1), table[labels], features.detach())
-        return options.reg_weight * F.mse_loss(features, target)
+        if weights is None:
+            return options.reg_weight * F.mse_loss(features, target)
+        return options.reg_weight * weighted_mean((features - target).pow(2).mean(dim=1), weights)
     # Batch class means via a one-hot product: no data-dependent shapes, so no host syncs
     # in the training step (this runs once per batch on every client).
     classes = torch.arange(table.shape[0], device=labels.device)
     onehot = ((labels.unsqueeze(1) == classes) & available).to(features.dtype)
+    if weights is not None:
+        onehot = onehot * weights.unsqueeze(1)
     counts = onehot.sum(dim=0)
     present = counts > 0
     batch_protos = (onehot.t() @ features) / counts.clamp(min=1).unsqueeze(1)
@@ -98,20 +110,34 @@ class PrototypeClient(ClientAlgorithm):
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         return prototype_fields(context)
 
-    def train(self, client: ClientState, knowledge: Payload, round_index: int,
-              generator: torch.Generator) -> TrainResult:
-        num_classes = self.context.num_classes
+    def loss_function(self, knowledge: Payload, device: torch.device) -> Callable[[Batch], torch.Tensor]:
+        """CE + λ·φ towards the downloaded prototypes (CE alone before any exist): one function
+        for every client of the round, so a group of clients can train with it batched."""
         has_global = knowledge["class_ids"].numel() > 0
-        table, available = dense_prototypes(knowledge, num_classes, client.device)
+        table, available = dense_prototypes(knowledge, self.context.num_classes, device)
 
         def loss_fn(batch: Batch) -> torch.Tensor:
-            loss = F.cross_entropy(batch.logits, batch.labels)
+            loss = batch_cross_entropy(batch)
             if has_global:
-                loss = loss + prototype_regulariser(self.options, batch.features, batch.labels, table, available)
+                loss = loss + prototype_regulariser(self.options, batch.features, batch.labels, table, available,
+                                                    batch.weights)
             return loss
 
+        return loss_fn
+
+    def train(self, client: ClientState, knowledge: Payload, round_index: int,
+              generator: torch.Generator) -> TrainResult:
+        loss_fn = self.loss_function(knowledge, client.device)
         class_ids, protos, loss_sum, seen = self.train_with_prototypes(client, loss_fn, generator)
         return TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
+
+    def train_group(self, clients: list[ClientState], knowledge: Payload, round_index: int,
+                    generators: list[torch.Generator]) -> list[TrainResult]:
+        loss_fn = self.loss_function(knowledge, clients[0].device)
+        outcomes = self.prototypes_around(clients, lambda on_batch: run_batched_training(
+            clients, self.context, loss_fn, generators, on_batch=on_batch))
+        return [TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
+                for client, (class_ids, protos, loss_sum, seen) in zip(clients, outcomes, strict=True)]
 
     def train_with_prototypes(self, client: ClientState, loss_fn: Callable[[Batch], torch.Tensor],
                               generator: torch.Generator
@@ -119,20 +145,31 @@ class PrototypeClient(ClientAlgorithm):
         """``run_local_training`` with ``loss_fn``, and the client's prototypes taken as
         ``options.proto_from`` says (before, during or after the update). Returns (class ids,
         prototypes, loss sum, samples)."""
+        return self.prototypes_around([client], lambda on_batch: [run_local_training(
+            client, self.context, loss_fn, generator, on_batch=on_batch)])[0]
+
+    def prototypes_around(self, clients: list[ClientState],
+                          train: Callable[[Callable[[Batch], None] | None], list[tuple[float, int]]]
+                          ) -> list[tuple[torch.Tensor, torch.Tensor, float, int]]:
+        """Run ``train(on_batch)`` (one client's loop, or a group's batched one; (loss sum,
+        samples) per client) and take each client's prototypes as ``options.proto_from`` says:
+        before the update, from the batches it trained on (``on_batch``, padding left out), or
+        after. Returns (class ids, prototypes, loss sum, samples) per client."""
         num_classes = self.context.num_classes
         source = self.options.proto_from
-        pre_update = class_prototypes(client, num_classes) if source == "pre_update" else None
-        seen_features = ClassMeans(num_classes, self.context.feature_dim, client.device) \
+        pre_update = [class_prototypes(c, num_classes) for c in clients] if source == "pre_update" else None
+        seen_features = GroupClassMeans(len(clients), num_classes, self.context.feature_dim, clients[0].device) \
             if source == "during_training" else None
-        on_batch = (lambda batch: seen_features.add(batch.features, batch.labels)) if seen_features else None
-        loss_sum, seen = run_local_training(client, self.context, loss_fn, generator, on_batch=on_batch)
+        on_batch = (lambda batch: seen_features.add(batch.features, batch.labels, batch.weights)) \
+            if seen_features else None
+        totals = train(on_batch)
         if pre_update is not None:
-            class_ids, protos = pre_update
+            rows = pre_update
         elif seen_features is not None:
-            class_ids, protos = seen_features.rows()
+            rows = seen_features.rows()
         else:
-            class_ids, protos = class_prototypes(client, num_classes)
-        return class_ids, protos, loss_sum, seen
+            rows = [class_prototypes(client, num_classes) for client in clients]
+        return [(*row, *total) for row, total in zip(rows, totals, strict=True)]
 
     def make_upload(self, client: ClientState, class_ids: torch.Tensor, protos: torch.Tensor) -> Payload:
         return {"class_ids": class_ids, "protos": protos}

@@ -23,6 +23,7 @@ from torch import nn
 
 from htfl_dist.config import TrainConfig
 from htfl_dist.payload import Payload, PayloadSpec
+from htfl_dist.seeding import seed_global_torch
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,12 @@ class TrainResult:
     samples: int
 
 
+def seed_training(seed: int, client_id: int, round_index: int) -> None:
+    """Seed torch's global RNG for one client's local training in one round (dropout and other
+    implicit draws) from (seed, client, round) only, wherever and with whom the client trains."""
+    seed_global_torch(seed, "train", client_id, round_index)
+
+
 class ClientAlgorithm:
     """Client half: local training and inference."""
 
@@ -111,6 +118,31 @@ class ClientAlgorithm:
         """Train one participating client for the round; ``generator`` (seeded from
         seed, client id and round by the runtime) orders its batches."""
         raise NotImplementedError
+
+    def train_group(self, clients: list[ClientState], knowledge: Payload, round_index: int,
+                    generators: list[torch.Generator]) -> list[TrainResult]:
+        """Train several participants of one architecture at once (``train.client_batching=vmap``);
+        one result per client, in order, each ``generators[i]`` ordering client i's batches as in
+        ``train``. An override is the algorithm's batched path: its results must equal ``train``'s
+        within float tolerance and must not depend on which other clients share the group (a
+        group is what one rank hosts, so it changes with the world size). This default trains them
+        one by one, seeded as the runtime seeds ``train``, so every algorithm accepts the call."""
+        results = []
+        for client, generator in zip(clients, generators, strict=True):
+            seed_training(self.context.seed, client.client_id, round_index)
+            results.append(self.train(client, knowledge, round_index, generator))
+        return results
+
+    @classmethod
+    def has_batched_path(cls) -> bool:
+        """Whether ``train_group`` batches this class's ``train``: both must come from one class
+        below ``ClientAlgorithm``. A subclass that changes ``train`` (its loss) but inherits a
+        batched ``train_group`` would batch the parent's loss, so it has no batched path until it
+        overrides ``train_group`` as well."""
+        def owner(name: str) -> type:
+            return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+        return owner("train_group") is owner("train") and owner("train") is not ClientAlgorithm
 
     def theory_upload_floats(self, client: ClientState) -> int:
         """The paper's count of floats this client uploads per round (for bytes_theory_up)."""

@@ -4,11 +4,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from htfl_dist.algorithms.interface import ClientAlgorithm, ClientState, ServerAlgorithm, TrainResult
 from htfl_dist.algorithms.registry import register_algorithm
-from htfl_dist.algorithms.training import run_local_training
+from htfl_dist.algorithms.training import batch_cross_entropy, run_batched_training, run_local_training
 from htfl_dist.payload import Payload
 
 
@@ -20,10 +19,13 @@ class LocalOptions:
 class LocalClient(ClientAlgorithm):
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
-        loss_sum, seen = run_local_training(
-            client, self.context, lambda batch: F.cross_entropy(batch.logits, batch.labels), generator
-        )
+        loss_sum, seen = run_local_training(client, self.context, batch_cross_entropy, generator)
         return TrainResult({}, loss_sum, seen)
+
+    def train_group(self, clients: list[ClientState], knowledge: Payload, round_index: int,
+                    generators: list[torch.Generator]) -> list[TrainResult]:
+        totals = run_batched_training(clients, self.context, batch_cross_entropy, generators)
+        return [TrainResult({}, loss_sum, seen) for loss_sum, seen in totals]
 
 
 register_algorithm("local", server=ServerAlgorithm, client=LocalClient, options=LocalOptions,

@@ -1,13 +1,21 @@
-"""The two training loops algorithms share: a client's local SGD epoch(s), and the server's
-mini-batch loop over (vector, label) pairs (FedTGP's prototypes, FedGH's head, FedOC)."""
+"""The training loops algorithms share: a client's local SGD epoch(s), the same for a group of
+same-architecture clients at once (``train.client_batching=vmap``), and the server's mini-batch
+loop over (vector, label) pairs (FedTGP's prototypes, FedGH's head, FedOC)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, grad, stack_module_state, vmap
 
-from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
+from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState
+from htfl_dist.algorithms.registry import algorithm_names, get_algorithm
+from htfl_dist.config import TrainConfig
+from htfl_dist.errors import ConfigError
+from htfl_dist.models import architecture_for_client, build_model
 
 
 @dataclass(frozen=True)
@@ -18,6 +26,24 @@ class Batch:
     labels: torch.Tensor
     features: torch.Tensor
     logits: torch.Tensor
+    weights: torch.Tensor | None = None
+    """Per sample 1 (real) or 0 (padding) in a batched step (``run_batched_training``), whose
+    batches all have ``train.batch_size`` rows; None: every row is a real sample. A loss must
+    average over the real samples only (``batch_cross_entropy``, ``weighted_mean``)."""
+
+
+def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Σ w·v / Σ w over a batch's samples: the mean over the real samples of a padded batch
+    (0 for a batch without any, the steps after a client's last)."""
+    return (values * weights).sum() / weights.sum().clamp(min=1)
+
+
+def batch_cross_entropy(batch: Batch) -> torch.Tensor:
+    """CE(logits, labels) averaged over the batch's real samples (``F.cross_entropy`` itself
+    when the batch has no padding)."""
+    if batch.weights is None:
+        return F.cross_entropy(batch.logits, batch.labels)
+    return weighted_mean(F.cross_entropy(batch.logits, batch.labels, reduction="none"), batch.weights)
 
 
 def run_local_training(client: ClientState, context: AlgorithmContext,
@@ -44,15 +70,14 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
     train = context.train
     batch_size = train.batch_size
     count = client.train_y.shape[0]
-    end = count - count % batch_size if train.last_batch == "drop" else count
+    used = samples_per_epoch(count, train)
     model.train()
     loss_total, seen = torch.zeros((), device=client.device), 0  # summed on device: no per-step sync
     for _ in range(train.local_epochs):
-        order = None if train.batch_order == "fixed" else torch.randperm(count, generator=generator).to(client.device)
-        for start in range(0, end, batch_size):
-            if end - start == 1 and start > 0:
-                break  # a final batch of one sample breaks BatchNorm on 1×1 maps; skip it
-            index = slice(start, start + batch_size) if order is None else order[start : start + batch_size]
+        order = epoch_order(count, train, generator, client.device)
+        for start in range(0, used, batch_size):
+            stop = min(start + batch_size, used)
+            index = slice(start, stop) if order is None else order[start:stop]
             x, y = client.train_x[index], client.train_y[index]
             features, logits = model.forward_with_features(x)
             loss = loss_fn(Batch(x, y, features, logits))
@@ -68,6 +93,199 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
             loss_total += loss.detach() * y.shape[0]
             seen += y.shape[0]
     return float(loss_total), seen
+
+
+def samples_per_epoch(count: int, train: TrainConfig) -> int:
+    """How many of a client's ``count`` samples one local epoch trains on (the first ones of the
+    epoch's order): all, less a trailing partial batch with ``last_batch=drop``, less a trailing
+    batch of one sample otherwise (BatchNorm in the torchvision models cannot train on it; a
+    client holding a single sample still trains on it)."""
+    batch_size = train.batch_size
+    used = count - count % batch_size if train.last_batch == "drop" else count
+    if used > 1 and (used - 1) % batch_size == 0:
+        used -= 1
+    return used
+
+
+def epoch_order(count: int, train: TrainConfig, generator: torch.Generator,
+                device: torch.device | str) -> torch.Tensor | None:
+    """One epoch's sample order: a fresh permutation drawn from ``generator``
+    (``batch_order=shuffled``), or None for the stored order (``fixed``, which draws nothing)."""
+    if train.batch_order == "fixed":
+        return None
+    return torch.randperm(count, generator=generator).to(device)
+
+
+# --------------------------------------------------------------------------- batched clients
+
+
+@dataclass(frozen=True)
+class GroupSchedule:
+    """What every client of a group trains on at each batched step t: ``index`` [G, T, B] rows
+    of the group's concatenated training splits, ``weights`` [G, T, B] 1 for a real sample and 0
+    for padding (the rest of a partial batch, every row after the client's last step, which
+    points at its first sample), ``steps`` each client's own number of steps (T is the largest)."""
+
+    index: torch.Tensor
+    weights: torch.Tensor
+    steps: list[int]
+    samples: list[int]
+    """What ``run_local_training`` reports as seen: local epochs × samples per epoch."""
+
+
+def group_schedule(clients: Sequence[ClientState], train: TrainConfig,
+                   generators: Sequence[torch.Generator]) -> GroupSchedule:
+    """Each client's batches exactly as ``run_local_training`` walks them (its own
+    ``epoch_order`` drawn from its own generator, ``samples_per_epoch``), laid out step by step
+    and padded to one shape, on the CPU."""
+    batch_size = train.batch_size
+    per_client, samples, offset = [], [], 0
+    for client, generator in zip(clients, generators, strict=True):
+        count = client.train_y.shape[0]
+        used = samples_per_epoch(count, train)
+        padded = -(-used // batch_size) * batch_size
+        epochs = []
+        for _ in range(train.local_epochs):
+            order = epoch_order(count, train, generator, "cpu")
+            order = torch.arange(count) if order is None else order
+            epochs.append(F.pad(order[:used] + offset, (0, padded - used), value=-1))
+        per_client.append(torch.cat(epochs).view(-1, batch_size))
+        samples.append(used * train.local_epochs)
+        offset += count
+    steps = [rows.shape[0] for rows in per_client]
+    index = torch.stack([F.pad(rows, (0, 0, 0, max(steps) - rows.shape[0]), value=-1) for rows in per_client])
+    real = index >= 0
+    firsts = torch.tensor([0] + [client.train_y.shape[0] for client in clients[:-1]]).cumsum(0)
+    return GroupSchedule(torch.where(real, index, firsts.view(-1, 1, 1)), real.float(), steps, samples)
+
+
+class _FeaturesAndLogits(nn.Module):
+    """``model.forward_with_features`` as a module's forward, for ``functional_call``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.forward_with_features(x)
+
+
+def plain_sgd_rate(clients: Sequence[ClientState]) -> float:
+    """The learning rate of the group's optimizers, which must be one plain SGD (no momentum,
+    weight decay, dampening, Nesterov or maximize) over each client's model parameters, all with
+    the same rate: the batched step implements p ← p − lr·g and nothing else, and keeps no
+    optimizer state. Anything else is refused rather than trained differently."""
+    rates = set()
+    for client in clients:
+        optimizer = client.optimizer
+        groups = optimizer.param_groups
+        plain = (type(optimizer) is torch.optim.SGD and len(groups) == 1
+                 and not any(groups[0].get(key) for key in ("momentum", "weight_decay", "dampening",
+                                                              "nesterov", "maximize"))
+                 and [id(p) for p in groups[0]["params"]] == [id(p) for p in client.model.parameters()])
+        if not plain:
+            raise ConfigError(f"train.client_batching=vmap: client {client.client_id}'s optimizer is not plain SGD "
+                              f"over its model ({type(optimizer).__name__}); the batched step implements only that; "
+                              f"use train.client_batching=off")
+        rates.add(groups[0]["lr"])
+    if len(rates) != 1:
+        raise ConfigError(f"train.client_batching=vmap: a group's clients train with different learning rates "
+                          f"{sorted(rates)}; use train.client_batching=off")
+    return rates.pop()
+
+
+def run_batched_training(clients: Sequence[ClientState], context: AlgorithmContext,
+                         loss_fn: Callable[[Batch], torch.Tensor], generators: Sequence[torch.Generator], *,
+                         on_batch: Callable[[Batch], None] | None = None) -> list[tuple[float, int]]:
+    """``run_local_training`` for a group of clients of one architecture, as one batched model:
+    their parameters stacked (``stack_module_state``), each step one ``vmap(grad(...))`` over the
+    group of ``functional_call``s and one SGD update of every stacked parameter.
+
+    Each client walks its own batches (``group_schedule``: its permutations from its own
+    generator, its own step count); a partial batch is padded to ``train.batch_size`` with
+    weight-0 rows, and ``loss_fn`` (the same function for every client, so a client's result
+    does not depend on its group) must average over the real samples (``Batch.weights``). A
+    client whose steps are over takes no update (its gradient is masked). ``on_batch`` sees each
+    step's detached outputs before the update, with a leading group dimension: x [G, B, ...],
+    labels, weights [G, B], features [G, B, K], logits [G, B, C]. The trained parameters are
+    written back into each client's model; momentum-free SGD has no optimizer state to keep
+    (``plain_sgd_rate`` refuses anything else). Nothing draws from torch's global RNG: vmap
+    raises on random operations. Returns (loss sum, samples) per client, as
+    ``run_local_training`` would."""
+    rate = plain_sgd_rate(clients)
+    schedule = group_schedule(clients, context.train, generators)
+    device = clients[0].device
+    base = _FeaturesAndLogits(clients[0].model)
+    params, buffers = stack_module_state([client.model for client in clients])
+    params = {f"model.{name}": tensor.detach() for name, tensor in params.items()}
+    buffers = {f"model.{name}": tensor for name, tensor in buffers.items()}
+    index, weights = schedule.index.to(device), schedule.weights.to(device)
+    steps = torch.tensor(schedule.steps, device=device)
+    train_x = torch.cat([client.train_x for client in clients])
+    train_y = torch.cat([client.train_y for client in clients])
+
+    def objective(state: dict, state_buffers: dict, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor):
+        features, logits = functional_call(base, (state, state_buffers), (x,))
+        loss = loss_fn(Batch(x, y, features, logits, w))
+        return loss, (loss, features, logits)
+
+    step = vmap(grad(objective, has_aux=True))
+    for client in clients:
+        client.model.train()
+    loss_total = torch.zeros(len(clients), device=device)
+    all_active = min(schedule.steps)
+    with torch.no_grad():
+        for t in range(max(schedule.steps)):
+            rows, w = index[:, t], weights[:, t]
+            x, y = train_x[rows], train_y[rows]
+            grads, (loss, features, logits) = step(params, buffers, x, y, w)
+            if t >= all_active:  # some clients are done: no update for them
+                active = steps > t
+                grads = {name: torch.where(active.view(-1, *[1] * (g.dim() - 1)), g, 0) for name, g in grads.items()}
+            torch._foreach_add_(list(params.values()), [grads[name] for name in params], alpha=-rate)
+            if on_batch is not None:
+                on_batch(Batch(x, y, features, logits, w))
+            loss_total += loss * w.sum(dim=1)
+        for g, client in enumerate(clients):
+            for name, parameter in client.model.named_parameters():
+                parameter.copy_(params[f"model.{name}"][g])
+    return [(float(total), seen) for total, seen in zip(loss_total.tolist(), schedule.samples, strict=True)]
+
+
+def batching_obstacle(model: nn.Module) -> str | None:
+    """What keeps a model from training batched, or None: BatchNorm (its training-mode output
+    depends on the whole batch, padding rows included, and it updates running statistics) or
+    Dropout (per-client random streams that vmap cannot draw); an InstanceNorm that keeps
+    running statistics too."""
+    for name, module in model.named_modules():
+        batch_statistics = isinstance(module, nn.modules.batchnorm._BatchNorm) or (
+            isinstance(module, nn.modules.batchnorm._NormBase) and module.track_running_stats)
+        if batch_statistics or isinstance(module, nn.modules.dropout._DropoutNd):
+            return f"a {type(module).__name__} layer ({name})"
+    return None
+
+
+def check_client_batching(client_class: type[ClientAlgorithm], context: AlgorithmContext, algorithm: str) -> None:
+    """With ``train.client_batching=vmap``, one ConfigError line unless every client can train
+    batched: the algorithm has a batched path (``ClientAlgorithm.has_batched_path``) and no
+    member of the model group has a layer ``batching_obstacle`` names. Checked at start-up on
+    every rank (the same answer everywhere, from the config alone), so nothing trains first."""
+    if context.train.client_batching != "vmap":
+        return
+    if not client_class.has_batched_path():
+        batched = [name for name in algorithm_names() if get_algorithm(name).client.has_batched_path()]
+        raise ConfigError(f"train.client_batching=vmap: {algorithm} has no batched client path (these have: "
+                          f"{', '.join(batched)}); use train.client_batching=off")
+    members = sorted({architecture_for_client(context.model_group, cid) for cid in range(context.num_clients)})
+    for member in members:
+        with torch.device("meta"):
+            model = build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
+                                in_channels=context.in_channels, image_size=context.image_size)
+        obstacle = batching_obstacle(model)
+        if obstacle is not None:
+            raise ConfigError(f"train.client_batching=vmap cannot batch {member}: it has {obstacle}, whose "
+                              f"training output depends on the batch or on random draws; use "
+                              f"train.client_batching=off")
 
 
 def train_on_pairs(rows: torch.Tensor, labels: torch.Tensor,

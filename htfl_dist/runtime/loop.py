@@ -30,9 +30,12 @@ from htfl_dist.algorithms import (
     AlgorithmContext,
     ClientAlgorithm,
     ClientState,
+    TrainResult,
     get_algorithm,
     parse_options,
 )
+from htfl_dist.algorithms.interface import seed_training
+from htfl_dist.algorithms.training import check_client_batching
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import HtflError, ProtocolError
@@ -199,6 +202,7 @@ class Federation:
             latent_dim=latent_dim,
         )
         self.entry.client.check_models(self.context)
+        check_client_batching(self.entry.client, self.context, config.algorithm)
         self.client_algorithm = self.entry.client(self.context)
         self.server = None
         if self.is_server:
@@ -389,16 +393,35 @@ class Federation:
         uploads, train_rows, theory = {}, {}, 0
         mine = [client_id for client_id in participants if client_id in self.clients]
         self.training_progress.start(round_index + 1, len(mine))
-        for client_id in mine:
-            client = self.clients[client_id]
-            seed_global_torch(self.config.seed, "train", client_id, round_index)
-            generator = torch_generator(self.config.seed, "batches", client_id, round_index)
-            result = self.client_algorithm.train(client, knowledge, round_index, generator)
-            uploads[client_id] = result.upload
-            train_rows[client_id] = [result.loss_sum, float(result.samples)]
-            theory += self.client_algorithm.theory_upload_floats(client) * 4
-            self.training_progress.client_done()
+        for group in self._training_groups(mine):
+            clients = [self.clients[client_id] for client_id in group]
+            for client, result in zip(clients, self._train_group(clients, knowledge, round_index), strict=True):
+                uploads[client.client_id] = result.upload
+                train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
+                theory += self.client_algorithm.theory_upload_floats(client) * 4
+                self.training_progress.client_done()
         return uploads, train_rows, theory
+
+    def _training_groups(self, client_ids: list[int]) -> list[list[int]]:
+        """The clients that train together: each alone (``train.client_batching=off``), or this
+        rank's participants of one architecture (``vmap``), in client-id order."""
+        if self.config.train.client_batching == "off":
+            return [[client_id] for client_id in client_ids]
+        groups: dict[str, list[int]] = {}
+        for client_id in client_ids:
+            groups.setdefault(self.clients[client_id].architecture, []).append(client_id)
+        return list(groups.values())
+
+    def _train_group(self, clients: list[ClientState], knowledge: Payload, round_index: int) -> list[TrainResult]:
+        """One group's round of local training, each client's batches ordered by its own stream
+        (seed, client, round); off: ``train`` of the one client, torch's global RNG seeded for it."""
+        seed = self.config.seed
+        generators = [torch_generator(seed, "batches", client.client_id, round_index) for client in clients]
+        if self.config.train.client_batching == "vmap":
+            return self.client_algorithm.train_group(clients, knowledge, round_index, generators)
+        (client,), (generator,) = clients, generators
+        seed_training(seed, client.client_id, round_index)
+        return [self.client_algorithm.train(client, knowledge, round_index, generator)]
 
     @torch.no_grad()
     def _evaluate_clients(self, knowledge: Payload) -> dict[int, list[float]]:
