@@ -301,6 +301,11 @@ class Config:
 # --------------------------------------------------------------------------- parsing
 
 
+YAML_SWITCH = {False: "off", True: "on"}
+"""YAML 1.1 (PyYAML) reads a bare ``off``/``on`` (and no/yes, false/true) as a boolean, so a choice
+named ``off`` (``train.client_batching``) is taken back from the boolean it became."""
+
+
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
     """Convert a YAML/CLI value to the field's type, or raise a one-line ConfigError."""
     origin = typing.get_origin(annotation)
@@ -312,6 +317,8 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         return _coerce(value, inner[0], key)
     if origin is typing.Literal:
         allowed = [str(choice) for choice in args]
+        if isinstance(value, bool) and YAML_SWITCH[value] in allowed:
+            value = YAML_SWITCH[value]  # YAML reads a bare off/on as a boolean
         if str(value) not in allowed or isinstance(value, (dict, list)):
             raise ConfigError(f"config key '{key}' is {value!r}; allowed: {', '.join(allowed)}")
         return str(value)
