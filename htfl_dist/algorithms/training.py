@@ -205,9 +205,12 @@ def run_batched_training(clients: Sequence[ClientState], context: AlgorithmConte
     generator, its own step count); a partial batch is padded to ``train.batch_size`` with
     weight-0 rows, and ``loss_fn`` (the same function for every client, so a client's result
     does not depend on its group) must average over the real samples (``Batch.weights``). A
-    client whose steps are over takes no update (its gradient is masked). ``on_batch`` sees each
-    step's detached outputs before the update, with a leading group dimension: x [G, B, ...],
-    labels, weights [G, B], features [G, B, K], logits [G, B, C]. The trained parameters are
+    client whose steps are over takes no part in the later steps (no update and no compute: the
+    group is ranked by step count and each step runs on the prefix still training; Dirichlet
+    splits make step counts very unequal). ``on_batch`` sees each step's detached outputs before
+    the update, with a leading group dimension in the clients' order: x [G, B, ...], labels,
+    weights [G, B] (0 for padding and finished clients), features [G, B, K], logits [G, B, C].
+    The trained parameters are
     written back into each client's model; momentum-free SGD has no optimizer state to keep
     (``plain_sgd_rate`` refuses anything else). Nothing draws from torch's global RNG: vmap
     raises on random operations. Returns (loss sum, samples) per client, as
@@ -215,14 +218,16 @@ def run_batched_training(clients: Sequence[ClientState], context: AlgorithmConte
     rate = plain_sgd_rate(clients)
     schedule = group_schedule(clients, context.train, generators)
     device = clients[0].device
-    base = _FeaturesAndLogits(clients[0].model)
-    params, buffers = stack_module_state([client.model for client in clients])
-    params = {f"model.{name}": tensor.detach() for name, tensor in params.items()}
-    buffers = {f"model.{name}": tensor for name, tensor in buffers.items()}
-    index, weights = schedule.index.to(device), schedule.weights.to(device)
-    steps = torch.tensor(schedule.steps, device=device)
+    # longest first, so the clients still training at any step are a prefix: slicing the stacked
+    # parameters (views) leaves the finished ones out of the step, which is their mask
+    ranked = sorted(range(len(clients)), key=lambda g: -schedule.steps[g])
+    params, buffers = _stacked_state([clients[g] for g in ranked])
+    index, weights = schedule.index[ranked].to(device), schedule.weights[ranked].to(device)
+    positions = torch.tensor(ranked, device=device)
+    steps = [schedule.steps[g] for g in ranked]
     train_x = torch.cat([client.train_x for client in clients])
     train_y = torch.cat([client.train_y for client in clients])
+    base = _FeaturesAndLogits(clients[0].model)
 
     def objective(state: dict, state_buffers: dict, x: torch.Tensor, y: torch.Tensor, w: torch.Tensor):
         features, logits = functional_call(base, (state, state_buffers), (x,))
@@ -233,23 +238,43 @@ def run_batched_training(clients: Sequence[ClientState], context: AlgorithmConte
     for client in clients:
         client.model.train()
     loss_total = torch.zeros(len(clients), device=device)
-    all_active = min(schedule.steps)
     with torch.no_grad():
-        for t in range(max(schedule.steps)):
-            rows, w = index[:, t], weights[:, t]
+        for t in range(steps[0]):
+            active = sum(count > t for count in steps)
+            state = {name: tensor[:active] for name, tensor in params.items()}
+            rows, w = index[:active, t], weights[:active, t]
             x, y = train_x[rows], train_y[rows]
-            grads, (loss, features, logits) = step(params, buffers, x, y, w)
-            if t >= all_active:  # some clients are done: no update for them
-                active = steps > t
-                grads = {name: torch.where(active.view(-1, *[1] * (g.dim() - 1)), g, 0) for name, g in grads.items()}
-            torch._foreach_add_(list(params.values()), [grads[name] for name in params], alpha=-rate)
+            grads, (loss, features, logits) = step(state, {n: b[:active] for n, b in buffers.items()}, x, y, w)
+            torch._foreach_add_(list(state.values()), [grads[name] for name in state], alpha=-rate)
             if on_batch is not None:
-                on_batch(Batch(x, y, features, logits, w))
-            loss_total += loss * w.sum(dim=1)
-        for g, client in enumerate(clients):
-            for name, parameter in client.model.named_parameters():
-                parameter.copy_(params[f"model.{name}"][g])
-    return [(float(total), seen) for total, seen in zip(loss_total.tolist(), schedule.samples, strict=True)]
+                on_batch(_in_client_order(Batch(x, y, features, logits, w), positions[:active], len(clients)))
+            loss_total[:active] += loss * w.sum(dim=1)
+        for rank, g in enumerate(ranked):
+            for name, parameter in clients[g].model.named_parameters():
+                parameter.copy_(params[f"model.{name}"][rank])
+    totals = [0.0] * len(clients)
+    for rank, g in enumerate(ranked):
+        totals[g] = float(loss_total[rank])
+    return list(zip(totals, schedule.samples, strict=True))
+
+
+def _stacked_state(clients: Sequence[ClientState]) -> tuple[dict, dict]:
+    """The clients' parameters and buffers stacked along a new leading dimension, named as in
+    ``_FeaturesAndLogits`` (copies: the step updates them, the models get them back at the end)."""
+    params, buffers = stack_module_state([client.model for client in clients])
+    return ({f"model.{name}": tensor.detach() for name, tensor in params.items()},
+            {f"model.{name}": tensor for name, tensor in buffers.items()})
+
+
+def _in_client_order(batch: Batch, positions: torch.Tensor, groups: int) -> Batch:
+    """A step's outputs for the clients still training (rows ``positions``) spread over all
+    ``groups`` clients in their order; the others get weight-0 rows."""
+    def spread(tensor: torch.Tensor) -> torch.Tensor:
+        full = tensor.new_zeros((groups, *tensor.shape[1:]))
+        full[positions] = tensor
+        return full
+
+    return Batch(*(spread(tensor) for tensor in (batch.x, batch.labels, batch.features, batch.logits, batch.weights)))
 
 
 def batching_obstacle(model: nn.Module) -> str | None:
