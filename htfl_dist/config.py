@@ -190,9 +190,11 @@ class TrainConfig:
     """off: each participant trains alone, one after the other. vmap: the participants of one
     architecture hosted on a rank train as one batched model (``torch.func.vmap`` over their
     stacked parameters), each with its own batches and step count, equal to ``off`` within float
-    tolerance. Small CNNs at batch 10 are bound by per-step overhead, which the batch shares.
-    Only for algorithms with a batched client path (local, fedproto, fedtgp) and models without
-    BatchNorm or Dropout; anything else is refused at start-up."""
+    tolerance (world-size invariant within it, not bit for bit). On a GPU, batch-10 steps of
+    small CNNs are bound by kernel launches, which the group shares; on a CPU they are bound by
+    arithmetic and it does not pay. Only for algorithms with a batched client path (local,
+    fedproto, fedtgp) and models without BatchNorm or Dropout; anything else is refused at
+    start-up. Changes the config hash (``off`` does not)."""
 
 
 @dataclass
