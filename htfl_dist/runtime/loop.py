@@ -404,13 +404,15 @@ class Federation:
 
     def _training_groups(self, client_ids: list[int]) -> list[list[int]]:
         """The clients that train together: each alone (``train.client_batching=off``), or this
-        rank's participants of one architecture (``vmap``), in client-id order."""
+        rank's participants of one architecture (``vmap``), in client-id order; a group is held in
+        memory at once, so with ``runtime.resident_clients=K`` it holds at most K clients."""
         if self.config.train.client_batching == "off":
             return [[client_id] for client_id in client_ids]
         groups: dict[str, list[int]] = {}
         for client_id in client_ids:
-            groups.setdefault(self.clients[client_id].architecture, []).append(client_id)
-        return list(groups.values())
+            groups.setdefault(architecture_for_client(self.config.model.group, client_id), []).append(client_id)
+        size = self.clients.limit if self.clients.bounded else len(client_ids)
+        return [group[start : start + size] for group in groups.values() for start in range(0, len(group), size)]
 
     def _train_group(self, clients: list[ClientState], knowledge: Payload, round_index: int) -> list[TrainResult]:
         """One group's round of local training, each client's batches ordered by its own stream
