@@ -16,6 +16,13 @@ SMOKE = REPO / "configs" / "smoke.yaml"
 
 
 def pytest_configure(config) -> None:
+    # One intra-op thread in the test process too, as every run it launches has (OMP_NUM_THREADS=1,
+    # runtime.threads=1): on the 2-core machines this suite runs on, torch's default of one thread
+    # per core makes the in-process tests fight the ranks and any run beside them for the cores
+    # (resnet152's three forward passes: 12 s with 2 threads under load, 1.3 s with one).
+    import torch
+
+    torch.set_num_threads(1)
     config.addinivalue_line("markers", "slurm: starts a throw-away SLURM cluster (root, slurm-wlm, munge); "
                                        "deselect with -m 'not slurm'")
 
