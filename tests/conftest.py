@@ -1,6 +1,7 @@
 """Helpers to launch the real program the way users do: python -m, torchrun, mpirun."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -77,3 +78,25 @@ def maths_only(rows: list[dict]) -> list[dict]:
 def cache_dir(tmp_path_factory) -> Path:
     """One partition cache for the whole session (the first run builds it)."""
     return tmp_path_factory.mktemp("partition-cache")
+
+
+@pytest.fixture(scope="session")
+def single_run(tmp_path_factory, cache_dir):
+    """One-process smoke runs shared by the whole session: ``single_run(*overrides)`` runs
+    ``python -m htfl_dist.main`` on the smoke config with ``overrides`` (asserting it succeeds) the
+    first time any test asks for those overrides, and returns its run directory and a fresh copy of
+    its metrics rows to every test that asks for them. The conformance test and an algorithm's own
+    tests often need the very same reference run; it is launched once. The run directory is shared:
+    read it, never write into it (resume into a directory of your own)."""
+    runs: dict[tuple[str, ...], tuple[Path, list[dict]]] = {}
+
+    def run(*overrides: str) -> tuple[Path, list[dict]]:
+        keys = [override.split("=", 1)[0] for override in overrides]
+        key = tuple(sorted(overrides)) if len(set(keys)) == len(keys) else overrides  # order matters on repeats
+        if key not in runs:
+            out = tmp_path_factory.mktemp("single-run")
+            runs[key] = (out, run_smoke("single", 1, out, cache_dir, *overrides))
+        out, rows = runs[key]
+        return out, copy.deepcopy(rows)
+
+    return run

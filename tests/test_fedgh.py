@@ -133,8 +133,8 @@ def test_bad_options_name_their_key(options, key):
         parse_options(get_algorithm("fedgh"), options)
 
 
-def test_real_run(tmp_path, cache_dir):
-    rows = launch_smoke("fedgh", tmp_path, cache_dir)
+def test_real_run(single_run):
+    rows = launch_smoke(single_run, "fedgh")
     assert all(r["server_pairs"] > 0 for r in rows)
 
 

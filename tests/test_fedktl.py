@@ -629,15 +629,14 @@ def _run(launcher, nproc, out, cache_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def single_out(tmp_path_factory, cache_dir):
-    out = tmp_path_factory.mktemp("fedktl-ws1")
-    _run("single", 1, out, cache_dir)
-    return out
+def single_out(single_run):
+    """The session's one-process run of RUN (the conformance test compares the same with 3 ranks)."""
+    return single_run(*RUN)[0]
 
 
 @pytest.fixture(scope="module")
-def single(single_out):
-    return read_metrics(single_out)
+def single(single_run):
+    return single_run(*RUN)[1]
 
 
 def test_real_run_rows(single, cache_dir):

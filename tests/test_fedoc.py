@@ -294,8 +294,9 @@ def _run(launcher, nproc, out, cache_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, cache_dir):
-    return _run("single", 1, tmp_path_factory.mktemp("fedoc-ws1"), cache_dir)
+def single(single_run):
+    """The session's one-process run of PARTIAL (the conformance test compares the same with 3 ranks)."""
+    return single_run(*PARTIAL)[1]
 
 
 def test_real_run_with_partial_participation(single, cache_dir):

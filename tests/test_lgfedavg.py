@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import SMOKE, launch, read_metrics
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError
@@ -47,12 +46,10 @@ def head_upload(values, num_samples):
     return {"head": torch.tensor([values], dtype=torch.float32), "num_samples": torch.tensor([num_samples])}
 
 
-def launch_smoke(algorithm, tmp_path, cache_dir, *overrides):
-    out = tmp_path / algorithm
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(out), f"algorithm={algorithm}",
-                                  "rounds=2", f"data.cache_dir={cache_dir}", *overrides])
-    assert result.returncode == 0, result.stdout + result.stderr
-    rows = read_metrics(out)
+def launch_smoke(single_run, algorithm, *overrides):
+    """Two rounds of ``algorithm`` in one process on the smoke config (the session's shared run,
+    the one the conformance test compares with 3 ranks), checked for learning and bytes."""
+    _, rows = single_run(f"algorithm={algorithm}", "rounds=2", *overrides)
     assert [r["round"] for r in rows] == [1, 2]
     for row in rows:
         assert row["test_acc"] > 0.2  # 10 classes: chance is 0.1
@@ -175,8 +172,8 @@ def test_bad_options_name_their_key(options, key):
         parse_options(get_algorithm("lgfedavg"), options)
 
 
-def test_real_run(tmp_path, cache_dir):
-    rows = launch_smoke("lgfedavg", tmp_path, cache_dir)
+def test_real_run(single_run):
+    rows = launch_smoke(single_run, "lgfedavg")
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)
 
 

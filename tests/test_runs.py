@@ -55,8 +55,8 @@ def test_outputs_and_bytes(reference):
     assert (out / "config.yaml").is_file()
 
 
-def test_local_sends_nothing(tmp_path, cache_dir):
-    rows = _run("single", 1, tmp_path, cache_dir, "algorithm=local", "rounds=2")
+def test_local_sends_nothing(single_run):
+    _, rows = single_run("algorithm=local", "rounds=2")  # the conformance test's run, shared
     assert all(r["bytes_up"] == 0 and r["bytes_theory_up"] == 0 for r in rows)
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)
 
@@ -83,18 +83,20 @@ def test_existing_run_directory_is_not_overwritten(reference, tmp_path, cache_di
     assert (out / "metrics.jsonl").read_text() == before
 
 
-def test_fedtgp_partial_participation_world_size_invariant(tmp_path, cache_dir):
+def test_fedtgp_partial_participation_world_size_invariant(single_run, tmp_path, cache_dir):
     """FedTGP with ρ = 0.5: 1 rank and 4 ranks agree, and the server trains on exactly the
-    participants' (prototype, class) pairs each round."""
+    participants' (prototype, class) pairs each round (two rounds: two draws of participants;
+    the one-process run is the conformance test's, which compares it with 3 ranks)."""
     import numpy as np
 
     from htfl_dist.config import load_config
     from htfl_dist.data import prepare_partition
     from htfl_dist.runtime.placement import sample_participants
 
-    overrides = ("algorithm=fedtgp", "join_ratio=0.5", "algo.server_epochs=20")
-    single = _run("single", 1, tmp_path / "ws1", cache_dir, *overrides)
+    overrides = ("algorithm=fedtgp", "rounds=2", "join_ratio=0.5", "algo.server_epochs=20")
+    _, single = single_run(*overrides)
     spread = _run("torchrun", 4, tmp_path / "ws4", cache_dir, *overrides)
+    assert [r["round"] for r in single] == [1, 2]
     assert [r["test_acc"] for r in spread] == [r["test_acc"] for r in single]
     assert [r["margin"] for r in spread] == [r["margin"] for r in single]
     config = load_config(SMOKE, [f"data.cache_dir={cache_dir}", *overrides])
