@@ -495,23 +495,21 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
         data["min_samples_per_client"] = 10
 
 
-def _default_model_view(model: dict[str, Any]) -> None:
-    """``model.init`` came later: at its default it is left out, so earlier runs keep their hash."""
-    if model.get("init", "per_client") == "per_client":
-        model.pop("init", None)
+KEYS_ADDED_LATER = {
+    "model": {"init": "per_client"},
+    "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off"},
+}
+"""Keys added after runs existed, per section, with the default that was the only behaviour
+before them: at that default a key is left out of the experiment, so earlier runs and their
+checkpoints keep their hash."""
 
 
-TRAIN_DEFAULTS_ADDED_LATER = {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off"}
-"""``train.*`` keys added after runs existed, with the default that was the only behaviour before."""
-
-
-def _default_train_view(train: dict[str, Any]) -> None:
-    """``train.batch_order``, ``train.last_batch`` and ``train.client_batching`` came later: at
-    their defaults (the only behaviour before them) they are left out, so earlier runs and
-    checkpoints keep their hash."""
-    for key, default in TRAIN_DEFAULTS_ADDED_LATER.items():
-        if train.get(key, default) == default:
-            train.pop(key, None)
+def _drop_defaults_added_later(view: dict[str, Any]) -> None:
+    for section, defaults in KEYS_ADDED_LATER.items():
+        values = view.get(section, {})
+        for key, default in defaults.items():
+            if values.get(key, default) == default:
+                values.pop(key, None)
 
 
 def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
@@ -521,8 +519,7 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
     _legacy_partition_view(view.get("data", {}))
-    _default_model_view(view.get("model", {}))
-    _default_train_view(view.get("train", {}))
+    _drop_defaults_added_later(view)
     for key in PLUMBING_KEYS:
         view.pop(key, None)
     for key in DATA_LOCATION_KEYS:

@@ -130,6 +130,10 @@ def test_a_client_only_read_is_not_written_when_it_leaves(tmp_path):
     _train_step(changed)
     store.peek(2)
     assert store.parked_count == 2
+    _train_step(store[3])
+    trained = _weights(store.peek(3)).clone()  # read while resident after a change: still to be written
+    store.peek(0)
+    assert store.parked_count == 3 and torch.equal(_weights(store.peek(3)), trained)
 
 
 def test_records_and_restores_reach_parked_and_unbuilt_clients(tmp_path):

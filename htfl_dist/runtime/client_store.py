@@ -167,10 +167,10 @@ class ClientStore(Mapping[int, ClientState]):
     def peek(self, client_id: int) -> ClientState:
         """The client, only to be read (evaluated without installing anything): if it leaves
         memory before anyone changes it, nothing needs writing."""
-        if client_id in self._resident:
-            return self._fetch(client_id)
+        arrives = client_id not in self._resident
         client = self._fetch(client_id)
-        self._unchanged.add(client_id)
+        if arrives:  # a resident client keeps whatever state of change it has
+            self._unchanged.add(client_id)
         return client
 
     def _fetch(self, client_id: int) -> ClientState:
