@@ -516,3 +516,24 @@ def test_per_client_init_is_unchanged():
     seed_global_torch(0, "init", 5)
     expected = build_model("htcnn6", num_classes=10, feature_dim=512, in_channels=1, image_size=28)
     assert _same_weights(_initial(5, "per_client"), expected)
+
+
+def test_torchvision_is_imported_only_when_a_torchvision_architecture_is_built() -> None:
+    """Every launched process would pay about 1.5 s for importing torchvision (it pulls in
+    torch._dynamo); a run of HtCNN members must not, and a ResNet must still build."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import htfl_dist.main, htfl_dist.runtime.loop\n"
+        "from htfl_dist.models import build_model\n"
+        "shape = dict(num_classes=10, feature_dim=16, in_channels=1, image_size=28)\n"
+        "build_model('htcnn8', **shape)\n"
+        "htfl_dist.main._versions()\n"
+        "before = 'torchvision' in sys.modules\n"
+        "build_model('resnet4', **shape)\n"
+        "print(before, 'torchvision' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["False", "True"]

@@ -17,11 +17,11 @@ stages ([1, 1, 1, 1]); ResNet8/6/4 keep only the first 3/2/1 stages (later stage
 """
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
+from types import ModuleType
 
-import torchvision
 from torch import nn
-from torchvision.models.resnet import BasicBlock, ResNet
 
 from htfl_dist.errors import ConfigError
 
@@ -32,6 +32,12 @@ from .registry import register_architecture
 # Smallest square input each family accepts (GoogLeNet's ceil-mode pools reach a 1x1 map at
 # maxpool3 and the 2x2 maxpool4 then has nothing left below 15x15; measured with torchvision 0.29).
 MIN_IMAGE_SIZE: dict[str, int] = {"googlenet": 15}
+
+
+def _torchvision_models() -> ModuleType:
+    """``torchvision.models``, imported on first use: importing torchvision costs every process
+    about 1.5 s (it pulls in ``torch._dynamo``), and most runs build only HtCNN members."""
+    return importlib.import_module("torchvision.models")
 
 
 def _kaiming_fan_out(conv: nn.Conv2d) -> None:
@@ -75,7 +81,7 @@ def _finish(
 def build_googlenet(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
     """GoogLeNet without auxiliary classifiers; 1024-d penultimate vector -> K (pairs averaged)."""
     _check_image_size("googlenet", image_size)
-    model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True, num_classes=num_classes)
+    model = _torchvision_models().googlenet(weights=None, aux_logits=False, init_weights=True, num_classes=num_classes)
     return _finish(
         "googlenet", model, _googlenet_init,
         num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
@@ -85,27 +91,22 @@ def build_googlenet(*, num_classes: int, feature_dim: int, in_channels: int, ima
 @register_architecture("mobilenet_v2")
 def build_mobilenet_v2(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
     """MobileNetV2; its whole ``classifier`` (dropout + linear) is replaced, 1280-d -> K."""
-    model = torchvision.models.mobilenet_v2(weights=None, num_classes=num_classes)
+    model = _torchvision_models().mobilenet_v2(weights=None, num_classes=num_classes)
     return _finish(
         "mobilenet_v2", model, _kaiming_fan_out,
         num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
     )
 
 
-# Standard torchvision ResNets: penultimate 512 (18/34) or 2048 (50/101/152, groups of 4 -> 512).
-_TORCHVISION_RESNETS: dict[str, Callable[..., ResNet]] = {
-    "resnet18": torchvision.models.resnet18,
-    "resnet34": torchvision.models.resnet34,
-    "resnet50": torchvision.models.resnet50,
-    "resnet101": torchvision.models.resnet101,
-    "resnet152": torchvision.models.resnet152,
-}
+# Standard torchvision ResNets (the factory in ``torchvision.models`` has the architecture's
+# name): penultimate 512 (18/34) or 2048 (50/101/152, groups of 4 -> 512).
+_TORCHVISION_RESNETS: tuple[str, ...] = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152")
 
 
-def _register_torchvision_resnet(arch: str, factory: Callable[..., ResNet]) -> None:
+def _register_torchvision_resnet(arch: str) -> None:
     @register_architecture(arch)
     def build(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
-        model = factory(weights=None, num_classes=num_classes)
+        model = getattr(_torchvision_models(), arch)(weights=None, num_classes=num_classes)
         return _finish(
             arch, model, _kaiming_fan_out,
             num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
@@ -115,8 +116,8 @@ def _register_torchvision_resnet(arch: str, factory: Callable[..., ResNet]) -> N
     build.__doc__ = f"torchvision {arch} (weights=None), fc replaced by the K-pool."
 
 
-for _arch, _factory in _TORCHVISION_RESNETS.items():
-    _register_torchvision_resnet(_arch, _factory)
+for _arch in _TORCHVISION_RESNETS:
+    _register_torchvision_resnet(_arch)
 
 
 # One-block-per-stage ResNets: architecture name -> number of stages kept.
@@ -126,7 +127,8 @@ _SHALLOW_RESNET_STAGES: dict[str, int] = {"resnet4": 1, "resnet6": 2, "resnet8":
 def _register_shallow_resnet(arch: str, stages: int) -> None:
     @register_architecture(arch)
     def build(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
-        model = ResNet(BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
+        resnet = importlib.import_module("torchvision.models.resnet")
+        model = resnet.ResNet(resnet.BasicBlock, [1, 1, 1, 1], num_classes=num_classes)
         # Drop the stages after ``stages``; ResNet's forward calls layer1..layer4 in turn, so an
         # Identity passes the last kept stage's output straight to the global average pool.
         for index in range(stages + 1, 5):
