@@ -222,11 +222,17 @@ class RuntimeConfig:
     """balanced: clients onto client ranks by estimated work (``placement_work``), largest first,
     each to the least loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes
     the results."""
-    placement_work: Literal["samples", "flops"] = "samples"
-    """What balanced placement weighs a client by: its training samples, or its samples times
-    its architecture's forward FLOPs per sample (counted on the meta device, the same on every
-    rank), for model groups whose members differ in cost (bench/arch_cost.py measures how well
-    the count predicts step times). Never changes the results."""
+    placement_work: Literal["timed", "samples", "flops"] = "timed"
+    """What balanced placement weighs a client by. ``timed``: its local steps per round times one
+    training step of its architecture, which rank 0 times at start-up on its device (about a
+    second for HtCNN8 on a CPU; every rank receives the figures; nothing is timed with one client
+    rank). ``samples``: its training samples. ``flops``: its samples times its architecture's
+    forward FLOPs per sample (counted on the meta device). On the 2-core VM the members of HtCNN8
+    differ up to 2x in step time at equal sample counts, and timed placement left 1-2 % idle
+    where samples left 9 % (bench/placement.py). Never changes the results; with
+    ``train.client_batching=vmap`` groups follow placement, so there it holds within float
+    tolerance, and timed placement may differ from run to run (use ``samples`` for bit-equal
+    reruns)."""
     resident_clients: int = bounded(0, at_least=0, note="0 = all")
     """At most this many of a rank's clients stay in memory; the least recently used others are
     parked (to ``client_scratch_dir`` on disk when computing on the CPU, to host memory on a GPU)

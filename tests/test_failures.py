@@ -230,3 +230,24 @@ def test_sigterm_grace_holds_for_a_rank_blocked_in_a_collective(tmp_path):
     assert "no round boundary within runtime.preempt_grace_s=2" in stderr
     assert blocked.returncode == 128 + signal.SIGTERM
     assert 1.5 < ended_s < 10
+
+
+RANK_WITH_ANOTHER_SEED = """
+import os, sys
+from htfl_dist.main import main
+sys.exit(main(sys.argv[1:] + (["seed=7"] if os.environ["RANK"] == "2" else [])))
+"""
+
+
+def test_a_rank_with_another_config_is_named_before_anything_else_travels(tmp_path, cache_dir):
+    """Rank 2 runs another seed (another experiment): rank 0's start-up handshake names it, before
+    the placement's step times or any client is built, and nothing is written."""
+    script = tmp_path / "another_seed.py"
+    script.write_text(RANK_WITH_ANOTHER_SEED)
+    command = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=3", str(script), "--config", str(SMOKE),
+               "--out", str(tmp_path / "run"), f"data.cache_dir={cache_dir}"]
+    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=180)
+    assert result.returncode != 0
+    assert "rank 2 disagrees with rank 0 on (config hash" in result.stderr, result.stderr[-3000:]
+    assert "one training step takes" not in result.stdout + result.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -53,7 +53,7 @@ def two_rounds_then_resume(tmp_path_factory, cache_dir):
     """Round 1 with a checkpoint, then --resume auto to round 3 on 3 ranks, outputs on."""
     out = tmp_path_factory.mktemp("outputs")
     common = ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}", "output.tensorboard=true",
-              "output.htfllib_h5=true", "checkpoint_every=1"]
+              "output.htfllib_h5=true", "checkpoint_every=1", "runtime.placement_work=samples"]
     first = launch("single", 1, [*common, "rounds=1"])
     assert first.returncode == 0, first.stdout + first.stderr
     resumed = launch("torchrun", 3, [*common, "rounds=3", "--resume", "auto", "output.progress_every_s=1e-9"])

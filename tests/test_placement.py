@@ -127,3 +127,56 @@ def test_work_by_flops_weighs_samples_by_the_members_cost():
     assert "(share of FLOPs)" in by_flops.describe()
     with pytest.raises(ValueError):
         client_work([10], ["a", "b"], {"a": 1.0, "b": 1.0})
+
+
+def _two_member_run(basis: str, *overrides: str):
+    """A config of 4 clients alternating cnn and htcnn1, and a partition of 25, 7, 10 and 1 samples."""
+    import numpy as np
+
+    from htfl_dist.config import load_config
+    from htfl_dist.data import PartitionInfo
+
+    config = load_config(None, ["num_clients=4", "model.group=cnn,htcnn1", f"runtime.placement_work={basis}",
+                                "train.batch_size=10", *overrides])
+    counts = np.array([[20, 5], [7, 0], [4, 6], [0, 1]])
+    return config, PartitionInfo("unused", 2, 1, 28, 4, counts)
+
+
+def test_estimated_work_of_each_basis_by_hand():
+    from htfl_dist.models.cost import forward_flops_per_sample
+    from htfl_dist.runtime.placement import estimated_client_work, group_members
+
+    config, info = _two_member_run("samples")
+    assert estimated_client_work(config, info) == ([25.0, 7.0, 10.0, 1.0], "samples")
+    assert group_members(config) == ["cnn", "htcnn1"]
+
+    config, info = _two_member_run("flops")
+    cnn, htcnn1 = (forward_flops_per_sample(member, num_classes=2, feature_dim=config.model.feature_dim,
+                                            in_channels=1, image_size=28) for member in ("cnn", "htcnn1"))
+    assert estimated_client_work(config, info) == ([25 * cnn, 7 * htcnn1, 10 * cnn, 1 * htcnn1], "FLOPs")
+
+    # timed: local steps per round x the member's step time. Batch 10, keep: 25 -> 3 steps, 7 -> 1,
+    # 10 -> 1, 1 -> 1; two local epochs double them
+    config, info = _two_member_run("timed", "train.local_epochs=2")
+    step = {"cnn": 0.5, "htcnn1": 2.0}
+    assert estimated_client_work(config, info, step) == ([3.0, 4.0, 1.0, 4.0], "timed seconds")
+    # drop: 25 -> 2 full batches, 7 -> 0, 10 -> 1, 1 -> 0
+    config, info = _two_member_run("timed", "train.last_batch=drop")
+    assert estimated_client_work(config, info, step) == ([1.0, 0.0, 0.5, 0.0], "timed seconds")
+    with pytest.raises(ValueError):
+        estimated_client_work(config, info)
+
+
+def test_timed_step_leaves_the_global_rng_as_it_was():
+    """Rank 0 times steps at start-up: that must not shift any stream a run draws from."""
+    import torch
+
+    from htfl_dist.models.cost import timed_step_seconds
+
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    seconds = timed_step_seconds(["cnn", "htcnn2"], num_classes=10, feature_dim=16, in_channels=1, image_size=28,
+                                 batch_size=1, device=torch.device("cpu"))
+    assert torch.equal(torch.rand(3), expected)
+    assert list(seconds) == ["cnn", "htcnn2"] and all(0 < value < 10 for value in seconds.values())

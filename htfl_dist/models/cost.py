@@ -1,18 +1,25 @@
 """How much training one sample costs on an architecture, for placing clients on ranks.
 
-Placement must be the same on every rank without a message, so the cost is counted, not timed:
+Two estimates. Counted (``forward_flops_per_sample``): the same on every rank without a message,
 the forward pass of the model built on the meta device (no memory, no compute) under torch's
 ``FlopCounterMode``, per sample. A training step is about three forward passes (forward, and a
 backward that costs about two), the same factor for every architecture, so the forward count
 ranks architectures as training does. The HtCNN8 members differ about 2x in it; optimizer and
 per-step overheads, which grow with the parameter count and the number of batches rather than
 with samples, are not counted (bench/arch_cost.py compares the count with measured step times).
+Timed (``timed_step_seconds``): real SGD steps on the device, which see those costs too (on this
+project's 2-core CPU a batch-10 step of the widest HtCNN8 members costs 2.3x the cheapest while
+their FLOPs differ 2.1x, and members with equal FLOPs differ 1.7x); one rank times, the others
+receive its figures.
 """
 from __future__ import annotations
 
 import functools
+import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from .registry import build_model
@@ -31,3 +38,49 @@ def forward_flops_per_sample(member: str, *, num_classes: int, feature_dim: int,
     with FlopCounterMode(display=False) as counter:
         model(sample)
     return float(counter.get_total_flops())
+
+
+TIMED_WARMUP_STEPS = 2
+TIMED_PASSES = 7
+
+
+def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int, in_channels: int,
+                       image_size: int, batch_size: int, device: torch.device) -> dict[str, float]:
+    """Seconds of one plain-SGD cross-entropy step of each member at ``batch_size`` (at least 2,
+    for BatchNorm) on ``device``, on random data of the config's shape: the fastest of
+    ``TIMED_PASSES`` steps after warm-up. The passes go over the members in turn, so a burst of
+    background load hits them alike, and the fastest step is the one least disturbed by it (a
+    median of 5 steps in a row swung from 18 to 28 ms for htcnn5 on a 2-core VM; this, 15.9 to 16.5).
+    Torch's global RNG is restored afterwards, so timing never changes what a run computes."""
+    batch_size = max(batch_size, 2)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        images = torch.randn(batch_size, in_channels, image_size, image_size).to(device)
+        labels = torch.randint(num_classes, (batch_size,)).to(device)
+        steps = {}
+        for member in members:
+            model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
+                                image_size=image_size).to(device).train()
+            steps[member] = _sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), images, labels)
+            for _ in range(TIMED_WARMUP_STEPS):
+                steps[member]()
+        fastest = dict.fromkeys(members, float("inf"))
+        for _ in range(TIMED_PASSES):
+            for member in members:
+                began = time.perf_counter()
+                steps[member]()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                fastest[member] = min(fastest[member], time.perf_counter() - began)
+    return fastest
+
+
+def _sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,
+              labels: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+
+    return step

@@ -53,12 +53,19 @@ from htfl_dist.metrics.writer import (
     write_json,
 )
 from htfl_dist.models import architecture_for_client, initial_client_model
-from htfl_dist.models.cost import forward_flops_per_sample
+from htfl_dist.models.cost import timed_step_seconds
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.liveness import Liveness, describe_plain
-from htfl_dist.runtime.placement import Placement, client_ranks, client_work, plan_placement, sample_participants
+from htfl_dist.runtime.placement import (
+    Placement,
+    client_ranks,
+    estimated_client_work,
+    group_members,
+    plan_placement,
+    sample_participants,
+)
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.screening import check_rank_report, check_rank_row, screen_uploads, unpack_rank_message
 from htfl_dist.runtime.transport import Transport
@@ -187,6 +194,7 @@ class Federation:
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)
         self.partition = self._prepare_data()
+        self._handshake()  # ranks agree on the maths before anything else travels
         self.placement = self._plan_placement()
         run.rank_description = self.placement.describe_rank(self.rank)
         run.describe_rank = self.placement.describe_rank
@@ -216,7 +224,6 @@ class Federation:
         self.my_client_ids = self.placement.clients_of(self.rank)
         self._splits: dict[int, Any] = {}
         self.clients = self._client_store()
-        self._handshake()
         if run.liveness is not None:
             run.liveness.watch(self.placement.describe_rank, on_silent=run.liveness.end_job)
         self.watchdog.disarm()
@@ -259,19 +266,35 @@ class Federation:
 
     def _plan_placement(self) -> Placement:
         """Which rank hosts which client, by ``runtime.placement`` and ``runtime.placement_work``;
-        every rank computes the same plan from the partition and the model group."""
-        config, info = self.config, self.partition
-        samples = info.class_counts.sum(axis=1)
-        members = [architecture_for_client(config.model.group, cid) for cid in range(config.num_clients)]
-        flops = None
-        if config.runtime.placement_work == "flops":
-            flops = {member: forward_flops_per_sample(member, num_classes=info.num_classes,
-                                                      feature_dim=config.model.feature_dim,
-                                                      in_channels=info.in_channels, image_size=info.image_size)
-                     for member in set(members)}
-        work = client_work(samples, members, flops)
-        unit = "samples" if flops is None else "FLOPs"
-        return plan_placement(config.runtime.placement, self.world_size, work, unit)
+        every rank computes the same plan from the partition and the model group (and, for
+        ``timed``, rank 0's step times, which every rank receives)."""
+        step_seconds = self._timed_step_costs() if self.config.runtime.placement_work == "timed" else None
+        work, unit = estimated_client_work(self.config, self.partition, step_seconds)
+        return plan_placement(self.config.runtime.placement, self.world_size, work, unit)
+
+    def _timed_step_costs(self) -> dict[str, float]:
+        """``placement_work=timed``: rank 0 times one SGD step of every member of the model group
+        on its device and broadcasts the figures (a declared float64 row, one entry per member),
+        so every rank plans the same placement. Nothing is timed where placement cannot matter
+        (at most one client rank, or round_robin)."""
+        members = group_members(self.config)
+        if self.world_size <= 2 or self.config.runtime.placement == "round_robin":
+            return dict.fromkeys(members, 1.0)
+        spec = (Field("seconds", torch.float64, (len(members),), max_rows=1),)
+        message = None
+        if self.is_server:
+            info = self.partition
+            timed = timed_step_seconds(members, num_classes=info.num_classes, feature_dim=self.config.model.feature_dim,
+                                       in_channels=info.in_channels, image_size=info.image_size,
+                                       batch_size=self.config.train.batch_size, device=self.device)
+            seconds = [timed[member] for member in members]
+            progress("placement: one training step takes " + ", ".join(
+                f"{member} {value * 1000:.1f} ms" for member, value in zip(members, seconds, strict=True)))
+            message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([seconds], dtype=torch.float64)}})
+        received = decode(spec, self.transport.broadcast(message))[BROADCAST_ENTRY]["seconds"][0]
+        if not bool(torch.isfinite(received).all() and (received > 0).all()):
+            raise ProtocolError(f"rank 0 sent step times that are not positive and finite: {received.tolist()}")
+        return dict(zip(members, received.tolist(), strict=True))
 
     def _prepare_data(self):
         """Rank 0 builds the partition cache while the others wait; they then find it (or, on a

@@ -1,17 +1,27 @@
 """Which rank hosts which logical client, and who takes part in a round.
 
 Both are pure functions of the config and the partition (which every rank reads), so every rank
-computes the same answer without talking to the others.
+computes the same answer without talking to the others; ``runtime.placement_work=timed`` adds
+step times that rank 0 measures and broadcasts (the runtime's business, not this module's).
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
+from htfl_dist.algorithms.training import samples_per_epoch
 from htfl_dist.errors import HtflError
+from htfl_dist.models import architecture_for_client
+from htfl_dist.models.cost import forward_flops_per_sample
 from htfl_dist.seeding import numpy_rng
+
+if TYPE_CHECKING:
+    from htfl_dist.config import Config
+    from htfl_dist.data import PartitionInfo
 
 
 def check_world_size(world_size: int, num_clients: int) -> None:
@@ -119,13 +129,42 @@ def plan_placement(policy: str, world_size: int, work: Sequence[float], work_uni
     return dataclasses.replace(placement, work_unit=work_unit)
 
 
-def client_work(samples: Sequence[float], members: Sequence[str], flops_per_sample: dict[str, float] | None
+def client_work(units: Sequence[float], members: Sequence[str], cost_per_unit: dict[str, float] | None
                 ) -> list[float]:
-    """Each client's estimated work: its training samples, times its architecture's FLOPs per
-    sample when ``flops_per_sample`` (member -> FLOPs) is given."""
-    if flops_per_sample is None:
-        return [float(n) for n in samples]
-    return [float(n) * flops_per_sample[member] for n, member in zip(samples, members, strict=True)]
+    """Each client's estimated work: its units (samples, steps), times its architecture's cost per
+    unit when ``cost_per_unit`` (member -> cost) is given."""
+    if cost_per_unit is None:
+        return [float(n) for n in units]
+    return [float(n) * cost_per_unit[member] for n, member in zip(units, members, strict=True)]
+
+
+def group_members(config: Config) -> list[str]:
+    """The distinct architectures of the run's clients, sorted (the order timed costs travel in)."""
+    return sorted({architecture_for_client(config.model.group, cid) for cid in range(config.num_clients)})
+
+
+def estimated_client_work(config: Config, info: PartitionInfo, step_seconds: dict[str, float] | None = None
+                          ) -> tuple[list[float], str]:
+    """Every client's estimated work by ``runtime.placement_work``, and its unit: its training
+    samples; or its samples times its architecture's forward FLOPs per sample (counted on the meta
+    device, so every rank gets the same number); or (``timed``, with ``step_seconds``: member ->
+    seconds of one SGD step, measured on rank 0) its local steps per round times its step time."""
+    samples = info.class_counts.sum(axis=1)
+    members = [architecture_for_client(config.model.group, cid) for cid in range(config.num_clients)]
+    basis = config.runtime.placement_work
+    if basis == "samples":
+        return client_work(samples, members, None), "samples"
+    if basis == "flops":
+        flops = {member: forward_flops_per_sample(member, num_classes=info.num_classes,
+                                                  feature_dim=config.model.feature_dim,
+                                                  in_channels=info.in_channels, image_size=info.image_size)
+                 for member in set(members)}
+        return client_work(samples, members, flops), "FLOPs"
+    if step_seconds is None:
+        raise ValueError("placement_work=timed needs the members' measured step times")
+    batch, epochs = config.train.batch_size, config.train.local_epochs
+    steps = [epochs * math.ceil(samples_per_epoch(int(n), config.train) / batch) for n in samples]
+    return client_work(steps, members, step_seconds), "timed seconds"
 
 
 def client_ranks(world_size: int) -> list[int]:
