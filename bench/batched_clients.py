@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from bench_clients import build_client, client_algorithm
 
-from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
+from htfl_dist.algorithms import ClientState
 from htfl_dist.config import load_config
-from htfl_dist.data import load_client_split, prepare_partition
+from htfl_dist.data import prepare_partition
 from htfl_dist.metrics.report import markdown_table
-from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.seeding import torch_generator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,19 +42,12 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def build_clients(config, info, device: torch.device) -> dict[str, list[ClientState]]:
+def build_clients(config, info, algorithm, device: torch.device) -> dict[str, list[ClientState]]:
     """Every client of the partition, grouped by architecture (what one rank hosting all would group)."""
     groups: dict[str, list[ClientState]] = {}
     for client_id in range(config.num_clients):
-        split = load_client_split(info.path, client_id)
-        model = initial_client_model(config.model.group, client_id, config.seed, num_classes=info.num_classes,
-                                     feature_dim=config.model.feature_dim, in_channels=info.in_channels,
-                                     image_size=info.image_size, init=config.model.init).to(device)
-        architecture = architecture_for_client(config.model.group, client_id)
-        groups.setdefault(architecture, []).append(ClientState(
-            client_id, architecture, model, torch.optim.SGD(model.parameters(), lr=config.train.lr),
-            split.train_x.to(device), split.train_y.to(device), split.test_x.to(device), split.test_y.to(device),
-            device))
+        client = build_client(config, info, client_id, device, algorithm)
+        groups.setdefault(client.architecture, []).append(client)
     return groups
 
 
@@ -92,16 +85,9 @@ def run(args: argparse.Namespace, num_clients: int) -> None:
     config = load_config(path, [f"algorithm={args.algorithm}", f"num_clients={num_clients}",
                                 "train.client_batching=vmap", *args.set])
     info = prepare_partition(config.data, config.num_clients, config.seed, batch_size=config.train.batch_size)
-    entry = get_algorithm(config.algorithm)
-    context = AlgorithmContext(num_classes=info.num_classes, feature_dim=config.model.feature_dim, seed=config.seed,
-                               train=config.train, options=parse_options(entry, config.algo), device=device,
-                               num_clients=config.num_clients, model_group=config.model.group,
-                               in_channels=info.in_channels, image_size=info.image_size)
-    algorithm = entry.client(context)
-    empty = {field.name: torch.empty((0, *field.trailing_shape), dtype=field.dtype, device=device)
-             for field in entry.server.download_fields(context)}
+    algorithm, empty = client_algorithm(config, info, device)
     rows, total_alone, total_grouped, total_samples = [], 0.0, 0.0, 0
-    for architecture, clients in sorted(build_clients(config, info, device).items()):
+    for architecture, clients in sorted(build_clients(config, info, algorithm, device).items()):
         alone, grouped = measure(algorithm, clients, empty, args.repeats, device)
         samples = sum(client.train_y.shape[0] for client in clients)
         rows.append([architecture, len(clients), samples, f"{alone:.2f}", f"{grouped:.2f}", f"{alone / grouped:.2f}x"])

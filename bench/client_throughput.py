@@ -13,25 +13,35 @@ It prints samples/s of both and our overhead in % (the fastest repeat of each, s
 hurts both the same way), per architecture and over all clients, plus the cost of evaluating every
 client once (what every evaluated round adds) relative to its training epoch.
 
+``--whole-round R`` then runs the same config as a user would (``python -m htfl_dist.main``, one
+process, one thread, R rounds, every round evaluated) and compares its median round (rounds 2..R;
+round 1 carries start-up) with the sum of the bare epochs + the evaluations + its own server step:
+the issue's "whole round within 5 % of the bare loop's time for the same work".
+
     python bench/client_throughput.py
     python bench/client_throughput.py --algorithm fedproto --clients 0 1 2 3
+    python bench/client_throughput.py --whole-round 4 --set data.subsample=0.2
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from bench_clients import build_client, client_algorithm
 
-from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
+from htfl_dist.algorithms import ClientState
 from htfl_dist.config import load_config
-from htfl_dist.data import load_client_split, prepare_partition
+from htfl_dist.data import prepare_partition
 from htfl_dist.metrics.report import markdown_table
-from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.seeding import torch_generator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +55,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--algorithm", default="local")
     parser.add_argument("--clients", nargs="*", type=int, help="client ids (default: all)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--whole-round", type=int, default=0, metavar="R",
+                        help="also run R rounds of the real program and compare a round with the bare work")
     return parser.parse_args()
 
 
@@ -95,29 +107,39 @@ def measure(client: ClientState, algorithm, knowledge: dict, batch_size: int, lr
     return min(bare), min(ours), evaluation
 
 
+def whole_round(args: argparse.Namespace, bare_training: float, evaluation: float) -> None:
+    """One process, one thread, ``args.whole_round`` rounds of the real program on the same config;
+    its median round against the bare loop's epochs + evaluating every client + the server step."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "run"
+        command = [sys.executable, "-m", "htfl_dist.main", "--config", args.config, "--out", str(out),
+                   f"algorithm={args.algorithm}", f"rounds={args.whole_round}", "eval_every=1",
+                   "runtime.threads=1", *args.set]
+        result = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                                capture_output=True, text=True)
+        if result.returncode != 0:
+            sys.exit(f"bench: run failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    timed = rows[1:] or rows
+    seconds = statistics.median(row["seconds"] for row in timed)
+    server = statistics.median(row["server_s"] for row in timed)
+    budget = bare_training + evaluation + server
+    per_round = ", ".join(f"{row['seconds']:.2f}" for row in timed)
+    print(f"\nwhole round ({len(timed)} rounds timed, median): {seconds:.2f}s; bare epochs {bare_training:.2f}s "
+          f"+ evaluation {evaluation:.2f}s + server {server:.2f}s = {budget:.2f}s; ours "
+          f"{(seconds / budget - 1) * 100:+.1f} % (per round: {per_round})")
+
+
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(1)
     config = load_config(args.config, [f"algorithm={args.algorithm}", *args.set])
-    info = prepare_partition(config.data, config.num_clients, config.seed)
-    entry = get_algorithm(config.algorithm)
-    context = AlgorithmContext(num_classes=info.num_classes, feature_dim=config.model.feature_dim, seed=config.seed,
-                               train=config.train, options=parse_options(entry, config.algo),
-                               num_clients=config.num_clients, model_group=config.model.group,
-                               in_channels=info.in_channels, image_size=info.image_size)
-    algorithm = entry.client(context)
-    empty = {field.name: torch.empty((0, *field.trailing_shape), dtype=field.dtype)
-             for field in entry.server.download_fields(context)}
+    info = prepare_partition(config.data, config.num_clients, config.seed, batch_size=config.train.batch_size)
+    algorithm, empty = client_algorithm(config, info, torch.device("cpu"))
     rows, per_arch = [], {}
     for client_id in args.clients if args.clients is not None else range(config.num_clients):
-        split = load_client_split(info.path, client_id)
-        model = initial_client_model(config.model.group, client_id, config.seed, num_classes=info.num_classes,
-                                     feature_dim=config.model.feature_dim, in_channels=info.in_channels,
-                                     image_size=info.image_size, init=config.model.init)
-        client = ClientState(client_id, architecture_for_client(config.model.group, client_id), model,
-                             torch.optim.SGD(model.parameters(), lr=config.train.lr), split.train_x, split.train_y,
-                             split.test_x, split.test_y, torch.device("cpu"))
-        samples = split.train_y.shape[0]
+        client = build_client(config, info, client_id, torch.device("cpu"), algorithm)
+        samples = client.train_y.shape[0]
         bare_s, ours_s, evaluation = measure(client, algorithm, empty, config.train.batch_size, config.train.lr,
                                              args.repeats)
         rows.append([client_id, client.architecture, samples, f"{samples / bare_s:.0f}", f"{samples / ours_s:.0f}",
@@ -138,6 +160,10 @@ def main() -> int:
     overheads = [o / b - 1 for times in per_arch.values() for b, o, _ in times]
     print(f"per-client overhead: median {statistics.median(overheads) * 100:+.1f} %, "
           f"max {max(overheads) * 100:+.1f} %")
+    if args.whole_round:
+        if args.clients is not None:
+            sys.exit("bench: --whole-round times every client; leave --clients out")
+        whole_round(args, total_bare, total_eval)
     return 0
 
 
