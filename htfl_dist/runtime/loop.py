@@ -223,6 +223,8 @@ class Federation:
         self.image_grids = GeneratedImageGrids(run.out_dir, self.download_spec)
         self.my_client_ids = self.placement.clients_of(self.rank)
         self._splits: dict[int, Any] = {}
+        self._shared_initial_states: dict[str, dict[str, torch.Tensor]] = {}
+        self._widths_checked: set[str] = set()
         self.clients = self._client_store()
         if run.liveness is not None:
             run.liveness.watch(self.placement.describe_rank, on_silent=run.liveness.end_job)
@@ -340,9 +342,13 @@ class Federation:
         return split
 
     def _initial_model(self, client_id: int, shell: bool) -> torch.nn.Module:
-        """Client ``client_id``'s initial model; a ``shell`` (about to receive a parked state) is
-        built on the meta device and only allocated, unless the model keeps buffers outside its
-        state dict, which a parked record could not restore."""
+        """Client ``client_id``'s initial model. A ``shell`` (about to receive a parked state) is
+        built on the meta device and only allocated. With ``model.init=htfllib`` every client of
+        a member starts from the same weights (seeded by ``seed`` alone), so they are drawn once
+        per member and copied into a shell after that: drawing HtCNN8's weights costs about 10 ms
+        a client, which start-up and evaluation with parked clients pay per client otherwise.
+        Either shortcut needs every parameter and buffer in the state dict; a model keeping
+        buffers outside it is always built in full."""
         config, info = self.config, self.partition
 
         def build() -> torch.nn.Module:
@@ -352,22 +358,34 @@ class Federation:
                 init=config.model.init,
             )
 
-        if shell:
+        shared = config.model.init == "htfllib"
+        member = architecture_for_client(config.model.group, client_id)
+        if shell or (shared and member in self._shared_initial_states):
             with torch.device("meta"):
                 model = build()
             held = set(model.state_dict())
             if all(name in held for name, _ in (*model.named_parameters(), *model.named_buffers())):
-                return model.to_empty(device=self.device)
-        return build().to(self.device)
+                model = model.to_empty(device=self.device)
+                if not shell:
+                    model.load_state_dict(self._shared_initial_states[member])
+                return model
+        model = build().to(self.device)
+        if shared:
+            self._shared_initial_states[member] = {name: value.detach().clone()
+                                                   for name, value in model.state_dict().items()}
+        return model
 
     def _build_client(self, client_id: int, shell: bool = False) -> ClientState:
-        """A client with its data and model (``shell``: weights to be overwritten, see ClientStore)."""
+        """A client with its data and model (``shell``: weights to be overwritten, see ClientStore).
+        The feature width is checked on the first client of each architecture (it is a property
+        of the architecture and the input shape)."""
         config = self.config
         train_x, train_y, test_x, test_y = self._client_split(client_id)
         architecture = architecture_for_client(config.model.group, client_id)
         model = self._initial_model(client_id, shell)
-        if not shell:
+        if not shell and architecture not in self._widths_checked:
             _check_feature_width(model, architecture, client_id, train_x[:2], config.model.feature_dim)
+            self._widths_checked.add(architecture)
         optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
         client = ClientState(
             client_id=client_id, architecture=architecture, model=model, optimizer=optimizer,
