@@ -16,7 +16,6 @@ from htfl_dist.algorithms.class_rows import ClassMeans, GroupClassMeans
 from htfl_dist.algorithms.training import (
     Batch,
     batching_obstacle,
-    check_client_batching,
     group_schedule,
     run_batched_training,
     run_local_training,
@@ -24,6 +23,7 @@ from htfl_dist.algorithms.training import (
 from htfl_dist.config import TrainConfig, load_config
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import SplitModel, initial_client_model
+from htfl_dist.runtime.loop import check_client_batching
 from htfl_dist.seeding import torch_generator
 
 SIZES = (23, 37, 8, 21)

@@ -11,11 +11,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
-from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState
-from htfl_dist.algorithms.registry import algorithm_names, get_algorithm
+from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError
-from htfl_dist.models import architecture_for_client, build_model
 
 
 @dataclass(frozen=True)
@@ -288,29 +286,6 @@ def batching_obstacle(model: nn.Module) -> str | None:
         if batch_statistics or isinstance(module, nn.modules.dropout._DropoutNd):
             return f"a {type(module).__name__} layer ({name})"
     return None
-
-
-def check_client_batching(client_class: type[ClientAlgorithm], context: AlgorithmContext, algorithm: str) -> None:
-    """With ``train.client_batching=vmap``, one ConfigError line unless every client can train
-    batched: the algorithm has a batched path (``ClientAlgorithm.has_batched_path``) and no
-    member of the model group has a layer ``batching_obstacle`` names. Checked at start-up on
-    every rank (the same answer everywhere, from the config alone), so nothing trains first."""
-    if context.train.client_batching != "vmap":
-        return
-    if not client_class.has_batched_path():
-        batched = [name for name in algorithm_names() if get_algorithm(name).client.has_batched_path()]
-        raise ConfigError(f"train.client_batching=vmap: {algorithm} has no batched client path (these have: "
-                          f"{', '.join(batched)}); use train.client_batching=off")
-    members = sorted({architecture_for_client(context.model_group, cid) for cid in range(context.num_clients)})
-    for member in members:
-        with torch.device("meta"):
-            model = build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                                in_channels=context.in_channels, image_size=context.image_size)
-        obstacle = batching_obstacle(model)
-        if obstacle is not None:
-            raise ConfigError(f"train.client_batching=vmap cannot batch {member}: it has {obstacle}, whose "
-                              f"training output depends on the batch or on random draws; use "
-                              f"train.client_batching=off")
 
 
 def train_on_pairs(rows: torch.Tensor, labels: torch.Tensor,

@@ -31,14 +31,15 @@ from htfl_dist.algorithms import (
     ClientAlgorithm,
     ClientState,
     TrainResult,
+    algorithm_names,
     get_algorithm,
     parse_options,
 )
 from htfl_dist.algorithms.interface import seed_training
-from htfl_dist.algorithms.training import check_client_batching
+from htfl_dist.algorithms.training import batching_obstacle
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
-from htfl_dist.errors import HtflError, ProtocolError
+from htfl_dist.errors import ConfigError, HtflError, ProtocolError
 from htfl_dist.generators import build_generator, generator_latent_dim
 from htfl_dist.metrics.generated import GeneratedImageGrids
 from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_payloads
@@ -52,7 +53,7 @@ from htfl_dist.metrics.writer import (
     write_atomic,
     write_json,
 )
-from htfl_dist.models import architecture_for_client, initial_client_model
+from htfl_dist.models import architecture_for_client, build_model, initial_client_model
 from htfl_dist.models.cost import timed_step_seconds
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
@@ -175,6 +176,29 @@ def _check_feature_width(model, architecture: str, client_id: int, sample: torch
     if got != (width,):
         raise HtflError(f"client {client_id}'s {architecture} gives features of shape {got}, but "
                         f"model.feature_dim={width}: every client must produce K-wide features")
+
+
+def check_client_batching(client_class: type[ClientAlgorithm], context: AlgorithmContext, algorithm: str) -> None:
+    """With ``train.client_batching=vmap``, one ConfigError line unless every client can train
+    batched: the algorithm has a batched path (``ClientAlgorithm.has_batched_path``) and no
+    member of the model group has a layer ``batching_obstacle`` names. Checked at start-up on
+    every rank (the same answer everywhere, from the config alone), so nothing trains first."""
+    if context.train.client_batching != "vmap":
+        return
+    if not client_class.has_batched_path():
+        batched = [name for name in algorithm_names() if get_algorithm(name).client.has_batched_path()]
+        raise ConfigError(f"train.client_batching=vmap: {algorithm} has no batched client path (these have: "
+                          f"{', '.join(batched)}); use train.client_batching=off")
+    members = sorted({architecture_for_client(context.model_group, cid) for cid in range(context.num_clients)})
+    for member in members:
+        with torch.device("meta"):
+            model = build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
+                                in_channels=context.in_channels, image_size=context.image_size)
+        obstacle = batching_obstacle(model)
+        if obstacle is not None:
+            raise ConfigError(f"train.client_batching=vmap cannot batch {member}: it has {obstacle}, whose "
+                              f"training output depends on the batch or on random draws; use "
+                              f"train.client_batching=off")
 
 
 class Federation:
