@@ -136,6 +136,26 @@ def test_a_client_only_read_is_not_written_when_it_leaves(tmp_path):
     assert store.parked_count == 3 and torch.equal(_weights(store.peek(3)), trained)
 
 
+def test_freed_memory_goes_back_to_the_system_once_per_limit_evictions(tmp_path, monkeypatch):
+    """Parked models' freed blocks fragment glibc's heap (peak RSS 2.4 -> 3.1 GiB at 1000 clients);
+    the store trims it once per K evictions, changed or not (every eviction was too slow)."""
+    from htfl_dist.runtime import client_store
+
+    trims = []
+    monkeypatch.setattr(client_store, "_trim_heap", lambda: trims.append(1))
+    store = _store(tmp_path, _Builder(), resident=2, ids=range(8))
+    for client_id in range(8):
+        _train_step(store[client_id])  # evictions 1..6 once 8 clients have passed through 2 places
+    assert len(trims) == 3
+    store.peek(0)
+    assert len(trims) == 3
+    store.peek(1)  # the 8th eviction
+    assert len(trims) == 4
+    store.peek(2)
+    store.peek(3)  # the 10th eviction, of client 1, only read: nothing written, still trimmed
+    assert len(trims) == 5 and store.parked_count == 8
+
+
 def test_records_and_restores_reach_parked_and_unbuilt_clients(tmp_path):
     """What checkpoints use: every client's record without making it resident, and restoring a
     record into a client that is not resident."""

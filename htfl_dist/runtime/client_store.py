@@ -19,6 +19,8 @@ is how the runtime always worked.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 import tempfile
@@ -104,6 +106,22 @@ class _HostParking:
         self.records.clear()
 
 
+def _heap_trimmer() -> Callable[[], None]:
+    """glibc's ``malloc_trim(0)``, or nothing elsewhere. Parking frees a model's tensors, and
+    glibc's allocator raises its mmap threshold when large blocks are freed, so later models land
+    in the heap and the freed space fragments it: at 1000 HtCNN8 clients with 64 resident the
+    peak RSS grew 2.4 -> 2.8-3.1 GiB. Trimming returns the free pages to the system."""
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    trim = getattr(libc, "malloc_trim", None)
+    if trim is None:
+        return lambda: None
+    return lambda: trim(0)
+
+
+_trim_heap = _heap_trimmer()
+
+
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     if isinstance(value, torch.Tensor):
         return fn(value)
@@ -142,6 +160,7 @@ class ClientStore(Mapping[int, ClientState]):
         else:
             for client_id in self.client_ids:
                 self._resident[client_id] = build(client_id, False)
+        self._evictions = 0
         self.built = self.unparked = self.parked_count = 0
         """How often clients were built fresh, unparked and parked (benchmarks print them)."""
 
@@ -201,10 +220,14 @@ class ClientStore(Mapping[int, ClientState]):
         client_id, client = self._resident.popitem(last=False)
         if client_id in self._unchanged:
             self._unchanged.discard(client_id)
-            return
-        self._parking.put(client_id, client_record(client))
-        self._parked.add(client_id)
-        self.parked_count += 1
+        else:
+            self._parking.put(client_id, client_record(client))
+            self._parked.add(client_id)
+            self.parked_count += 1
+        del client
+        self._evictions += 1
+        if self._evictions % self.limit == 0:  # once per K evictions: trimming every time cost 60 %
+            _trim_heap()                       # of an evaluation round in page faults
 
     def record(self, client_id: int) -> ClientRecord:
         """The client's current record, without making it resident (checkpoints read every client)."""
