@@ -45,12 +45,13 @@ from htfl_dist.metrics.report import markdown_table
 from htfl_dist.seeding import torch_generator
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = REPO / "configs" / "fmnist_htcnn8_fedproto_dirichlet.yaml"
+BARE_LOOP_ORDER = ["train.batch_order=shuffled", "train.last_batch=keep"]
+"""What the bare loop does (a fresh permutation, every sample): our path is set to the same work."""
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG))
+    parser.add_argument("--config", help="default: configs/fmnist_htcnn8_<algorithm>_dirichlet.yaml")
     parser.add_argument("--set", nargs="*", default=[], metavar="key=value")
     parser.add_argument("--algorithm", default="local")
     parser.add_argument("--clients", nargs="*", type=int, help="client ids (default: all)")
@@ -114,7 +115,7 @@ def whole_round(args: argparse.Namespace, bare_training: float, evaluation: floa
         out = Path(scratch) / "run"
         command = [sys.executable, "-m", "htfl_dist.main", "--config", args.config, "--out", str(out),
                    f"algorithm={args.algorithm}", f"rounds={args.whole_round}", "eval_every=1",
-                   "runtime.threads=1", *args.set]
+                   "runtime.threads=1", *BARE_LOOP_ORDER, *args.set]
         result = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
                                 capture_output=True, text=True)
         if result.returncode != 0:
@@ -133,7 +134,8 @@ def whole_round(args: argparse.Namespace, bare_training: float, evaluation: floa
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(1)
-    config = load_config(args.config, [f"algorithm={args.algorithm}", *args.set])
+    args.config = args.config or str(REPO / "configs" / f"fmnist_htcnn8_{args.algorithm}_dirichlet.yaml")
+    config = load_config(args.config, [f"algorithm={args.algorithm}", *BARE_LOOP_ORDER, *args.set])
     info = prepare_partition(config.data, config.num_clients, config.seed, batch_size=config.train.batch_size)
     algorithm, empty = client_algorithm(config, info, torch.device("cpu"))
     rows, per_arch = [], {}

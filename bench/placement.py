@@ -122,9 +122,9 @@ def projection_from_costs(args: argparse.Namespace, config, info) -> None:
     print(markdown_table(["client ranks", *(f"{policy} by {basis}" for policy, basis in plans)], rows))
 
 
-def timed_run(args: argparse.Namespace, out: Path, nproc: int, placement: str) -> dict:
+def timed_run(args: argparse.Namespace, out: Path, nproc: int, placement: str, work: str) -> dict:
     program = ["-m", "htfl_dist.main", "--config", args.config, "--out", str(out), f"rounds={args.rounds}",
-               "runtime.threads=1", f"runtime.placement={placement}", *args.set]
+               "runtime.threads=1", f"runtime.placement={placement}", f"runtime.placement_work={work}", *args.set]
     if nproc == 1:
         command = [sys.executable, *program]
     else:
@@ -141,17 +141,22 @@ def timed_run(args: argparse.Namespace, out: Path, nproc: int, placement: str) -
             "accuracy": rows[-1]["test_acc"]}
 
 
+MEASURED_RUNS = [(2, "balanced", "timed"), (3, "balanced", "timed"), (3, "balanced", "samples"),
+                 (3, "round_robin", "samples")]
+"""(ranks, runtime.placement, runtime.placement_work) of the torchrun runs, after one process."""
+
+
 def measure(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as scratch:
-        single = timed_run(args, Path(scratch) / "single", 1, "balanced")
+        single = timed_run(args, Path(scratch) / "single", 1, "balanced", "samples")
         rows = [["1 process", "-", f"{single['seconds']:.2f}", "1.00x", "-", "-", f"{single['accuracy']:.4f}"]]
-        runs = [(2, "balanced"), *((3, policy) for policy in PLACEMENTS)]
-        for nproc, policy in runs:
-            result = timed_run(args, Path(scratch) / f"{nproc}-{policy}", nproc, policy)
+        for nproc, policy, work in MEASURED_RUNS:
+            result = timed_run(args, Path(scratch) / f"{nproc}-{policy}-{work}", nproc, policy, work)
             idle = ", ".join(f"{share:.1%}" for share in result["idle"])
             speedup = single["seconds"] / result["seconds"]
-            rows.append([f"torchrun {nproc} ({policy})", str(nproc - 1), f"{result['seconds']:.2f}",
-                         f"{speedup:.2f}x", f"{speedup / (nproc - 1):.3f}", idle, f"{result['accuracy']:.4f}"])
+            name = f"torchrun {nproc} ({policy}" + (f" by {work})" if policy == "balanced" else ")")
+            rows.append([name, str(nproc - 1), f"{result['seconds']:.2f}", f"{speedup:.2f}x",
+                         f"{speedup / (nproc - 1):.3f}", idle, f"{result['accuracy']:.4f}"])
     print(markdown_table(["run", "client ranks", "s/round (rounds 2+)", "speed-up", "per client rank",
                           "idle share per client rank", "last test_acc"], rows))
 
