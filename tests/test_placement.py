@@ -180,3 +180,28 @@ def test_timed_step_leaves_the_global_rng_as_it_was():
                                  batch_size=1, device=torch.device("cpu"))
     assert torch.equal(torch.rand(3), expected)
     assert list(seconds) == ["cnn", "htcnn2"] and all(0 < value < 10 for value in seconds.values())
+
+
+@pytest.mark.parametrize("sent", [[0.01, -1.0], [0.01, float("nan")], [float("inf"), 0.02], [0.0, 0.02]])
+def test_step_times_from_rank_0_that_are_not_positive_and_finite_are_refused(sent):
+    """A client rank plans its placement from rank 0's broadcast step times: a message carrying a
+    negative, zero or NaN time is refused with one line naming rank 0, not used."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from htfl_dist.errors import ProtocolError
+    from htfl_dist.payload import Field
+    from htfl_dist.runtime.loop import Federation
+    from htfl_dist.runtime.wire import BROADCAST_ENTRY, encode
+
+    config, _ = _two_member_run("timed")
+    spec = (Field("seconds", torch.float64, (2,), max_rows=1),)
+    message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([sent], dtype=torch.float64)}})
+    client_rank = SimpleNamespace(config=config, world_size=3, is_server=False,
+                                  transport=SimpleNamespace(broadcast=lambda _: message))
+    with pytest.raises(ProtocolError, match=r"^rank 0 sent step times that are not positive and finite"):
+        Federation._timed_step_costs(client_rank)
+    good = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([[0.01, 0.02]], dtype=torch.float64)}})
+    client_rank.transport = SimpleNamespace(broadcast=lambda _: good)
+    assert Federation._timed_step_costs(client_rank) == {"cnn": 0.01, "htcnn1": 0.02}
