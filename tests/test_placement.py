@@ -56,6 +56,24 @@ def test_participants_seeded_and_independent_of_world():
     assert a != sample_participants(0, 4, 20, 0.5)
     assert sample_participants(0, 0, 20, 1.0) == list(range(20))
     assert len(sample_participants(0, 0, 3, 0.1)) == 1
+    for round_index in range(30):  # without replacement, every round: always int(N·ρ) distinct clients
+        chosen = sample_participants(1, round_index, 20, 0.5)
+        assert len(chosen) == 10 and chosen == sorted(set(chosen))
+
+
+def test_the_participants_stream_is_pinned():
+    """Who takes part is part of what a run computes (a resumed or repeated run must draw the
+    same): the (seed, "participants", round) stream is fixed, not an implementation detail."""
+    assert sample_participants(1, 0, 20, 0.5) == [0, 3, 8, 9, 10, 12, 13, 15, 16, 18]
+    assert sample_participants(1, 1, 20, 0.5) == [1, 2, 4, 5, 9, 10, 12, 13, 15, 17]
+
+
+def test_client_ranks_are_every_rank_but_the_server_unless_there_is_only_one():
+    from htfl_dist.runtime.placement import client_ranks
+
+    assert client_ranks(1) == [0]
+    assert client_ranks(2) == [1]
+    assert client_ranks(4) == [1, 2, 3]
 
 
 def test_too_many_ranks_is_a_user_error():
@@ -163,7 +181,7 @@ def test_estimated_work_of_each_basis_by_hand():
     # drop: 25 -> 2 full batches, 7 -> 0, 10 -> 1, 1 -> 0
     config, info = _two_member_run("timed", "train.last_batch=drop")
     assert estimated_client_work(config, info, step) == ([1.0, 0.0, 0.5, 0.0], "timed seconds")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"^placement_work=timed needs the members' measured step times$"):
         estimated_client_work(config, info)
 
 
