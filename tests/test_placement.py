@@ -223,3 +223,25 @@ def test_step_times_from_rank_0_that_are_not_positive_and_finite_are_refused(sen
     good = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([[0.01, 0.02]], dtype=torch.float64)}})
     client_rank.transport = SimpleNamespace(broadcast=lambda _: good)
     assert Federation._timed_step_costs(client_rank) == {"cnn": 0.01, "htcnn1": 0.02}
+
+
+@pytest.mark.parametrize("budget_s,steps_per_member", [(1e9, 1 + 7), (0.0, 1 + 3)])
+def test_timing_takes_fewer_passes_once_its_budget_is_spent(monkeypatch, budget_s, steps_per_member):
+    """Slow members (ResNet-152: 1.3 s a step on a CPU) must not hold start-up for half a minute:
+    one warm-up step, then 7 timed passes, or 3 once the timing has taken its budget."""
+    import torch
+
+    from htfl_dist.models import cost
+
+    steps = []
+    real_step = cost._sgd_step
+
+    def counted(model, *args):
+        step = real_step(model, *args)
+        return lambda: (steps.append(type(model)), step())
+
+    monkeypatch.setattr(cost, "_sgd_step", counted)
+    monkeypatch.setattr(cost, "TIMED_BUDGET_S", budget_s)
+    cost.timed_step_seconds(["cnn", "htcnn2"], num_classes=10, feature_dim=16, in_channels=1, image_size=28,
+                            batch_size=2, device=torch.device("cpu"))
+    assert len(steps) == 2 * steps_per_member

@@ -40,15 +40,20 @@ def forward_flops_per_sample(member: str, *, num_classes: int, feature_dim: int,
     return float(counter.get_total_flops())
 
 
-TIMED_WARMUP_STEPS = 2
+TIMED_WARMUP_STEPS = 1
 TIMED_PASSES = 7
+TIMED_MIN_PASSES = 3
+TIMED_BUDGET_S = 2.0
+"""At most ``TIMED_PASSES`` timed passes over the members, and no more than ``TIMED_MIN_PASSES``
+once the timed passes took ``TIMED_BUDGET_S``: HtCNN8 on a CPU gets all 7 in about a second,
+while HtFE8's ResNet-152 (1.3 s a step on a CPU) would hold start-up for 29 s."""
 
 
 def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int, in_channels: int,
                        image_size: int, batch_size: int, device: torch.device) -> dict[str, float]:
     """Seconds of one plain-SGD cross-entropy step of each member at ``batch_size`` (at least 2,
-    for BatchNorm) on ``device``, on random data of the config's shape: the fastest of
-    ``TIMED_PASSES`` steps after warm-up. The passes go over the members in turn, so a burst of
+    for BatchNorm) on ``device``, on random data of the config's shape: the fastest of up to
+    ``TIMED_PASSES`` steps after warm-up (see ``TIMED_BUDGET_S``). The passes go over the members in turn, so a burst of
     background load hits them alike, and the fastest step is the one least disturbed by it (a
     median of 5 steps in a row swung from 18 to 28 ms for htcnn5 on a 2-core VM; this, 15.9 to 16.5).
     Torch's global RNG is restored afterwards, so timing never changes what a run computes."""
@@ -65,7 +70,10 @@ def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int
             for _ in range(TIMED_WARMUP_STEPS):
                 steps[member]()
         fastest = dict.fromkeys(members, float("inf"))
-        for _ in range(TIMED_PASSES):
+        began_timing = time.perf_counter()
+        for done in range(TIMED_PASSES):
+            if done >= TIMED_MIN_PASSES and time.perf_counter() - began_timing > TIMED_BUDGET_S:
+                break
             for member in members:
                 began = time.perf_counter()
                 steps[member]()
