@@ -161,12 +161,14 @@ def _two_member_run(basis: str, *overrides: str):
 
 
 def test_estimated_work_of_each_basis_by_hand():
+    from htfl_dist.models import members_in_use
     from htfl_dist.models.cost import forward_flops_per_sample
-    from htfl_dist.runtime.placement import estimated_client_work, group_members
+    from htfl_dist.runtime.placement import estimated_client_work
 
     config, info = _two_member_run("samples")
     assert estimated_client_work(config, info) == ([25.0, 7.0, 10.0, 1.0], "samples")
-    assert group_members(config) == ["cnn", "htcnn1"]
+    assert members_in_use(config.model.group, config.num_clients) == ["cnn", "htcnn1"]
+    assert members_in_use("HtCNN8", 3) == ["htcnn1", "htcnn2", "htcnn3"]  # fewer clients than members
 
     config, info = _two_member_run("flops")
     cnn, htcnn1 = (forward_flops_per_sample(member, num_classes=2, feature_dim=config.model.feature_dim,
@@ -245,3 +247,12 @@ def test_timing_takes_fewer_passes_once_its_budget_is_spent(monkeypatch, budget_
     cost.timed_step_seconds(["cnn", "htcnn2"], num_classes=10, feature_dim=16, in_channels=1, image_size=28,
                             batch_size=2, device=torch.device("cpu"))
     assert len(steps) == 2 * steps_per_member
+
+
+def test_idle_shares_by_hand():
+    """Ranks busy 2.0, 1.0 and 1.5 s wait 0, 1.0 and 0.5 s for the slowest: shares 0, 0.5, 0.25."""
+    from htfl_dist.runtime.placement import idle_shares
+
+    assert idle_shares([2.0, 1.0, 1.5]) == [0.0, 0.5, 0.25]
+    assert idle_shares([1.0, 3.0]) == [0.6667, 0.0]  # rounded to 4 places, as metrics.jsonl holds them
+    assert idle_shares([0.0, 0.0]) == [0.0, 0.0] and idle_shares([]) == []

@@ -7,6 +7,7 @@ Public interface (the runtime relies on exactly this):
 * :func:`build_model` — a freshly initialised model of ``ARCH`` (default head ``fc`` =
   ``Linear(K, C)``) or ``ARCH:HEAD`` (that extractor with a registered head, e.g.
   ``resnet34:fc512``); draws from torch's global RNG, never seeds it.
+* :func:`members_in_use` — the distinct architectures a run's clients get, sorted.
 * :func:`architecture_for_client` — ``group[client_id mod len(group)]``; a single ``ARCH`` or
   ``ARCH:HEAD`` is a homogeneous group of one.
 * :func:`model_groups`, :func:`architectures`, :func:`register_architecture`,
@@ -31,6 +32,7 @@ from .registry import (
     architectures,
     build_model,
     initial_client_model,
+    members_in_use,
     model_groups,
     register_architecture,
     resolve_group,
@@ -48,6 +50,7 @@ __all__ = [
     "build_model",
     "heads",
     "initial_client_model",
+    "members_in_use",
     "model_groups",
     "register_architecture",
     "register_head",

@@ -53,10 +53,11 @@ def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int
                        image_size: int, batch_size: int, device: torch.device) -> dict[str, float]:
     """Seconds of one plain-SGD cross-entropy step of each member at ``batch_size`` (at least 2,
     for BatchNorm) on ``device``, on random data of the config's shape: the fastest of up to
-    ``TIMED_PASSES`` steps after warm-up (see ``TIMED_BUDGET_S``). The passes go over the members in turn, so a burst of
-    background load hits them alike, and the fastest step is the one least disturbed by it (a
-    median of 5 steps in a row swung from 18 to 28 ms for htcnn5 on a 2-core VM; this, 15.9 to 16.5).
-    Torch's global RNG is restored afterwards, so timing never changes what a run computes."""
+    ``TIMED_PASSES`` steps after warm-up (see ``TIMED_BUDGET_S``). The passes go over the members
+    in turn, so a burst of background load hits them alike, and the fastest step is the one least
+    disturbed by it (a median of 5 steps in a row swung from 18 to 28 ms for htcnn5 on a 2-core
+    VM; this, 15.9 to 16.5). Torch's global RNG is restored afterwards, so timing never changes
+    what a run computes."""
     batch_size = max(batch_size, 2)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)

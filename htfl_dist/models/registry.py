@@ -166,6 +166,12 @@ def architecture_for_client(group: str, client_id: int) -> str:
     return members[client_id % len(members)]
 
 
+def members_in_use(group: str, num_clients: int) -> list[str]:
+    """The distinct architectures clients 0..num_clients-1 get, sorted (fewer clients than members
+    leave the later members unused)."""
+    return sorted({architecture_for_client(group, client_id) for client_id in range(num_clients)})
+
+
 def _check_positive(key: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")

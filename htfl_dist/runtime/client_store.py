@@ -224,7 +224,7 @@ class ClientStore(Mapping[int, ClientState]):
             self._parking.put(client_id, client_record(client))
             self._parked.add(client_id)
             self.parked_count += 1
-        del client
+        del client  # the last reference: its tensors are freed before the trim below
         self._evictions += 1
         if self._evictions % self.limit == 0:  # once per K evictions: trimming every time cost 60 %
             _trim_heap()                       # of an evaluation round in page faults

@@ -53,7 +53,7 @@ from htfl_dist.metrics.writer import (
     write_atomic,
     write_json,
 )
-from htfl_dist.models import architecture_for_client, build_model, initial_client_model
+from htfl_dist.models import architecture_for_client, build_model, initial_client_model, members_in_use
 from htfl_dist.models.cost import timed_step_seconds
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime import checkpoint
@@ -63,7 +63,7 @@ from htfl_dist.runtime.placement import (
     Placement,
     client_ranks,
     estimated_client_work,
-    group_members,
+    idle_shares,
     plan_placement,
     sample_participants,
 )
@@ -104,15 +104,6 @@ def software_fingerprint() -> int:
 
     text = f"htfl_dist {__version__} torch {torch.__version__} numpy {np.__version__}"
     return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
-
-
-def idle_shares(compute_seconds: list[float]) -> list[float]:
-    """Per client rank, the share of the round's compute phase it spent waiting for the slowest
-    one: (slowest − own) / slowest. What a better placement would win back."""
-    slowest = max(compute_seconds, default=0.0)
-    if slowest <= 0:
-        return [0.0 for _ in compute_seconds]
-    return [round((slowest - own) / slowest, 4) for own in compute_seconds]
 
 
 def _rows(values: list[float] | None, width: int) -> torch.Tensor:
@@ -189,8 +180,7 @@ def check_client_batching(client_class: type[ClientAlgorithm], context: Algorith
         batched = [name for name in algorithm_names() if get_algorithm(name).client.has_batched_path()]
         raise ConfigError(f"train.client_batching=vmap: {algorithm} has no batched client path (these have: "
                           f"{', '.join(batched)}); use train.client_batching=off")
-    members = sorted({architecture_for_client(context.model_group, cid) for cid in range(context.num_clients)})
-    for member in members:
+    for member in members_in_use(context.model_group, context.num_clients):
         with torch.device("meta"):
             model = build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
                                 in_channels=context.in_channels, image_size=context.image_size)
@@ -303,7 +293,7 @@ class Federation:
         on its device and broadcasts the figures (a declared float64 row, one entry per member),
         so every rank plans the same placement. Nothing is timed where placement cannot matter
         (at most one client rank, or round_robin)."""
-        members = group_members(self.config)
+        members = members_in_use(self.config.model.group, self.config.num_clients)
         if self.world_size <= 2 or self.config.runtime.placement == "round_robin":
             return dict.fromkeys(members, 1.0)
         spec = (Field("seconds", torch.float64, (len(members),), max_rows=1),)
@@ -313,10 +303,10 @@ class Federation:
             timed = timed_step_seconds(members, num_classes=info.num_classes, feature_dim=self.config.model.feature_dim,
                                        in_channels=info.in_channels, image_size=info.image_size,
                                        batch_size=self.config.train.batch_size, device=self.device)
-            seconds = [timed[member] for member in members]
             progress("placement: one training step takes " + ", ".join(
-                f"{member} {value * 1000:.1f} ms" for member, value in zip(members, seconds, strict=True)))
-            message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([seconds], dtype=torch.float64)}})
+                f"{member} {seconds * 1000:.1f} ms" for member, seconds in timed.items()))
+            message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([list(timed.values())],
+                                                                               dtype=torch.float64)}})
         received = decode(spec, self.transport.broadcast(message))[BROADCAST_ENTRY]["seconds"][0]
         if not bool(torch.isfinite(received).all() and (received > 0).all()):
             raise ProtocolError(f"rank 0 sent step times that are not positive and finite: {received.tolist()}")
@@ -382,19 +372,19 @@ class Federation:
                 init=config.model.init,
             )
 
-        shared = config.model.init == "htfllib"
         member = architecture_for_client(config.model.group, client_id)
-        if shell or (shared and member in self._shared_initial_states):
+        shared = self._shared_initial_states.get(member)  # only ever filled with model.init=htfllib
+        if shell or shared is not None:
             with torch.device("meta"):
                 model = build()
             held = set(model.state_dict())
             if all(name in held for name, _ in (*model.named_parameters(), *model.named_buffers())):
                 model = model.to_empty(device=self.device)
                 if not shell:
-                    model.load_state_dict(self._shared_initial_states[member])
+                    model.load_state_dict(shared)
                 return model
         model = build().to(self.device)
-        if shared:
+        if config.model.init == "htfllib" and shared is None:
             self._shared_initial_states[member] = {name: value.detach().clone()
                                                    for name, value in model.state_dict().items()}
         return model

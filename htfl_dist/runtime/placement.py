@@ -138,11 +138,6 @@ def client_work(units: Sequence[float], members: Sequence[str], cost_per_unit: d
     return [float(n) * cost_per_unit[member] for n, member in zip(units, members, strict=True)]
 
 
-def group_members(config: Config) -> list[str]:
-    """The distinct architectures of the run's clients, sorted (the order timed costs travel in)."""
-    return sorted({architecture_for_client(config.model.group, cid) for cid in range(config.num_clients)})
-
-
 def estimated_client_work(config: Config, info: PartitionInfo, step_seconds: dict[str, float] | None = None
                           ) -> tuple[list[float], str]:
     """Every client's estimated work by ``runtime.placement_work``, and its unit: its training
@@ -165,6 +160,16 @@ def estimated_client_work(config: Config, info: PartitionInfo, step_seconds: dic
     batch, epochs = config.train.batch_size, config.train.local_epochs
     steps = [epochs * math.ceil(samples_per_epoch(int(n), config.train) / batch) for n in samples]
     return client_work(steps, members, step_seconds), "timed seconds"
+
+
+def idle_shares(compute_seconds: Sequence[float]) -> list[float]:
+    """Per client rank, the share of the round's compute phase it spent waiting for the slowest
+    one: (slowest − own) / slowest. What a better placement would win back (metrics.jsonl's
+    ``rank_idle_share``; bench/placement.py projects it from estimated loads)."""
+    slowest = max(compute_seconds, default=0.0)
+    if slowest <= 0:
+        return [0.0 for _ in compute_seconds]
+    return [round((slowest - own) / slowest, 4) for own in compute_seconds]
 
 
 def client_ranks(world_size: int) -> list[int]:
