@@ -1,16 +1,24 @@
 """What several benchmarks share: a config's clients built as the runtime builds them, and the
-client half of its algorithm, outside the round loop (so a benchmark can time one client's epoch).
+client half of its algorithm, outside the round loop (so a benchmark can time one client's epoch);
+and the real program run as a user runs it, one process or torchrun, with its metrics rows.
 
 Benchmarks run as scripts (``python bench/NAME.py``), so this directory is on ``sys.path`` and
 they import this module as ``bench_clients``.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from htfl_dist.algorithms import AlgorithmContext, ClientAlgorithm, ClientState, get_algorithm, parse_options
 from htfl_dist.config import Config
 from htfl_dist.data import PartitionInfo, load_client_split
+from htfl_dist.metrics.writer import read_rows
 from htfl_dist.models import architecture_for_client, initial_client_model
 from htfl_dist.seeding import seed_global_torch
 
@@ -43,3 +51,22 @@ def build_client(config: Config, info: PartitionInfo, client_id: int, device: to
         seed_global_torch(config.seed, "algorithm-init", client_id)  # as the runtime does
         algorithm.init_client(client)
     return client
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_program(config: str | Path, out: Path, overrides: list[str], nproc: int = 1) -> list[dict[str, Any]]:
+    """``python -m htfl_dist.main`` (``nproc`` > 1: under ``torchrun --standalone``) with one
+    thread per process; exits naming the command if the run fails; its metrics rows."""
+    program = ["-m", "htfl_dist.main", "--config", str(config), "--out", str(out), "runtime.threads=1", *overrides]
+    if nproc == 1:
+        command = [sys.executable, *program]
+    else:
+        command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
+                   *program]
+    result = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                            text=True)
+    if result.returncode != 0:
+        sys.exit(f"bench: run failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
+    return read_rows(out / "metrics.jsonl")

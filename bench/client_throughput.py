@@ -25,10 +25,7 @@ the issue's "whole round within 5 % of the bare loop's time for the same work".
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from bench_clients import build_client, client_algorithm
+from bench_clients import build_client, client_algorithm, run_program
 
 from htfl_dist.algorithms import ClientState
 from htfl_dist.config import load_config
@@ -112,15 +109,8 @@ def whole_round(args: argparse.Namespace, bare_training: float, evaluation: floa
     """One process, one thread, ``args.whole_round`` rounds of the real program on the same config;
     its median round against the bare loop's epochs + evaluating every client + the server step."""
     with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / "run"
-        command = [sys.executable, "-m", "htfl_dist.main", "--config", args.config, "--out", str(out),
-                   f"algorithm={args.algorithm}", f"rounds={args.whole_round}", "eval_every=1",
-                   "runtime.threads=1", *BARE_LOOP_ORDER, *args.set]
-        result = subprocess.run(command, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            sys.exit(f"bench: run failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        rows = run_program(args.config, Path(scratch) / "run", [f"algorithm={args.algorithm}",
+                           f"rounds={args.whole_round}", "eval_every=1", *BARE_LOOP_ORDER, *args.set])
     timed = rows[1:] or rows
     seconds = statistics.median(row["seconds"] for row in timed)
     server = statistics.median(row["server_s"] for row in timed)

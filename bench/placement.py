@@ -26,23 +26,28 @@ from the measured costs themselves: the best any estimate could do.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from bench_clients import build_client, client_algorithm
+from bench_clients import build_client, client_algorithm, run_program
 
 from htfl_dist.config import load_config
 from htfl_dist.data import prepare_partition
 from htfl_dist.metrics.report import markdown_table
+from htfl_dist.models import members_in_use
 from htfl_dist.models.cost import timed_step_seconds
-from htfl_dist.runtime.placement import PLACEMENTS, estimated_client_work, group_members, plan_placement
+from htfl_dist.runtime.placement import (
+    PLACEMENTS,
+    Placement,
+    client_ranks,
+    estimated_client_work,
+    idle_shares,
+    plan_placement,
+)
 from htfl_dist.seeding import torch_generator
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,17 +67,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def projected(placement: Placement, costs: list[float]) -> tuple[float, float]:
+    """(speed-up over one process, mean idle share of the client ranks) if the clients cost
+    ``costs``: the round waits for the busiest rank."""
+    loads = [sum(costs[c] for c in placement.clients_of(rank)) for rank in client_ranks(placement.world_size)]
+    return sum(costs) / max(loads), statistics.fmean(idle_shares(loads))
+
+
 def projection(work: list[float], max_ranks: int) -> list[list[str]]:
     rows = []
-    total = sum(work)
-    for client_ranks in range(1, max_ranks + 1):
-        row = [str(client_ranks)]
+    for ranks in range(1, max_ranks + 1):
+        row = [str(ranks)]
         for policy in PLACEMENTS:
-            placement = plan_placement(policy, client_ranks + 1, work)
-            loads = [sum(work[c] for c in placement.clients_of(rank)) for rank in range(1, client_ranks + 1)]
-            busiest = max(loads)
-            idle = statistics.fmean((busiest - load) / busiest for load in loads)
-            row += [f"{total / busiest:.2f}x", f"{idle:.1%}"]
+            speedup, idle = projected(plan_placement(policy, ranks + 1, work), work)
+            row += [f"{speedup:.2f}x", f"{idle:.1%}"]
         rows.append(row)
     return rows
 
@@ -99,42 +107,29 @@ def timed_client_epochs(config, info, repeats: int) -> list[float]:
 def projection_from_costs(args: argparse.Namespace, config, info) -> None:
     costs = timed_client_epochs(config, info, args.repeats)
     step_seconds = timed_step_seconds(  # what rank 0 measures for placement_work=timed
-        group_members(config), num_classes=info.num_classes, feature_dim=config.model.feature_dim,
-        in_channels=info.in_channels, image_size=info.image_size, batch_size=config.train.batch_size,
-        device=torch.device("cpu"))
+        members_in_use(config.model.group, config.num_clients), num_classes=info.num_classes,
+        feature_dim=config.model.feature_dim, in_channels=info.in_channels, image_size=info.image_size,
+        batch_size=config.train.batch_size, device=torch.device("cpu"))
     estimates = {basis: estimated_client_work(load_config(args.config, [*args.set, f"runtime.placement_work={basis}"]),
                                               info, step_seconds)[0] for basis in ("samples", "flops", "timed")}
     plans = [("round_robin", "samples"), ("balanced", "samples"), ("balanced", "flops"), ("balanced", "timed"),
              ("balanced", "measured")]
-    total = sum(costs)
     rows = []
-    for client_ranks in range(1, args.max_ranks + 1):
-        row = [str(client_ranks)]
+    for ranks in range(1, args.max_ranks + 1):
+        row = [str(ranks)]
         for policy, basis in plans:
-            placement = plan_placement(policy, client_ranks + 1, estimates.get(basis, costs))
-            loads = [sum(costs[c] for c in placement.clients_of(rank)) for rank in range(1, client_ranks + 1)]
-            busiest = max(loads)
-            idle = statistics.fmean((busiest - load) / busiest for load in loads)
-            row.append(f"{total / busiest:.2f}x ({idle:.1%} idle)")
+            speedup, idle = projected(plan_placement(policy, ranks + 1, estimates.get(basis, costs)), costs)
+            row.append(f"{speedup:.2f}x ({idle:.1%} idle)")
         rows.append(row)
+    total = sum(costs)
     print(f"\nmeasured epoch of every client, one thread: total {total:.1f}s, min {min(costs):.2f}s, "
           f"max {max(costs):.2f}s; projected speed-up (mean idle share of the client ranks)")
     print(markdown_table(["client ranks", *(f"{policy} by {basis}" for policy, basis in plans)], rows))
 
 
 def timed_run(args: argparse.Namespace, out: Path, nproc: int, placement: str, work: str) -> dict:
-    program = ["-m", "htfl_dist.main", "--config", args.config, "--out", str(out), f"rounds={args.rounds}",
-               "runtime.threads=1", f"runtime.placement={placement}", f"runtime.placement_work={work}", *args.set]
-    if nproc == 1:
-        command = [sys.executable, *program]
-    else:
-        command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={nproc}",
-                   *program]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"bench: run failed ({' '.join(command)}):\n{result.stderr[-2000:]}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = run_program(args.config, out, [f"rounds={args.rounds}", f"runtime.placement={placement}",
+                                          f"runtime.placement_work={work}", *args.set], nproc)
     timed = rows[1:] or rows  # round 1 carries start-up effects (first download, caches)
     idle = [statistics.fmean(shares) for shares in zip(*(r["rank_idle_share"] for r in timed), strict=True)]
     return {"seconds": statistics.fmean(r["seconds"] for r in timed), "idle": idle,
