@@ -73,7 +73,7 @@ def test_registering_a_name_twice_is_refused(scratch_registry):
 def test_names_are_sorted_and_lookup_ignores_case():
     names = algorithm_names()
     assert names == sorted(names)
-    assert names[:3] == ["feddistill", "fedgen", "fedgh"] and names[-2:] == ["lgfedavg", "local"]
+    assert {"feddistill", "fedgh", "lgfedavg", "local"} <= set(names)  # any new name may sort anywhere
     assert get_algorithm("FedGH").name == "fedgh"
     assert get_algorithm("LOCAL").client is LocalClient
 
@@ -82,8 +82,7 @@ def test_unknown_algorithm_is_a_one_line_error_listing_the_names():
     with pytest.raises(ConfigError) as info:
         get_algorithm("Nope")
     message = str(info.value)
-    assert message.startswith("unknown algorithm 'Nope'; allowed: feddistill, fedgen, fedgh, ")
-    assert message.endswith(", lgfedavg, local") and "\n" not in message
+    assert message == f"unknown algorithm 'Nope'; allowed: {', '.join(sorted(algorithm_names()))}"
 
 
 def test_options_without_validate_are_parsed_and_spelled_out():

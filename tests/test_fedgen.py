@@ -1,4 +1,4 @@
-"""FedGen: the generator's shape and size (spec Θ), the label prior from the setup upload, the
+"""FedGen: the generator's shape and size (Θ), the label prior from the setup upload, the
 client's generator term (h_i only, its own label stream), the server's generator step by hand,
 persist_generator=false, options, one real run."""
 from __future__ import annotations

@@ -3,7 +3,7 @@ server's MMD / L^MSE / kernel helpers on examples worked out by hand; the server
 generator (C pairs always, stale classes keep their centroid, MMD falls, same-class latents
 contract); the client's loss, upload and inference rule; the server-side image adapter; the
 options; and real runs: 1 process vs 3 torchrun ranks vs mpirun -n 3 stopped after round 1 and
-resumed, the generated-image PNGs, the single-client mode (spec §7.4)."""
+resumed, the generated-image PNGs, the single-client mode (the paper's one-client experiment)."""
 from __future__ import annotations
 
 import copy
@@ -686,7 +686,7 @@ def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single,
 
 
 def test_single_client_mode(tmp_path, cache_dir):
-    """Spec §7.4: one server, one client; one local epoch per round, so the loop runs once per epoch."""
+    """One server, one client; one local epoch per round, so the loop runs once per epoch."""
     rows = _run("single", 1, tmp_path, cache_dir, "num_clients=1")
     assert [r["round"] for r in rows] == [1, 2]
     for row in rows:

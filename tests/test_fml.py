@@ -141,7 +141,7 @@ def test_server_starts_from_the_clients_initial_shared_model():
 
 def test_uniform_mean_by_hand():
     server, _ = _server()
-    width = server.shared.shape[1]
+    width = server.row.shape[1]
     uploads = {0: {"shared": torch.full((1, width), 1.0)}, 3: {"shared": torch.full((1, width), 4.0)}}
     for client_id, upload in uploads.items():
         server.validate_upload(client_id, upload)
@@ -151,7 +151,7 @@ def test_uniform_mean_by_hand():
 
 def test_sample_weighted_mean_by_hand():
     server, _ = _server(avg="sample_weighted")
-    width = server.shared.shape[1]
+    width = server.row.shape[1]
     uploads = {0: {"shared": torch.full((1, width), 1.0), "num_samples": torch.tensor([1])},
                1: {"shared": torch.full((1, width), 4.0), "num_samples": torch.tensor([3])}}
     server.update(uploads, 0, torch_generator(0, "server", 0))
@@ -160,7 +160,7 @@ def test_sample_weighted_mean_by_hand():
 
 def test_empty_round_keeps_g_bad_uploads_are_refused_and_state_round_trips():
     server, context = _server(avg="sample_weighted")
-    width = server.shared.shape[1]
+    width = server.row.shape[1]
     before = server.download()["shared"].clone()
     assert server.update({}, 0, torch_generator(0, "server", 0)) == {}
     assert torch.equal(server.download()["shared"], before)
@@ -314,11 +314,11 @@ def test_fml_fields_by_hand():
 
 def test_upload_checks_accept_the_edges_and_name_what_is_wrong():
     server, _ = _server(avg="sample_weighted")
-    width = server.shared.shape[1]
+    width = server.row.shape[1]
     server.validate_upload(2, {"shared": torch.zeros(1, width), "num_samples": torch.tensor([1])})  # one count of 1
     with pytest.raises(ProtocolError) as info:
         server.validate_upload(2, {"shared": torch.zeros(2, width), "num_samples": torch.tensor([5])})
-    assert str(info.value) == "client 2 sent 2 shared-model rows, expected 1"
+    assert str(info.value) == "client 2 sent 2 shared rows, expected 1"
     with pytest.raises(ProtocolError) as info:
         server.validate_upload(2, {"shared": torch.zeros(1, width), "num_samples": torch.tensor([3, 4])})
     assert str(info.value) == "client 2 sent num_samples=[3, 4], expected one count > 0"
@@ -327,7 +327,7 @@ def test_upload_checks_accept_the_edges_and_name_what_is_wrong():
 def test_server_diagnostics_by_hand():
     """All-2.5 then a lone upload of all-4: G moves by 1.5 in each of its P entries, ‖·‖ = 1.5·√P."""
     server, _ = _server()
-    width = server.shared.shape[1]
+    width = server.row.shape[1]
     server.update({0: {"shared": torch.full((1, width), 2.5)}}, 0, torch_generator(0, "server", 0))
     got = server.update({1: {"shared": torch.full((1, width), 4.0)}}, 1, torch_generator(0, "server", 1))
     assert got == {"shared_uploads": 1, "shared_change": pytest.approx(1.5 * width ** 0.5, rel=1e-5)}
@@ -383,11 +383,11 @@ def test_average_rows_edges():
 def test_identical_heads_check_describes_both_heads():
     """HtFE8-HtC4: client 0 is cnn:fc (Linear(4, 3)), client 1 googlenet:fc512 (Linear(4, 512),
     ReLU, Linear(512, 3)): the first mismatch is reported with both signatures."""
-    from htfl_dist.algorithms.parameters import require_identical_heads
+    from htfl_dist.algorithms.blocks.model_part import HEAD
 
     _, context = make_context("fml", num_classes=3, feature_dim=4, num_clients=4, group="HtFE8-HtC4")
     with pytest.raises(ConfigError) as info:
-        require_identical_heads(context, "LG-FedAvg")
+        HEAD.check(context, "LG-FedAvg")
     assert str(info.value) == (
         "LG-FedAvg shares the head, so all heads must be identical; client 1 (googlenet:fc512) has "
         "{0.weight:[512, 4], 0.bias:[512], 2.weight:[3, 512], 2.bias:[3]} but client 0 (cnn:fc) has "

@@ -1,4 +1,4 @@
-"""FedKD's SVD codec (baselines spec §6): energy-thresholded truncated SVD of each parameter,
+"""FedKD's SVD codec: energy-thresholded truncated SVD of each parameter,
 as pure functions of tensors, and its wire form (a rank header plus flattened factors).
 
 Two rank rules:
@@ -87,7 +87,8 @@ def factor_shapes(shape: tuple[int, ...], rank: int, rule: RankRule
 
 
 def compressed_cost(shape: tuple[int, ...], rank: int, rule: RankRule) -> int:
-    """Floats on the wire (spec §6): numel raw, r(m+n+1) for a matrix, o·i·r(kh+kw+1) for slices."""
+    """Floats on the wire, as the FedKD paper counts them: numel raw, r(m+n+1) for a matrix,
+    o·i·r(kh+kw+1) for slices."""
     if rank == RAW:
         return math.prod(shape)
     if layout(shape, rule) == "slices":
@@ -164,7 +165,7 @@ def compressed_fields(shapes: list[tuple[int, ...]]) -> PayloadSpec:
 
 
 def compress_tensors(tensors: list[torch.Tensor], energy: float, rule: RankRule) -> tuple[Payload, int]:
-    """The wire payload of ``tensors`` and its cost in floats (Σ_p cost_p, by the spec's formula)."""
+    """The wire payload of ``tensors`` and its cost in floats (Σ_p cost_p, as the FedKD paper counts it)."""
     payload: Payload = {}
     ranks, cost = [], 0
     for index, tensor in enumerate(tensors):
@@ -188,7 +189,7 @@ def float_count(payload: Payload, count: int) -> int:
 
 
 def payload_cost(payload: Payload, shapes: list[tuple[int, ...]], rule: RankRule) -> int:
-    """Σ_p cost_p of a (checked) payload, by the spec's formula; 0 for an empty payload."""
+    """Σ_p cost_p of a (checked) payload, as the FedKD paper counts it; 0 for an empty payload."""
     if payload["ranks"].numel() == 0:
         return 0
     return sum(compressed_cost(shape, int(rank), rule) for shape, rank in zip(shapes, payload["ranks"].tolist(),

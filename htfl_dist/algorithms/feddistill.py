@@ -1,4 +1,4 @@
-"""FedDistill (Jeong et al. 2018; HtFLlib's ``FD``), as the baselines spec §1 describes.
+"""FedDistill (Jeong et al. 2018; HtFLlib's ``FD``).
 
 Clients share per-class mean logits instead of features or weights: client i uploads l_i^c, the
 mean of its logits z = h_i(f_i(x)) over its samples of class c, for the classes it holds; the

@@ -1,4 +1,4 @@
-"""FedGen (Zhu et al. 2021) as HtFLlib runs it, per the baselines spec §4 (HtFLlib ``Gen``).
+"""FedGen (Zhu et al. 2021) as HtFLlib runs it (HtFLlib ``Gen``).
 
 LG-FedAvg plus a label-conditioned feature generator G: [ε ⊕ onehot(ŷ)] → Linear(nd+C, hd) →
 BatchNorm1d(hd) → ReLU → Linear(hd, K), with ε ~ U[0,1)^nd (``noise: gaussian`` for N(0, I)).
@@ -29,19 +29,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from htfl_dist.algorithms import parameters
-from htfl_dist.algorithms.head_sharing import (
+from htfl_dist.algorithms.blocks.model_part import (
+    HEAD,
     HeadAveragingOptions,
-    HeadAveragingServer,
-    HeadSharingClient,
     LossFunction,
-    at_least_one,
-    head_field,
-    head_floats,
-    positive,
+    PartAveragingServer,
+    PartSharingClient,
 )
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch
+from htfl_dist.config import bounded
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 from htfl_dist.seeding import derive_seed, torch_generator
@@ -57,28 +55,22 @@ class FedGenOptions(HeadAveragingOptions):
 
     noise: Noise = "uniform"
     """ε ~ U[0,1)^nd (``torch.rand``: HtFLlib and the official FedGen code) | gaussian N(0, I)."""
-    noise_dim: int = 32
+    noise_dim: int = bounded(32, at_least=1)
     """nd (``-nd``; main.py's flag default is 512, total.sh uses 32)."""
-    hidden_dim: int | None = None
+    hidden_dim: int | None = bounded(None, at_least=1, optional=True, note="or null: K")
     """hd (``-hd``); default K."""
-    server_steps: int = 100
+    server_steps: int = bounded(100, at_least=1)
     """``-se``: generator steps per round (steps, not epochs)."""
-    server_lr: float = 0.1
+    server_lr: float = bounded(0.1, above=0)
     """``-glr``: Adam learning rate of G (main.py default 0.005, total.sh 0.1)."""
     persist_generator: bool | None = None
     """true (default, [P]/[I]): G is trained each round, kept, and sent every round;
     false (htfllib): G is never trained, clients use the initial G (HtFLlib's unsaved generator)."""
     generator_optimizer: GeneratorOptimizer | None = None
-    """persistent: one Adam kept across rounds (its state is checkpointed; the spec's
-    persist_generator text, the official FedGen code); per_round: a fresh Adam every round (the
-    spec's server step 1, HtFLlib). Default: persistent when G persists, else per_round."""
+    """persistent: one Adam kept across rounds (its state is checkpointed; the official
+    FedGen code); per_round: a fresh Adam every round (HtFLlib). Default: persistent when G persists, else per_round."""
 
     def validate(self) -> None:
-        super().validate()
-        at_least_one(self.noise_dim, "noise_dim")
-        at_least_one(self.hidden_dim, "hidden_dim")
-        at_least_one(self.server_steps, "server_steps")
-        positive(self.server_lr, "server_lr")
         if self.persist_generator is None:
             self.persist_generator = self.compat != "htfllib"
         if self.generator_optimizer is None:
@@ -141,7 +133,7 @@ def generator_field(context: AlgorithmContext) -> Field:
     return Field("generator", torch.float32, (size,), max_rows=1)
 
 
-class FedGenClient(HeadSharingClient):
+class FedGenClient(PartSharingClient):
     algorithm_name = "FedGen"
 
     @classmethod
@@ -184,11 +176,11 @@ class FedGenClient(HeadSharingClient):
         return loss_fn
 
 
-class FedGenServer(HeadAveragingServer):
+class FedGenServer(PartAveragingServer):
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         shared_generator = (generator_field(context),) if context.options.persist_generator else ()
-        return (head_field(context), *shared_generator, prior_field(context))
+        return (HEAD.field(context), *shared_generator, prior_field(context))
 
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
@@ -197,7 +189,7 @@ class FedGenServer(HeadAveragingServer):
         self.optimizer: torch.optim.Optimizer | None = None
 
     def download(self) -> Payload:
-        payload = {"head": self.head, "label_counts": self.label_counts.reshape(1, -1)}
+        payload = {"head": self.row, "label_counts": self.label_counts.reshape(1, -1)}
         if self.options.persist_generator:
             payload["generator"] = parameters.parameter_row(self.generator)
         return payload
@@ -205,7 +197,7 @@ class FedGenServer(HeadAveragingServer):
     def theory_download_floats(self) -> int:
         """K·C + C, plus Θ when G is sent every round (FedTGP Table 5 counts it each round)."""
         extra = parameters.parameter_count(self.generator) if self.options.persist_generator else 0
-        return head_floats(self.context) + extra
+        return HEAD.floats(self.context) + extra
 
     def validate_setup_upload(self, client_id: int, upload: Payload) -> None:
         counts = upload["label_counts"]
@@ -243,7 +235,7 @@ class FedGenServer(HeadAveragingServer):
         weights = (counts / counts.sum()).float().tolist()
         heads = []
         for client_id in client_ids:
-            head = copy.deepcopy(self.head_module)
+            head = copy.deepcopy(self.module)
             parameters.load_parameter_row(head, uploads[client_id]["head"])
             heads.append(head.eval().requires_grad_(False))
         optimizer = self._optimizer()

@@ -1,4 +1,4 @@
-"""FedGH (Yi et al. 2023) as the baselines spec §3 describes it (HtFLlib ``GH``).
+"""FedGH (Yi et al. 2023) (HtFLlib ``GH``): a server-trained global head.
 
 Clients: the global head replaces h_i at round start (as in LG-FedAvg); the whole model is
 trained with CE; afterwards the client uploads one prototype per class it holds,
@@ -20,43 +20,32 @@ import torch
 import torch.nn.functional as F
 
 from htfl_dist.algorithms import parameters
+from htfl_dist.algorithms.blocks.model_part import HeadSharingOptions, PartServer, PartSharingClient
 from htfl_dist.algorithms.class_rows import check_class_rows, class_means, class_row_fields
-from htfl_dist.algorithms.head_sharing import (
-    GlobalHeadServer,
-    HeadSharingClient,
-    HeadSharingOptions,
-    at_least_one,
-    positive,
-)
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import train_on_pairs
+from htfl_dist.config import bounded
 from htfl_dist.payload import Payload, PayloadSpec
 
 
 @dataclass
 class FedGHOptions(HeadSharingOptions):
-    """``compat: htfllib`` changes nothing: the spec's values are HtFLlib's with total.sh's flags
+    """``compat: htfllib`` changes nothing: the defaults are HtFLlib's with total.sh's flags
     (``-se 1``; the flag default of 100 epochs is not what the papers ran)."""
 
-    server_epochs: int = 1
+    server_epochs: int = bounded(1, at_least=1)
     """``-se``: epochs over the round's (prototype, class) pairs."""
-    server_lr: float = 0.01
+    server_lr: float = bounded(0.01, above=0)
     """``-slr``: SGD learning rate of the server head."""
-    server_batch_size: int | None = None
+    server_batch_size: int | None = bounded(None, at_least=1, optional=True, note="or null: train.batch_size")
     """Mini-batch of pairs (default: the client batch size, as HtFLlib does)."""
 
-    def validate(self) -> None:
-        super().validate()
-        at_least_one(self.server_epochs, "server_epochs")
-        positive(self.server_lr, "server_lr")
-        at_least_one(self.server_batch_size, "server_batch_size")
 
-
-class FedGHClient(HeadSharingClient):
+class FedGHClient(PartSharingClient):
     """Uploads post-update class prototypes instead of the head.
 
-    The spec takes P_i^c over the HtFLlib training loader, whose ``drop_last`` leaves out the last
+    HtFLlib takes P_i^c over the HtFLlib training loader, whose ``drop_last`` leaves out the last
     n_i mod B samples. Our local training visits every training sample (it drops only a final
     batch of one), so the prototypes here are means over the client's **whole** training split
     (``class_rows.class_means``, eval mode, no gradient, after the update). Only the classes the
@@ -77,7 +66,7 @@ class FedGHClient(HeadSharingClient):
         return self.context.feature_dim * int(client.classes.numel())
 
 
-class FedGHServer(GlobalHeadServer):
+class FedGHServer(PartServer):
     """The persistent head H (``head_module``) trained on the round's prototype pairs."""
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
@@ -97,17 +86,17 @@ class FedGHServer(GlobalHeadServer):
         rows, labels = self._pairs(uploads)
         if rows.shape[0] == 0:
             return {}
-        options, head = self.options, self.head_module
+        options, head = self.options, self.module
         optimizer = torch.optim.SGD(head.parameters(), lr=options.server_lr)  # re-created each round
         head.train()
         loss = train_on_pairs(rows, labels, lambda batch, batch_labels: F.cross_entropy(head(batch), batch_labels),
                               optimizer, epochs=options.server_epochs,
                               batch_size=options.server_batch_size or self.context.train.batch_size,
                               generator=generator)
-        previous = self.head
-        self.head = parameters.parameter_row(head)
+        previous = self.row
+        self.row = parameters.parameter_row(head)
         return {"server_loss": loss, "server_pairs": int(rows.shape[0]),
-                "head_change": float((self.head - previous).norm())}
+                "head_change": float((self.row - previous).norm())}
 
 
 register_algorithm("fedgh", server=FedGHServer, client=FedGHClient, options=FedGHOptions,

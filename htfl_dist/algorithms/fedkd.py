@@ -1,7 +1,7 @@
-"""FedKD (Wu et al. 2022) as the baselines spec §6 describes it (HtFLlib ``FedKD``).
+"""FedKD (Wu et al. 2022; HtFLlib ``FedKD``): a mentor per client, an SVD-compressed shared mentee.
 
 Each client keeps, across rounds (in ``client.modules``, so they are checkpointed): its mentor
-M_i (the local model, the only one evaluated), a mentee G_i of the shared architecture (§7; all
+M_i (the local model, the only one evaluated), a mentee G_i of the shared architecture (``shared_model``; all
 mentees start as the same seeded initial G) and W_h = Linear(K, K, bias=False). Per batch, with
 r = f_i(x), r_g = f_g(x), z = h_i(r), z_g = h_g(r_g) and S = CE(z, y) + CE(z_g, y) (not detached),
 
@@ -208,11 +208,11 @@ class FedKDClient(ClientAlgorithm):
         return TrainResult(upload, loss_sum, seen)
 
     def theory_upload_floats(self, client: ClientState) -> int:
-        """Σ_p cost_p of this client's last upload (spec §6: r(m+n+1), o·i·r(kh+kw+1) or numel)."""
+        """Σ_p cost_p of this client's last upload (r(m+n+1), o·i·r(kh+kw+1) or numel)."""
         return self.costs.get(client.client_id, 0)
 
     def prepare_evaluation(self, client: ClientState, knowledge: Payload) -> None:
-        """The server sends to every client (spec §6): install it now, though only M_i is evaluated."""
+        """The server sends to every client: install it now, though only M_i is evaluated."""
         self.install(client, knowledge)
 
 

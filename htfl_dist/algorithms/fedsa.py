@@ -120,7 +120,7 @@ def build_anchors(context: AlgorithmContext) -> torch.Tensor:
     """Ā⁰ [C, K] on the CPU, a function of the run seed only: A from the stream (seed,
     "fedsa-anchors"), h_ψ initialised from (seed, "fedsa-projection") inside a forked RNG (torch's
     global stream is left alone) and applied once in train mode, so each BatchNorm standardises
-    every dimension over the C anchors (spec §3). Nothing is trained; the result is detached."""
+    every dimension over the C anchors. Nothing is trained; the result is detached."""
     num_classes, dim = context.num_classes, context.feature_dim
     anchors = torch.randn(num_classes, dim, generator=torch_generator(context.seed, "fedsa-anchors"))
     if context.options.anchor_projection == "none":
@@ -309,7 +309,7 @@ class FedSAServer(ServerAlgorithm):
         return payload
 
     def theory_download_floats(self) -> int:
-        """K·C anchors, plus K·C for P̄ when clients classify with it (spec §6)."""
+        """K·C anchors, plus K·C for P̄ when clients classify with it."""
         tables = 2 if self.options.inference == "proto_last" else 1
         return tables * self.context.feature_dim * self.context.num_classes
 

@@ -1,6 +1,7 @@
-"""FML (Shen et al. 2020) as the baselines spec §5 describes it (HtFLlib ``FML``).
+"""FML (Shen et al. 2020; HtFLlib ``FML``): deep mutual learning with a shared model.
 
-Every client keeps its own model M_i; a shared "meme" model G (one architecture, §7) travels.
+Every client keeps its own model M_i; a shared "meme" model G (one architecture, see
+``shared_model``) travels.
 Each round a participant loads the server's G into a scratch copy G_i (it keeps no copy between
 rounds, [C]) and trains M_i and G_i jointly, per batch
 
@@ -15,39 +16,36 @@ their uniform mean (``avg: sample_weighted`` weights by n_i). Inference: argmax 
 never evaluated. |G| floats each way.
 
 [I] G_i's buffers (BatchNorm statistics, if the architecture has any) start every round from the
-initial G's, as in HtFLlib, whose server buffers never change; only parameters travel (the spec's
-|G| floats), so the server does not average buffers.
+initial G's, as in HtFLlib, whose server buffers never change; only parameters travel
+(|G| floats), so the server does not average buffers.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
 
 from htfl_dist.algorithms import parameters
+from htfl_dist.algorithms.blocks.model_part import SAMPLE_COUNT, Average, PartAveragingServer, sample_count
 from htfl_dist.algorithms.interface import (
     AlgorithmContext,
     ClientAlgorithm,
     ClientState,
-    ServerAlgorithm,
     TrainResult,
 )
 from htfl_dist.algorithms.losses import MutualKD, fml_losses
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.shared_model import (
+    SHARED_MODEL,
     build_shared_model,
     check_member_name,
-    check_shared_model,
     clip_gradients,
-    shared_model_template,
 )
 from htfl_dist.algorithms.training import Batch, run_local_training
-from htfl_dist.errors import ConfigError, ProtocolError
-from htfl_dist.payload import Field, Payload, PayloadSpec
-
-Average = Literal["uniform", "sample_weighted"]
+from htfl_dist.errors import ConfigError
+from htfl_dist.payload import Payload, PayloadSpec
 
 
 @dataclass
@@ -77,30 +75,21 @@ class FMLOptions:
         check_member_name(self.shared_model)
 
 
-def sample_count(client: ClientState) -> torch.Tensor:
-    """n_i = size of the client's full training split, int64 [1] (not counted as floats)."""
-    return torch.tensor([client.train_y.shape[0]], dtype=torch.int64)
-
-
-def shared_field(context: AlgorithmContext) -> Field:
-    return parameters.parameter_field("shared", shared_model_template(context))
-
-
 class FMLClient(ClientAlgorithm):
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
         self.scratch: nn.Module | None = None  # G_i, refilled from the download every round
         self.initial_buffers: dict[str, torch.Tensor] = {}
-        self.shared_floats = shared_field(context).row_numel()
+        self.shared_floats = SHARED_MODEL.floats(context)
 
     @classmethod
     def check_models(cls, context: AlgorithmContext) -> None:
-        check_shared_model(context, "FML")
+        SHARED_MODEL.check(context, "FML")
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        counts = (Field("num_samples", torch.int64, max_rows=1),) if context.options.avg == "sample_weighted" else ()
-        return (shared_field(context), *counts)
+        counts = (SAMPLE_COUNT,) if context.options.avg == "sample_weighted" else ()
+        return (SHARED_MODEL.field(context), *counts)
 
     @torch.no_grad()
     def download_shared(self, knowledge: Payload, device: torch.device) -> nn.Module:
@@ -142,50 +131,13 @@ class FMLClient(ClientAlgorithm):
         return self.shared_floats
 
 
-class FMLServer(ServerAlgorithm):
+class FMLServer(PartAveragingServer):
     """G = Σ_{i∈U} w_i·G_i over parameters, w_i = 1/|U| (uniform) or n_i/Σn (sample_weighted);
     starts as the seeded initial G every client also builds."""
 
-    @classmethod
-    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        return (shared_field(context),)
-
-    def __init__(self, context: AlgorithmContext) -> None:
-        super().__init__(context)
-        self.shared = parameters.parameter_row(build_shared_model(context))  # float32 [1, |G|], CPU
-
-    def download(self) -> Payload:
-        return {"shared": self.shared}
-
-    def theory_download_floats(self) -> int:
-        """|G|."""
-        return self.shared.shape[1]
-
-    def validate_upload(self, client_id: int, upload: Payload) -> None:
-        if upload["shared"].shape[0] != 1:
-            raise ProtocolError(f"client {client_id} sent {upload['shared'].shape[0]} shared-model rows, expected 1")
-        if self.options.avg == "sample_weighted":
-            counts = upload["num_samples"]
-            if counts.shape[0] != 1 or int(counts[0]) <= 0:
-                raise ProtocolError(f"client {client_id} sent num_samples={counts.tolist()}, expected one count > 0")
-
-    def update(self, uploads: dict[int, Payload], round_index: int,
-               generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep G
-            return {}
-        client_ids = sorted(uploads)
-        rows = [uploads[client_id]["shared"].float().cpu() for client_id in client_ids]
-        weights = [float(uploads[c]["num_samples"][0]) for c in client_ids] \
-            if self.options.avg == "sample_weighted" else None
-        previous = self.shared
-        self.shared = parameters.average_rows(rows, weights)
-        return {"shared_uploads": len(uploads), "shared_change": float((self.shared - previous).norm())}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"shared": self.shared}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.shared = state["shared"].float().cpu()
+    part = SHARED_MODEL
+    average_option = "avg"
+    counts_on_wire = False
 
 
 register_algorithm("fml", server=FMLServer, client=FMLClient, options=FMLOptions,

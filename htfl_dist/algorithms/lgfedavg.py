@@ -1,4 +1,4 @@
-"""LG-FedAvg (Liang et al. 2020) as the baselines spec §2 describes it (HtFLlib ``LG``).
+"""LG-FedAvg (Liang et al. 2020; HtFLlib ``LG``): FedAvg over the head alone.
 
 Clients share only their head: each round the global head replaces every client's head
 (before evaluation and before training), participants train the whole model with CE and
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from htfl_dist.algorithms.head_sharing import HeadAveragingOptions, HeadAveragingServer, HeadSharingClient
+from htfl_dist.algorithms.blocks.model_part import HeadAveragingOptions, PartAveragingServer, PartSharingClient
 from htfl_dist.algorithms.registry import register_algorithm
 
 
@@ -20,10 +20,10 @@ class LGFedAvgOptions(HeadAveragingOptions):
     """``compat: htfllib`` changes nothing here: HtFLlib's sample-weighted mean is the default."""
 
 
-class LGFedAvgClient(HeadSharingClient):
+class LGFedAvgClient(PartSharingClient):
     algorithm_name = "LG-FedAvg"
 
 
-register_algorithm("lgfedavg", server=HeadAveragingServer, client=LGFedAvgClient, options=LGFedAvgOptions,
+register_algorithm("lgfedavg", server=PartAveragingServer, client=LGFedAvgClient, options=LGFedAvgOptions,
                    summary="sample-weighted average of client heads, local bases (Liang et al. 2020)",
                    shares_parameters=True)

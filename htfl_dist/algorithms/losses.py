@@ -1,4 +1,4 @@
-"""Distillation losses of the mutual-learning baselines (baselines spec §5, §6, §10.8).
+"""Distillation losses of the mutual-learning baselines (FML, FedKD).
 
 Small pure functions of logits and features: no modules, no options objects. Notation: p =
 softmax(z) of the local model M_i, p_g = softmax(z_g) of the shared model G_i, K the feature
@@ -34,7 +34,7 @@ def kl_divergence(target_logits: torch.Tensor, logits: torch.Tensor, reduction: 
 
 def fml_losses(logits: torch.Tensor, shared_logits: torch.Tensor, labels: torch.Tensor, alpha: float,
                beta: float, mode: MutualKD = "dml") -> tuple[torch.Tensor, torch.Tensor]:
-    """FML's pair of objectives (spec §5, Shen et al. 2020 Eq. 1–2):
+    """FML's pair of objectives (Shen et al. 2020 Eq. 1–2):
 
         L   = α·CE(z, y)   + (1−α)·KL(p_g ‖ p)
         L_g = β·CE(z_g, y) + (1−β)·KL(p ‖ p_g)
@@ -54,7 +54,7 @@ def fml_losses(logits: torch.Tensor, shared_logits: torch.Tensor, labels: torch.
 
 def fedkd_losses(features: torch.Tensor, logits: torch.Tensor, shared_logits: torch.Tensor,
                  projected_shared_features: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FedKD's mentor and mentee objectives (spec §6; official ``model_bert.py``, HtFLlib ``clientkd``):
+    """FedKD's mentor and mentee objectives (official ``model_bert.py``, HtFLlib ``clientkd``):
 
         S   = CE(z, y) + CE(z_g, y)
         L   = CE(z, y)   + KL(p_g ‖ p)/S + MSE(r, W_h r_g)/S

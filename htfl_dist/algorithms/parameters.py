@@ -1,5 +1,5 @@
-"""Model parts on the wire: flattened parameter vectors, their averages, and the group checks
-that make averaging meaningful.
+"""Model parts on the wire: flattened parameter vectors and their averages (``blocks.model_part``
+builds the sharing methods on them).
 
 The baselines whose papers share model parameters (LG-FedAvg's and FedGen's heads, FedGH's
 head, FML's and FedKD's shared model, FedGen's generator) declare each shared module as one
@@ -15,9 +15,7 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector
 
 from htfl_dist.algorithms.interface import AlgorithmContext
-from htfl_dist.errors import ConfigError
-from htfl_dist.models import SplitModel, architecture_for_client, build_head, initial_client_model
-from htfl_dist.models.registry import split_architecture
+from htfl_dist.models import SplitModel, initial_client_model
 from htfl_dist.payload import Field
 
 
@@ -61,33 +59,6 @@ def average_rows(rows: Sequence[torch.Tensor], weights: Sequence[float] | None =
     for row, share in zip(rows, shares, strict=True):
         mean += row.double() * (share / total)
     return mean.float()
-
-
-def head_signature(member: str, feature_dim: int, num_classes: int) -> dict[str, tuple[int, ...]]:
-    """Parameter names and shapes of a group member's head, built without allocating."""
-    _, head = split_architecture(member)
-    with torch.device("meta"):
-        module = build_head(head, feature_dim, num_classes)
-    return {name: tuple(p.shape) for name, p in module.named_parameters()}
-
-
-def require_identical_heads(context: AlgorithmContext, algorithm: str) -> None:
-    """One-line ConfigError unless every client's head has the same parameter names and shapes:
-    a method that averages or broadcasts a head cannot run on heterogeneous heads (HtC4)."""
-    def describe(signature: dict[str, tuple[int, ...]]) -> str:
-        return "{" + ", ".join(f"{name}:{list(shape)}" for name, shape in signature.items()) + "}"
-
-    first_member = architecture_for_client(context.model_group, 0)
-    first = head_signature(first_member, context.feature_dim, context.num_classes)
-    for client_id in range(1, context.num_clients):
-        member = architecture_for_client(context.model_group, client_id)
-        signature = head_signature(member, context.feature_dim, context.num_classes)
-        if signature != first:
-            raise ConfigError(
-                f"{algorithm} shares the head, so all heads must be identical; client {client_id} "
-                f"({member}) has {describe(signature)} but client 0 ({first_member}) has {describe(first)}. "
-                f"Use a group with homogeneous heads, or feddistill/fml/fedkd/fedproto/fedtgp."
-            )
 
 
 def initial_model_of(context: AlgorithmContext, client_id: int) -> SplitModel:

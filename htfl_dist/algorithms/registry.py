@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from htfl_dist.algorithms.interface import ClientAlgorithm, ServerAlgorithm
-from htfl_dist.config import build_section
+from htfl_dist.config import build_section, check_bounds
 from htfl_dist.errors import ConfigError
 
 
@@ -49,8 +49,11 @@ def get_algorithm(name: str) -> AlgorithmEntry:
 
 
 def parse_options(entry: AlgorithmEntry, raw: dict[str, Any]) -> Any:
-    """Validate ``algo.*`` against the algorithm's options dataclass."""
+    """Validate ``algo.*`` against the algorithm's options dataclass: names and types, the
+    ranges its fields declare with ``config.bounded``, then its own ``validate`` (choices that
+    depend on each other, ``compat`` resolving the knobs left unset)."""
     options = build_section(entry.options, raw, "algo.")
+    check_bounds(options, "algo.")
     check = getattr(options, "validate", None)
     if check is not None:
         check()

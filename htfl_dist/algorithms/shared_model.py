@@ -1,4 +1,5 @@
-"""The shared ("meme") model G of FML and FedKD (baselines spec §7).
+"""The shared ("meme") model G of FML and FedKD: a model beside every client's own, one
+architecture for all, trained by each client and merged by the server.
 
 One architecture for every client: ``algo.shared_model`` (a group member, ``ARCH`` or
 ``ARCH:HEAD``), by default **client 0's member** (HtFLlib's rule; the FedTGP appendix says "the
@@ -8,8 +9,12 @@ RNG, so the server and every client build the identical initial G and nobody's s
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
+import torch
+from torch import nn
+
+from htfl_dist.algorithms.blocks.model_part import ModelPart
 from htfl_dist.algorithms.interface import AlgorithmContext
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import (
@@ -103,3 +108,23 @@ def check_shared_model(context: AlgorithmContext, algorithm: str) -> None:
     if tuple(logits.shape) != (1, context.num_classes):
         raise ConfigError(f"{algorithm} shared model {member} gives {list(logits.shape[1:])} logits for "
                           f"{context.num_classes} classes; {fix}")
+
+
+@dataclass(frozen=True)
+class SharedModelPart(ModelPart):
+    """G as a model part on the wire (``shared``): built from its own seeded stream by the server
+    and every client alike, so all start from the same G."""
+
+    name: str = "shared"
+
+    def template(self, context: AlgorithmContext) -> nn.Module:
+        return shared_model_template(context)
+
+    def initial(self, context: AlgorithmContext) -> nn.Module:
+        return build_shared_model(context)
+
+    def check(self, context: AlgorithmContext, algorithm: str) -> None:
+        check_shared_model(context, algorithm)
+
+
+SHARED_MODEL = SharedModelPart()

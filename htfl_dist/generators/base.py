@@ -1,7 +1,7 @@
 """The frozen-generator interface FedKTL's server uses, and the server-side image adapter.
 
 A generator maps *valid latents* (its own prior, or its mapping network applied to fresh noise)
-to images in [−1, 1]. FedKTL needs only three things from it (spec §7.1): the latent width H,
+to images in [−1, 1]. FedKTL needs only three things from it: the latent width H,
 fresh valid latents for the MMD target, and a deterministic synthesis of the C latent centroids.
 Everything else (F, the MMD, the centroids, the clients' h′) depends on the generator through
 those, so a StyleGAN, a TorchScript export or the built-in DCGAN plug in without touching the
@@ -90,7 +90,7 @@ def check_generator_output(name: str, images: torch.Tensor, count: int, channels
 
 
 def to_client_images(images: torch.Tensor, resolution: int, channels: int) -> torch.Tensor:
-    """Server-side: generated images in [−1, 1] → the clients' inputs (spec §3.1).
+    """Server-side: generated images in [−1, 1] → the clients' inputs.
 
     [−1, 1] → [0, 1] (clamped) → resize the shorter side to ``resolution`` (bilinear, with
     antialiasing when shrinking) → centre crop to a square → ``channels`` (RGB → luma for

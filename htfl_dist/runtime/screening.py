@@ -1,4 +1,4 @@
-"""Server-side screening of uploads before the algorithm sees them (DESIGN.md contract 7).
+"""Server-side screening of uploads before the algorithm sees them (docs/architecture.md).
 
 A bad upload (NaN/Inf values, class ids out of range, ...) is normal input in a long run with
 many clients: by default the client is left out of that round with a warning naming it and the

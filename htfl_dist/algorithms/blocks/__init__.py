@@ -1,0 +1,2 @@
+"""Building blocks that several algorithms are made of (not algorithms themselves, so nothing here
+registers a name)."""

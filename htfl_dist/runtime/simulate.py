@@ -1,0 +1,39 @@
+"""Play a whole run inside the calling process: the in-process driver for tests and notebooks.
+
+``simulate`` runs the one round loop (``runtime.loop.Federation``) over the local transport, with
+the config resolved exactly as ``python -m htfl_dist.main`` resolves it. So seeding, client order,
+upload screening, evaluation and the metrics rows are the program's own, while the process start,
+the launcher and the run-directory lock are left out. A world of one rank hosts every client, and
+results never depend on the world size, so its rows are the rows of any launch of the same config
+(the launch tests hold the program to that).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def simulate(config_file: str | Path | None, overrides: Sequence[str] = (), *, out: str | Path,
+             device: str = "cpu") -> list[dict[str, Any]]:
+    """Run the config with ``overrides`` (dotted ``key=value`` strings) to its end in this process,
+    writing its outputs under ``out``; return its metrics rows. Raises the program's errors
+    (``ConfigError`` for a user mistake) instead of exiting."""
+    from htfl_dist.main import resolved_config
+    from htfl_dist.metrics.writer import read_rows
+    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.transport import LocalTransport
+
+    config = resolved_config(None if config_file is None else str(config_file), list(overrides))
+    run_dir = Path(out).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    if config.runtime.threads:  # as a launched rank does: the thread count changes float sums
+        torch.set_num_threads(config.runtime.threads)
+    try:
+        Federation(RunContext(config, LocalTransport(), torch.device(device), run_dir)).run()
+    finally:
+        torch.set_num_threads(threads)
+    return read_rows(run_dir / "metrics.jsonl")
