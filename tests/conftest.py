@@ -26,9 +26,30 @@ def pytest_configure(config) -> None:
     torch.set_num_threads(1)
     config.addinivalue_line("markers", "slurm: starts a throw-away SLURM cluster (root, slurm-wlm, munge); "
                                        "deselect with -m 'not slurm'")
+    config.addinivalue_line("markers", "launch: starts the program in processes (python -m, torchrun, mpirun)")
+
+
+_RUNNING_TEST: list = [None]
+"""The test being run (its function-scoped part), so a launch can check how the test is marked."""
+
+
+@pytest.fixture(autouse=True)
+def _remember_running_test(request):
+    _RUNNING_TEST[0] = request.node
+    yield
+    _RUNNING_TEST[0] = None
+
+
+def _require_launch_mark() -> None:
+    """The quick tier (``-m "not launch and not slurm"``) must never start a process: a test that
+    does without the mark fails here, naming itself."""
+    node = _RUNNING_TEST[0]
+    if node is not None and not (node.get_closest_marker("launch") or node.get_closest_marker("slurm")):
+        raise AssertionError(f"{node.nodeid} starts the program in a process: mark it @pytest.mark.launch")
 
 
 def _env() -> dict[str, str]:
+    _require_launch_mark()
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["OMP_NUM_THREADS"] = "1"

@@ -19,6 +19,7 @@ def checkpointed(tmp_path_factory, cache_dir):
     return out
 
 
+@pytest.mark.launch
 def test_keeps_the_newest_k_complete_checkpoints(checkpointed):
     kept = sorted(p.name for p in (checkpointed / "checkpoints").iterdir())
     assert kept == ["round_00002", "round_00003"]
@@ -27,6 +28,7 @@ def test_keeps_the_newest_k_complete_checkpoints(checkpointed):
     assert files == sorted(["MANIFEST.json", "server.pt"] + [f"client_{i}.pt" for i in range(6)])
 
 
+@pytest.mark.launch
 def test_resume_from_a_checkpoint_path_into_a_new_run(checkpointed, tmp_path, cache_dir):
     """Round 2's checkpoint, resumed elsewhere on 2 ranks, reproduces round 3 exactly."""
     source = checkpointed / "checkpoints" / "round_00002"
@@ -35,6 +37,7 @@ def test_resume_from_a_checkpoint_path_into_a_new_run(checkpointed, tmp_path, ca
     assert [r["test_acc"] for r in read_metrics(tmp_path)] == [r["test_acc"] for r in read_metrics(checkpointed)]
 
 
+@pytest.mark.launch
 def test_resume_of_another_experiment_is_refused(checkpointed, tmp_path, cache_dir):
     args = _args(tmp_path, cache_dir, "seed=1", "data.partition=pathological")
     result = launch("single", 1, [*args, "--resume", str(checkpointed)])
@@ -44,6 +47,7 @@ def test_resume_of_another_experiment_is_refused(checkpointed, tmp_path, cache_d
     assert "seed: 0 -> 1" in lines[0] and "data.partition: 'dirichlet' -> 'pathological'" in lines[0]
 
 
+@pytest.mark.launch
 def test_corrupt_checkpoint_is_one_line_and_damages_nothing(checkpointed, tmp_path, cache_dir):
     import shutil
 
@@ -67,6 +71,7 @@ def _copy_run(source, destination):
     return destination
 
 
+@pytest.mark.launch
 def test_resume_auto_without_a_checkpoint_starts_over(checkpointed, tmp_path, cache_dir):
     """A run that died before its first checkpoint: --resume auto starts fresh and its rows
     replace the dead run's (even a half-written last line), instead of being appended to them."""
@@ -84,6 +89,7 @@ def test_resume_auto_without_a_checkpoint_starts_over(checkpointed, tmp_path, ca
     assert [r["test_acc"] for r in rows] == [r["test_acc"] for r in read_metrics(checkpointed)]
 
 
+@pytest.mark.launch
 def test_resume_past_the_planned_rounds_is_refused(checkpointed, tmp_path, cache_dir):
     copy = _copy_run(checkpointed, tmp_path / "run")
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
@@ -94,6 +100,7 @@ def test_resume_past_the_planned_rounds_is_refused(checkpointed, tmp_path, cache
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.launch
 def test_resume_from_elsewhere_never_overwrites_an_existing_run(checkpointed, tmp_path, cache_dir):
     copy = _copy_run(checkpointed, tmp_path / "run")
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
@@ -104,6 +111,7 @@ def test_resume_from_elsewhere_never_overwrites_an_existing_run(checkpointed, tm
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.launch
 def test_extending_a_finished_run_rewrites_its_summary(checkpointed, tmp_path, cache_dir):
     import json
 
@@ -114,6 +122,7 @@ def test_extending_a_finished_run_rewrites_its_summary(checkpointed, tmp_path, c
     assert json.loads((copy / "summary.json").read_text())["rounds"] == 4
 
 
+@pytest.mark.launch
 def test_unwritable_output_directory(tmp_path, cache_dir):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -153,6 +162,7 @@ def test_manifests_of_older_versions_still_match_their_experiment():
     assert _changes_since({"experiment": old}, config) == ["seed: 7 -> 0"]
 
 
+@pytest.mark.launch
 def test_foreign_directories_among_checkpoints_are_ignored_and_kept(checkpointed, tmp_path, cache_dir):
     """A user's backup copy (round_00003.bak) and a stray round_old are not checkpoints: resume
     uses the real newest one, and saving and pruning leave them alone."""
@@ -170,6 +180,7 @@ def test_foreign_directories_among_checkpoints_are_ignored_and_kept(checkpointed
     assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00003.bak", "round_00004", "round_old"]
 
 
+@pytest.mark.launch
 def test_manifest_that_is_not_a_mapping_is_one_line(checkpointed, tmp_path, cache_dir):
     import shutil
 

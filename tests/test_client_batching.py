@@ -98,6 +98,7 @@ VARIANTS = [
 ]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("algorithm,options,batch_order,last_batch", VARIANTS)
 def test_batched_group_ends_where_one_by_one_training_ends(algorithm, options, batch_order, last_batch):
     context = _context(algorithm, options, batch_order=batch_order, last_batch=last_batch)
@@ -112,6 +113,7 @@ def test_batched_group_ends_where_one_by_one_training_ends(algorithm, options, b
         assert got[2].samples == 0
 
 
+@pytest.mark.launch
 def test_a_clients_result_does_not_depend_on_its_group():
     """A group is whatever one rank hosts: client 1 trained alone, with client 0, or with all."""
     context = _context("fedproto", {"proto_from": "during_training"})
@@ -241,6 +243,7 @@ def test_option_defaults_to_off_and_keeps_the_hash():
         load_config(None, ["train.client_batching=jit"])
 
 
+@pytest.mark.launch
 def test_refusal_is_one_line_and_exit_status_2(tmp_path, cache_dir):
     result = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path / "run"), f"data.cache_dir={cache_dir}",
                                   "algorithm=fedoc", "train.client_batching=vmap"], timeout=120)
@@ -276,15 +279,18 @@ def batched(tmp_path_factory, cache_dir):
     return run_smoke("single", 1, tmp_path_factory.mktemp("vmap"), cache_dir, *GROUPED, "train.client_batching=vmap")
 
 
+@pytest.mark.launch
 def test_a_batched_run_gives_the_per_client_runs_metrics(one_by_one, batched):
     _close(batched, one_by_one)
 
 
+@pytest.mark.launch
 def test_a_batched_run_is_world_size_invariant(batched, tmp_path, cache_dir):
     rows = run_smoke("torchrun", 3, tmp_path, cache_dir, *GROUPED, "train.client_batching=vmap")
     _close(rows, batched)
 
 
+@pytest.mark.launch
 def test_groups_larger_than_the_resident_clients_train_in_chunks(one_by_one, tmp_path, cache_dir):
     """Groups of three with at most two clients resident: trained as a group of two and one."""
     rows = run_smoke("single", 1, tmp_path, cache_dir, *GROUPED, "train.client_batching=vmap",

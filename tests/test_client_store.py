@@ -197,6 +197,7 @@ def test_close_removes_the_scratch_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("algorithm", ["fedproto", "lgfedavg", "fedkd"])
 def test_a_bounded_store_gives_the_metrics_of_an_all_resident_run(algorithm, tmp_path, cache_dir):
     """8 clients, half of them per round, at most 2 resident: FedProto (evaluation only reads),
@@ -212,6 +213,7 @@ def test_a_bounded_store_gives_the_metrics_of_an_all_resident_run(algorithm, tmp
     assert list((tmp_path / "scratch").iterdir()) == []  # the parked records are gone at the end
 
 
+@pytest.mark.launch
 def test_bounded_ranks_checkpoint_and_resume_like_one_uninterrupted_process(tmp_path, cache_dir):
     """Three ranks keeping one client each resident, stopped after round 2 and resumed on two
     ranks: the metrics of one process that kept every client and never stopped."""

@@ -50,6 +50,7 @@ def _worker_pids(agent_pid):
     return [int(pid) for pid in out.split()]
 
 
+@pytest.mark.launch
 def test_sigterm_checkpoints_at_the_round_boundary_then_resumes(uninterrupted, tmp_path, cache_dir):
     agent = _start_torchrun(tmp_path, cache_dir)
     _wait_for_line(agent, f"round 2/{ROUNDS}")
@@ -70,6 +71,7 @@ def test_sigterm_checkpoints_at_the_round_boundary_then_resumes(uninterrupted, t
     assert [r["test_acc"] for r in read_metrics(tmp_path)] == uninterrupted
 
 
+@pytest.mark.launch
 def test_elastic_restart_after_a_killed_rank(uninterrupted, tmp_path, cache_dir):
     """torchrun --max-restarts=1: kill -9 a client rank mid-run; the restart resumes from the
     last checkpoint and ends with the uninterrupted run's metrics."""
@@ -96,6 +98,7 @@ def _rank_of(pid, variable=b"PMI_RANK"):
     return None
 
 
+@pytest.mark.launch
 def test_hung_rank_ends_the_job_within_the_round_deadline(tmp_path, cache_dir):
     """Under MPI (no collective timeout) a frozen client rank is caught by the round deadline."""
     mpirun = str(BIN / "mpirun")
@@ -121,6 +124,7 @@ def test_hung_rank_ends_the_job_within_the_round_deadline(tmp_path, cache_dir):
     assert "rank 0 (server)" in stderr
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize(("signal_sent", "victim", "reporter"), [
     (signal.SIGKILL, 2, "rank 0 (server)"),  # a client rank dies
     (signal.SIGSTOP, 2, "rank 0 (server)"),  # a client rank hangs
@@ -153,6 +157,7 @@ def test_a_lost_rank_is_named_once(tmp_path, cache_dir, signal_sent, victim, rep
     assert ended_s < 30  # the collective timeout (runtime.timeout_s) is 600 s
 
 
+@pytest.mark.launch
 def test_a_rank_that_raises_ends_every_rank(tmp_path, cache_dir):
     """A client rank fails (its client's checkpoint is corrupt): it is named, all ranks end."""
     first = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
@@ -169,6 +174,7 @@ def test_a_rank_that_raises_ends_every_rank(tmp_path, cache_dir):
     assert "client_4.pt cannot be read" in result.stderr
 
 
+@pytest.mark.launch
 def test_start_up_is_inside_the_deadline(tmp_path):
     """Data preparation, model building and the handshake are watched too: under MPI a rank stuck
     there would otherwise hang the job. An empty partition cache makes rank 0 read and split the
@@ -204,6 +210,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.launch
 def test_sigterm_grace_holds_for_a_rank_blocked_in_a_collective(tmp_path):
     """A rank blocked in a Gloo recv never runs Python signal handlers (Gloo retries after EINTR),
     so a handler-started grace timer would never start. The SIGTERM listener thread sees the
@@ -239,6 +246,7 @@ sys.exit(main(sys.argv[1:] + (["seed=7"] if os.environ["RANK"] == "2" else [])))
 """
 
 
+@pytest.mark.launch
 def test_a_rank_with_another_config_is_named_before_anything_else_travels(tmp_path, cache_dir):
     """Rank 2 runs another seed (another experiment): rank 0's start-up handshake names it, before
     the placement's step times or any client is built, and nothing is written."""

@@ -610,6 +610,7 @@ def test_bad_options_are_one_line_errors(options, key):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.launch
 def test_bad_option_on_the_command_line_exits_2_with_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "htfl_dist.main", "--config", str(SMOKE), "--out",
                              str(tmp_path / "run"), "algorithm=fedktl", "algo.mu=-1"],
@@ -639,6 +640,7 @@ def single(single_run):
     return single_run(*RUN)[1]
 
 
+@pytest.mark.launch
 def test_real_run_rows(single, cache_dir):
     from htfl_dist.data import prepare_partition
 
@@ -659,6 +661,7 @@ def test_real_run_rows(single, cache_dir):
         assert row["test_acc_head"] == row["test_acc"]  # the ETF is the clients' own classifier
 
 
+@pytest.mark.launch
 def test_real_run_summary_and_generated_images(single_out):
     summary = json.loads((single_out / "summary.json").read_text())
     assert summary["generator"]["name"] == "dcgan_faces"
@@ -674,6 +677,7 @@ def test_real_run_summary_and_generated_images(single_out):
         assert len({tile.tobytes() for tile in tiles}) > 1  # the C class images are not all the same
 
 
+@pytest.mark.launch
 def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single, tmp_path, cache_dir):
     """Round 1 on mpirun -n 3 with a checkpoint, then round 2 resumed from it: the same rows as one
     process running both rounds (F with its BN statistics, the centroids and the pairs come back)."""
@@ -685,6 +689,7 @@ def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single,
     assert maths_only(read_metrics(tmp_path)) == maths_only(single)
 
 
+@pytest.mark.launch
 def test_single_client_mode(tmp_path, cache_dir):
     """One server, one client; one local epoch per round, so the loop runs once per epoch."""
     rows = _run("single", 1, tmp_path, cache_dir, "num_clients=1")

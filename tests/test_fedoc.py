@@ -299,6 +299,7 @@ def single(single_run):
     return single_run(*PARTIAL)[1]
 
 
+@pytest.mark.launch
 def test_real_run_with_partial_participation(single, cache_dir):
     from htfl_dist.data import prepare_partition
     from htfl_dist.runtime.placement import sample_participants
@@ -318,6 +319,7 @@ def test_real_run_with_partial_participation(single, cache_dir):
     assert single[1]["bytes_theory_down"] > 0
 
 
+@pytest.mark.launch
 def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single, tmp_path, cache_dir):
     """Round 1 on mpirun -n 3 with a checkpoint, then round 2 resumed from it on mpirun -n 3: the
     same rows as one process running both rounds (clients' models and optimizers, the server's

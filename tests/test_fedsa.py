@@ -362,6 +362,7 @@ def reference(tmp_path_factory, cache_dir):
     return _run("single", 1, tmp_path_factory.mktemp("fedsa-ws1"), cache_dir)
 
 
+@pytest.mark.launch
 def test_partial_participation_real_run(reference, cache_dir):
     """Each round the server averages exactly the participants' classes, and the count of floats
     uploaded is theirs."""
@@ -383,6 +384,7 @@ def test_partial_participation_real_run(reference, cache_dir):
         assert 0.0 < row["anchor_drift"] < 0.01  # α = 0.9999: the anchors barely move
 
 
+@pytest.mark.launch
 def test_three_ranks_give_the_metrics_of_one_process(reference, tmp_path, cache_dir):
     """The reference code's options with partial participation on mpirun -n 3 (torchrun -n 3
     gets the same comparison, with the paper's options, in tests/test_conformance.py)."""
@@ -392,6 +394,7 @@ def test_three_ranks_give_the_metrics_of_one_process(reference, tmp_path, cache_
         assert [r.get(key) for r in rows] == [r.get(key) for r in reference], key
 
 
+@pytest.mark.launch
 def test_resume_matches_the_uninterrupted_run(reference, tmp_path, cache_dir):
     """Anchors and P̄ (server), each client's last prototypes (its local margin) are checkpointed."""
     first = _run("single", 1, tmp_path, cache_dir, "rounds=1", "checkpoint_every=1")

@@ -62,6 +62,7 @@ def fedtgp_run(tmp_path_factory, cache_dir):
     return out
 
 
+@pytest.mark.launch
 def test_snapshots_hold_what_was_exchanged_in_the_chosen_rounds(fedtgp_run):
     assert snapshot_rounds(fedtgp_run) == [2]  # every 2nd round only
     snap = load_snapshot(fedtgp_run, 2)
@@ -78,6 +79,7 @@ def _report(*args: str) -> subprocess.CompletedProcess:
                           env=_env(), timeout=120)
 
 
+@pytest.mark.launch
 def test_report_draws_margins_and_prototypes_and_marks_identical_curves(fedtgp_run, tmp_path):
     margins, prototypes, curves = tmp_path / "m.png", tmp_path / "p.png", tmp_path / "c.png"
     result = _report(str(fedtgp_run), str(fedtgp_run), "--margins", str(margins), "--prototypes", str(prototypes),
@@ -88,6 +90,7 @@ def test_report_draws_margins_and_prototypes_and_marks_identical_curves(fedtgp_r
     assert "identical test_acc curves, drawn as one line" in result.stderr
 
 
+@pytest.mark.launch
 def test_report_names_the_rounds_it_has(fedtgp_run, tmp_path):
     result = _report(str(fedtgp_run), "--prototypes", str(tmp_path / "p.png"), "--rounds", "1")
     assert result.returncode == 2
@@ -97,6 +100,7 @@ def test_report_names_the_rounds_it_has(fedtgp_run, tmp_path):
     assert not (tmp_path / "p.png").exists()
 
 
+@pytest.mark.launch
 def test_prototype_snapshots_of_an_algorithm_without_prototypes_is_a_user_error(tmp_path, cache_dir):
     result = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
                                   "algorithm=local", "rounds=1", "output.prototypes_every=1"])

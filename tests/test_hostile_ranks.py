@@ -72,6 +72,7 @@ def _hostile_command(tmp_path, launcher: str) -> list[str]:
     return [shutil.which("mpirun", path=str(BIN)) or "mpirun", "-n", "2", sys.executable, str(script)]
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
 @pytest.mark.parametrize("sizes", [(1, 4 << 30), (-7, 0)])
 def test_rank_zero_refuses_a_forged_size_from_a_real_rank(tmp_path, launcher, sizes):
@@ -108,6 +109,7 @@ sys.exit(main(sys.argv[1:]))
 '''
 
 
+@pytest.mark.launch
 def test_rank_zero_refuses_an_impossible_report_from_a_real_rank(tmp_path, cache_dir):
     """A client rank reports evaluation counts that cannot be true (correct > samples): rank 0
     names it and its clients, and the job ends, instead of pooling an accuracy above 100 %."""
@@ -163,6 +165,7 @@ def test_rank_rows_are_checked(values, ok):
             check_rank_row(values)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
 def test_rank_zero_refuses_more_than_the_protocol_allows(tmp_path, launcher):
     """5000 body bytes are far under runtime.max_message_mb, but this rank's clients can send at

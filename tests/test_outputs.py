@@ -61,6 +61,7 @@ def two_rounds_then_resume(tmp_path_factory, cache_dir):
     return out, first.stdout, resumed.stdout
 
 
+@pytest.mark.launch
 def test_start_up_is_narrated(two_rounds_then_resume):
     out, first, resumed = two_rounds_then_resume
     assert first.startswith("htfl_dist: fedproto, 6 clients, 1 round; 1 rank via single")
@@ -75,6 +76,7 @@ def test_start_up_is_narrated(two_rounds_then_resume):
     assert "round 2: rank 1 trained 1/3 clients" in resumed and "round 3: rank 2 trained 2/3 clients" in resumed
 
 
+@pytest.mark.launch
 def test_tensorboard_holds_each_round_once_after_a_resume(two_rounds_then_resume):
     out, _, _ = two_rounds_then_resume
     rows = read_metrics(out)
@@ -85,6 +87,7 @@ def test_tensorboard_holds_each_round_once_after_a_resume(two_rounds_then_resume
     assert {"loss/train_loss", "bytes/bytes_up", "time/server_s", "accuracy/test_acc_head"} <= set(scalars)
 
 
+@pytest.mark.launch
 def test_htfllib_h5_matches_the_metrics(two_rounds_then_resume):
     out, _, _ = two_rounds_then_resume
     rows = read_metrics(out)
@@ -96,6 +99,7 @@ def test_htfllib_h5_matches_the_metrics(two_rounds_then_resume):
     assert not list(out.glob(".*.tmp"))  # the atomic rewrite leaves no temp file behind
 
 
+@pytest.mark.launch
 def test_resume_auto_without_checkpoint_says_it_starts_over(tmp_path, cache_dir):
     result = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), "--resume", "auto", "rounds=1",
                                   f"data.cache_dir={cache_dir}"])
@@ -103,6 +107,7 @@ def test_resume_auto_without_checkpoint_says_it_starts_over(tmp_path, cache_dir)
     assert f"resume: no complete checkpoint in {tmp_path}; starting from round 1" in result.stdout
 
 
+@pytest.mark.launch
 def test_tensorboard_missing_is_one_line_before_anything_starts(tmp_path, cache_dir):
     """A python without tensorboard gets exit 2 and the install hint (simulated by hiding the package)."""
     blocker = tmp_path / "blocker"

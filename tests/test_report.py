@@ -211,6 +211,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.launch
 def test_cli_prints_the_table_and_writes_csv(tmp_path):
     proto, tgp = _write_run(tmp_path / "proto", ROWS), _fedtgp_run(tmp_path / "tgp")
     result = _cli(str(proto), str(tgp), "--metric", "margin", "--csv", str(tmp_path / "rounds.csv"))
@@ -222,6 +223,7 @@ def test_cli_prints_the_table_and_writes_csv(tmp_path):
     assert len((tmp_path / "rounds.csv").read_text().splitlines()) == 1 + 5
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("args,needles", [
     (["{tmp}/nowhere"], ["{tmp}/nowhere is not a run directory", "metrics.jsonl"]),
     (["{run}", "--metric", "margin"], ["unknown metric 'margin'", "test_acc"]),

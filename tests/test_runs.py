@@ -21,6 +21,7 @@ def reference(tmp_path_factory, cache_dir):
     return out, _run("single", 1, out, cache_dir)
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher,nproc,overrides", [
     ("torchrun", 2, ()),
     ("torchrun", 4, ("runtime.placement_work=flops",)),  # another placement: the same numbers
@@ -55,12 +56,14 @@ def test_outputs_and_bytes(reference):
     assert (out / "config.yaml").is_file()
 
 
+@pytest.mark.launch
 def test_local_sends_nothing(single_run):
     _, rows = single_run("algorithm=local", "rounds=2")  # the conformance test's run, shared
     assert all(r["bytes_up"] == 0 and r["bytes_theory_up"] == 0 for r in rows)
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)
 
 
+@pytest.mark.launch
 def test_resume_matches_uninterrupted_run(reference, tmp_path, cache_dir):
     """Stop after round 2 (checkpoint), resume on a different world size, finish round 3."""
     _, expected = reference
@@ -74,6 +77,7 @@ def test_resume_matches_uninterrupted_run(reference, tmp_path, cache_dir):
     assert [r["test_acc"] for r in resumed] == [r["test_acc"] for r in expected]
 
 
+@pytest.mark.launch
 def test_existing_run_directory_is_not_overwritten(reference, tmp_path, cache_dir):
     out, _rows = reference
     before = (out / "metrics.jsonl").read_text()
@@ -83,6 +87,7 @@ def test_existing_run_directory_is_not_overwritten(reference, tmp_path, cache_di
     assert (out / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.launch
 def test_fedtgp_partial_participation_world_size_invariant(single_run, tmp_path, cache_dir):
     """FedTGP with ρ = 0.5: 1 rank and 4 ranks agree, and the server trains on exactly the
     participants' (prototype, class) pairs each round (two rounds: two draws of participants;
@@ -110,6 +115,7 @@ def test_fedtgp_partial_participation_world_size_invariant(single_run, tmp_path,
         assert len(row["class_margin_global"]) == 10
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
 def test_diverged_client_ends_every_rank_loudly(launcher, tmp_path, cache_dir):
     """A NaN upload is caught by the server, which names the client and takes all ranks down."""
@@ -124,6 +130,7 @@ def test_diverged_client_ends_every_rank_loudly(launcher, tmp_path, cache_dir):
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.launch
 def test_diverged_clients_are_skipped_and_the_run_goes_on(tmp_path, cache_dir):
     """on_bad_upload=skip (default): NaN uploads are left out with a warning naming the client."""
     result = launch("mpirun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
