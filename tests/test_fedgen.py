@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 import torch.nn.functional as F
-from test_lgfedavg import head_row, head_upload, launch_smoke, make_client, make_context
+from helpers import head_row, head_upload, launch_smoke, make_client, make_context
 
 from htfl_dist.algorithms import get_algorithm, parse_options
 from htfl_dist.algorithms.fedgen import FedGenGenerator, draw_labels_and_noise, generator_size

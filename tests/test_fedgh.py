@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_lgfedavg import head_row, launch_smoke, make_client, make_context
+from helpers import head_row, launch_smoke, make_client, make_context
 
 from htfl_dist.algorithms import get_algorithm, parse_options
 from htfl_dist.errors import ConfigError, ProtocolError

@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-from test_fml import roundtrip
-from test_lgfedavg import launch_smoke, make_client, make_context
+from helpers import launch_smoke, make_client, make_context, roundtrip
 
 from conftest import SMOKE, launch, read_metrics
 from htfl_dist.algorithms import get_algorithm, parse_options

@@ -2,12 +2,11 @@
 scratch copy of G, and one real run. The shared-model helpers here serve tests/test_fedkd.py too."""
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
 import torch
-from test_lgfedavg import launch_smoke, make_client, make_context
+from helpers import launch_smoke, make_client, make_context, roundtrip
 from torch import nn
 
 from htfl_dist.algorithms import get_algorithm, parse_options
@@ -17,14 +16,6 @@ from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.models import SplitModel
 from htfl_dist.models import registry as model_registry
 from htfl_dist.seeding import seed_global_torch, torch_generator
-
-
-def roundtrip(state):
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
 
 # --------------------------------------------------------------------------- options
 
