@@ -28,7 +28,7 @@ from htfl_dist.algorithms.class_rows import (
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, TrainResult
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
-from htfl_dist.errors import ConfigError
+from htfl_dist.config import bounded
 from htfl_dist.payload import Payload, PayloadSpec
 
 DistillLoss = Literal["softmax", "raw", "mse"]
@@ -49,7 +49,7 @@ class FedDistillOptions:
     logits_from: Literal["during_training", "post_update"] = "during_training"
     """during_training: mean of each batch's logits before its step, over the local epochs (HtFLlib);
     post_update: an eval-mode pass over the training split after training."""
-    reg_weight: float = 1.0
+    reg_weight: float = bounded(1.0, at_least=0)
     """λ (FedTGP appendix: γ = 1)."""
 
     def validate(self) -> None:
@@ -58,8 +58,6 @@ class FedDistillOptions:
             self.distill_loss = "raw" if reference else "softmax"
         if self.missing_rows is None:
             self.missing_rows = "self_target" if reference else "mask"
-        if self.reg_weight < 0:
-            raise ConfigError(f"config key 'algo.reg_weight' must be >= 0, got {self.reg_weight}")
 
 
 def logit_fields(num_classes: int) -> PayloadSpec:

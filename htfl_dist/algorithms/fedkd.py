@@ -63,7 +63,8 @@ from htfl_dist.algorithms.shared_model import (
     parameter_shapes,
 )
 from htfl_dist.algorithms.training import Batch, run_local_training
-from htfl_dist.errors import ConfigError, HtflError, ProtocolError
+from htfl_dist.config import bounded
+from htfl_dist.errors import HtflError, ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 Compress = Literal["update", "weights"]
@@ -78,15 +79,15 @@ class FedKDOptions:
     htfllib ([C]): per-slice conv SVD and the off-by-one rule that can give rank 0 (zeros)."""
     compress: Compress | None = None
     """update (default [P], official FedKD): compress ΔG = G_i − G_sync; weights ([C] HtFLlib): G_i itself."""
-    t_start: float = 0.95
+    t_start: float = bounded(0.95, above=0, at_most=1)
     """T_start (-Ts): energy kept in round 0."""
-    t_end: float = 0.98
+    t_end: float = bounded(0.98, above=0, at_most=1)
     """T_end (-Te; total.sh 0.98, the FedTGP appendix says 0.95)."""
-    global_rounds: int = 2000
+    global_rounds: int = bounded(2000, at_least=1)
     """R of the energy schedule T_t = T_start + (t/R)(T_end − T_start) (HtFLlib -gr default 2000)."""
-    mentee_lr: float = 0.01
+    mentee_lr: float = bounded(0.01, above=0)
     """-mlr: SGD learning rate of the mentee."""
-    wh_lr: float | None = None
+    wh_lr: float | None = bounded(None, above=0, optional=True)
     """SGD learning rate of W_h (default: train.lr, as HtFLlib)."""
     shared_model: str | None = None
     """The mentee's architecture (ARCH or ARCH:HEAD); default client 0's group member (HtFLlib)."""
@@ -97,16 +98,6 @@ class FedKDOptions:
             self.svd_rank = "htfllib" if reference else "fixed"
         if self.compress is None:
             self.compress = "weights" if reference else "update"
-        for key in ("t_start", "t_end"):
-            value = getattr(self, key)
-            if not 0.0 < value <= 1.0:
-                raise ConfigError(f"config key 'algo.{key}' must be in (0, 1], got {value}")
-        if self.global_rounds < 1:
-            raise ConfigError(f"config key 'algo.global_rounds' must be >= 1, got {self.global_rounds}")
-        for key in ("mentee_lr", "wh_lr"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise ConfigError(f"config key 'algo.{key}' must be > 0, got {value}")
         check_member_name(self.shared_model)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -35,11 +36,12 @@ from htfl_dist.algorithms.training import (
     run_local_training,
     weighted_mean,
 )
-from htfl_dist.errors import ConfigError, ProtocolError
+from htfl_dist.config import bounded
+from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
-CLIENT_REGULARISERS = ("paper", "htfllib")
-PROTO_SOURCES = ("post_update", "pre_update", "during_training")
+ClientRegulariser = Literal["paper", "htfllib"]
+PrototypeSource = Literal["post_update", "pre_update", "during_training"]
 DEFAULT_REG_WEIGHT = {"paper": 0.1, "htfllib": 10.0}
 
 
@@ -47,25 +49,17 @@ DEFAULT_REG_WEIGHT = {"paper": 0.1, "htfllib": 10.0}
 class PrototypeOptions:
     """Client-side options shared by the prototype methods (FedProto, FedTGP)."""
 
-    client_reg: str = "paper"
+    client_reg: ClientRegulariser = "paper"
     """paper: λ·mean_c ‖P_i^c − P̂^c‖₂ over the batch's class means (Eq. 4/11);
     htfllib: λ·MSE(f(x), P̂^y) per sample, as the reference code does."""
-    reg_weight: float | None = None
+    reg_weight: float | None = bounded(None, at_least=0, optional=True)
     """λ; default 0.1 for client_reg=paper, 10 for client_reg=htfllib."""
-    proto_from: str = "post_update"
+    proto_from: PrototypeSource = "post_update"
     """post_update (paper) | pre_update (HtFLlib FedTGP) | during_training (HtFLlib FedProto)."""
 
     def validate(self) -> None:
-        if self.client_reg not in CLIENT_REGULARISERS:
-            raise ConfigError(f"config key 'algo.client_reg' is {self.client_reg!r}; allowed: "
-                              f"{', '.join(CLIENT_REGULARISERS)}")
-        if self.proto_from not in PROTO_SOURCES:
-            raise ConfigError(f"config key 'algo.proto_from' is {self.proto_from!r}; allowed: "
-                              f"{', '.join(PROTO_SOURCES)}")
         if self.reg_weight is None:
             self.reg_weight = DEFAULT_REG_WEIGHT[self.client_reg]
-        if self.reg_weight < 0:
-            raise ConfigError(f"config key 'algo.reg_weight' must be >= 0, got {self.reg_weight}")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,41 +34,37 @@ from htfl_dist.algorithms.fedproto import PrototypeClient, PrototypeOptions, pro
 from htfl_dist.algorithms.interface import AlgorithmContext, ServerAlgorithm
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import train_on_pairs
+from htfl_dist.config import bounded
 from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Payload, PayloadSpec
 
-MARGINS = ("adaptive", "fixed", "none")
+Margin = Literal["adaptive", "fixed", "none"]
 GAP_UNSET = float("inf")
 
 
 @dataclass
 class FedTGPOptions(PrototypeOptions):
-    margin: str = "adaptive"
+    margin: Margin = "adaptive"
     """adaptive: δ(t) = min(max_c gap_c, τ) (FedTGP); fixed: δ = fixed_margin (Table 6 "FM");
     none: δ = 0, the standard contrastive loss (Table 6 "SCL")."""
-    tau: float = 100.0
+    tau: float = bounded(100.0, at_least=0)
     """Margin threshold τ."""
     fixed_margin: float | None = None
     """δ for margin=fixed (the paper gives no value, so it must be set)."""
     use_mapping: bool = True
     """False trains the per-class vectors only, without F (Table 6 "w/o F")."""
-    hidden_dim: int | None = None
+    hidden_dim: int | None = bounded(None, at_least=1, optional=True)
     """Width of F's hidden layer (default K)."""
-    server_epochs: int = 100
+    server_epochs: int = bounded(100, at_least=1)
     """S: epochs over the round's pairs."""
-    server_lr: float = 0.01
-    server_batch_size: int | None = None
+    server_lr: float = bounded(0.01, above=0)
+    server_batch_size: int | None = bounded(None, at_least=1, optional=True)
     """Mini-batch of pairs (default: the client batch size, as the reference code does)."""
 
     def validate(self) -> None:
         super().validate()
-        if self.margin not in MARGINS:
-            raise ConfigError(f"config key 'algo.margin' is {self.margin!r}; allowed: {', '.join(MARGINS)}")
         if self.margin == "fixed" and (self.fixed_margin is None or self.fixed_margin < 0):
             raise ConfigError("algo.margin=fixed needs algo.fixed_margin=VALUE (>= 0); the paper gives no default")
-        if self.tau < 0:
-            raise ConfigError(f"config key 'algo.tau' must be >= 0, got {self.tau}")
-        check_server_options(self)
 
 
 def check_server_options(options: object) -> None:

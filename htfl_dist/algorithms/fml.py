@@ -44,7 +44,7 @@ from htfl_dist.algorithms.shared_model import (
     clip_gradients,
 )
 from htfl_dist.algorithms.training import Batch, run_local_training
-from htfl_dist.errors import ConfigError
+from htfl_dist.config import bounded
 from htfl_dist.payload import Payload, PayloadSpec
 
 
@@ -58,9 +58,9 @@ class FMLOptions:
     avg: Average = "uniform"
     """Server mean of the uploaded G_i: uniform (HtFLlib, default) | sample_weighted (n_i / Σn,
     puts num_samples on the wire)."""
-    alpha: float = 0.5
+    alpha: float = bounded(0.5, at_least=0, at_most=1)
     """α: weight of CE in the local model's loss (total.sh -al 0.5; the flag default 1 turns KD off)."""
-    beta: float = 0.5
+    beta: float = bounded(0.5, at_least=0, at_most=1)
     """β: weight of CE in the shared model's loss (total.sh -bt 0.5)."""
     shared_model: str | None = None
     """G's architecture (ARCH or ARCH:HEAD); default client 0's group member (HtFLlib)."""
@@ -68,10 +68,6 @@ class FMLOptions:
     def validate(self) -> None:
         if self.kd is None:
             self.kd = "htfllib" if self.compat == "htfllib" else "dml"
-        for key in ("alpha", "beta"):
-            value = getattr(self, key)
-            if not 0.0 <= value <= 1.0:
-                raise ConfigError(f"config key 'algo.{key}' must be in [0, 1], got {value}")
         check_member_name(self.shared_model)
 
 
