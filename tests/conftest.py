@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from htfl_dist.runtime.simulate import simulate
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SMOKE = REPO / "configs" / "smoke.yaml"
@@ -103,11 +105,12 @@ def cache_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def single_run(tmp_path_factory, cache_dir):
-    """One-process smoke runs shared by the whole session: ``single_run(*overrides)`` runs
-    ``python -m htfl_dist.main`` on the smoke config with ``overrides`` (asserting it succeeds) the
-    first time any test asks for those overrides, and returns its run directory and a fresh copy of
-    its metrics rows to every test that asks for them. The conformance test and an algorithm's own
-    tests often need the very same reference run; it is launched once. The run directory is shared:
+    """One-process smoke runs shared by the whole session: ``single_run(*overrides)`` plays the
+    smoke config with ``overrides`` in this process (``runtime.simulate``: the program's own round
+    loop, config resolution and outputs, without a process start) the first time any test asks for
+    those overrides, and returns its run directory and a fresh copy of its metrics rows to every
+    test that asks for them. The conformance test and an algorithm's own
+    tests often need the very same reference run; it is played once. The run directory is shared:
     read it, never write into it (resume into a directory of your own)."""
     runs: dict[tuple[str, ...], tuple[Path, list[dict]]] = {}
 
@@ -116,7 +119,7 @@ def single_run(tmp_path_factory, cache_dir):
         key = tuple(sorted(overrides)) if len(set(keys)) == len(keys) else overrides  # order matters on repeats
         if key not in runs:
             out = tmp_path_factory.mktemp("single-run")
-            runs[key] = (out, run_smoke("single", 1, out, cache_dir, *overrides))
+            runs[key] = (out, simulate(SMOKE, [f"data.cache_dir={cache_dir}", *overrides], out=out))
         out, rows = runs[key]
         return out, copy.deepcopy(rows)
 

@@ -133,7 +133,6 @@ def test_bad_options_name_their_key(options, key):
         parse_options(get_algorithm("fedgh"), options)
 
 
-@pytest.mark.launch
 def test_real_run(single_run):
     rows = launch_smoke(single_run, "fedgh")
     assert all(r["server_pairs"] > 0 for r in rows)

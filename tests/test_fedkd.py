@@ -364,7 +364,6 @@ SMALL_MENTEE = ("algo.shared_model=htcnn2",)
 round in float64 SVDs of its 512x4608 layer. The conformance test runs the same two rounds."""
 
 
-@pytest.mark.launch
 def test_real_run(single_run):
     """The paper's defaults, mentee included (htcnn1), once."""
     rows = launch_smoke(single_run, "fedkd")
@@ -374,7 +373,6 @@ def test_real_run(single_run):
     assert rows[0]["bytes_theory_down"] == 0 and rows[1]["bytes_theory_down"] > 0  # nothing sent before round 1
 
 
-@pytest.mark.launch
 def test_real_run_htfllib(single_run):
     rows = launch_smoke(single_run, "fedkd", "algo.compat=htfllib", *SMALL_MENTEE)
     assert rows[0]["ranks_down"][0] > 0  # the conv weight travels as per-slice factors

@@ -423,7 +423,7 @@ def test_round_one_trains_with_arcface_only_and_later_rounds_use_the_pairs():
 
 
 def test_upload_is_one_unit_prototype_per_held_class():
-    context = _client_context(lr=0.05)
+    context = _client_context(lr=0.05, unit_prototypes=True)
     algorithm = FedKTLClient(context)
     client = _tiny_client(lr=0.05)
     result = algorithm.train(client, _pairs_download(), 1, torch_generator(0, "b"))
@@ -509,6 +509,25 @@ def test_batchnorm_extractors_train_on_the_pairs():
     assert torch.isfinite(result.upload["protos"]).all()
 
 
+def test_generated_images_go_through_the_client_model_in_train_mode():
+    """f_i = Flatten → BatchNorm1d(16, momentum=None, affine=False): in train mode BN keeps the
+    plain average of every batch mean it sees. lr = 0, 12 samples in 3 batches of 4, all C = 3
+    images at each step: 3 data batches + 3 image batches, so running_mean = (mean of the 3 data
+    batch means + 3 × the images' mean) / 6 = (data mean + image mean) / 2, and 6 batches tracked.
+    Had the images gone through in eval mode, BN would have seen the data alone (the data mean,
+    3 batches)."""
+    client = _tiny_client()
+    norm = nn.BatchNorm1d(16, momentum=None, affine=False)
+    client.model = SplitModel(nn.Sequential(nn.Flatten(), norm), nn.Linear(16, 3), feature_dim=16)
+    client.optimizer = torch.optim.SGD(client.model.parameters(), lr=0.0)
+    pairs = _pairs_download()
+    FedKTLClient(_client_context(feature_dim=16, mu=50.0)).train(client, pairs, 1, torch_generator(0, "b"))
+    data_mean = client.train_x.flatten(1).mean(0)
+    image_mean = pairs["images"].flatten(1).mean(0)
+    assert int(norm.num_batches_tracked) == 6
+    torch.testing.assert_close(norm.running_mean, (data_mean + image_mean) / 2, rtol=1e-5, atol=1e-6)
+
+
 def test_a_trailing_single_pair_does_not_break_batchnorm():
     context = _client_context(lr=0.05, pairs_per_step=2)  # C = 3 pairs per pass: steps of 2, then 1
     result = FedKTLClient(context).train(_batchnorm_client(), _pairs_download(), 1, torch_generator(0, "b"))
@@ -519,7 +538,8 @@ def test_a_real_client_uploads_unit_prototypes(tmp_path, cache_dir):
     from htfl_dist.runtime.loop import Federation, RunContext
     from htfl_dist.runtime.transport import LocalTransport
 
-    config = load_config(SMOKE, ["algorithm=fedktl", f"data.cache_dir={cache_dir}", "rounds=2"])
+    config = load_config(SMOKE, ["algorithm=fedktl", f"data.cache_dir={cache_dir}", "rounds=2",
+                                 "algo.unit_prototypes=true"])
     federation = Federation(RunContext(config, LocalTransport(), torch.device("cpu"), tmp_path))
     algorithm, context = federation.client_algorithm, federation.context
     assert (context.latent_dim, context.in_channels, context.image_size) == (100, 1, 28)
@@ -586,10 +606,12 @@ def test_paper_defaults_and_htfllib_values():
     assert (o.mu, o.mse_weight, o.arcface_scale, o.arcface_margin) == (50.0, 1.0, 64.0, 0.5)
     assert (o.server_lr, o.server_epochs, o.server_batch_size) == (0.01, 100, 100)
     assert (o.mmd_bandwidth, o.centroid_target, o.pairs_per_step) == ("fixed", "in_graph", None)
+    assert o.unit_prototypes is False  # the paper's P_i^c = E g_i(x)
     o = parse_options(ENTRY, {"compat": "htfllib"})
     assert (o.centroid_target, o.pairs_per_step) == ("table", None)  # None + htfllib: train.batch_size
-    o = parse_options(ENTRY, {"compat": "htfllib", "centroid_target": "in_graph"})
-    assert o.centroid_target == "in_graph"  # an explicit knob wins
+    assert o.unit_prototypes is True  # the code's normalised mean of normalised outputs
+    o = parse_options(ENTRY, {"compat": "htfllib", "centroid_target": "in_graph", "unit_prototypes": False})
+    assert (o.centroid_target, o.unit_prototypes) == ("in_graph", False)  # an explicit knob wins
 
 
 @pytest.mark.parametrize("options,key", [
@@ -640,7 +662,6 @@ def single(single_run):
     return single_run(*RUN)[1]
 
 
-@pytest.mark.launch
 def test_real_run_rows(single, cache_dir):
     from htfl_dist.data import prepare_partition
 
@@ -661,7 +682,6 @@ def test_real_run_rows(single, cache_dir):
         assert row["test_acc_head"] == row["test_acc"]  # the ETF is the clients' own classifier
 
 
-@pytest.mark.launch
 def test_real_run_summary_and_generated_images(single_out):
     summary = json.loads((single_out / "summary.json").read_text())
     assert summary["generator"]["name"] == "dcgan_faces"
@@ -849,11 +869,12 @@ def test_client_steps_h_prime_with_sgd_and_clips_both_to_norm_100(monkeypatch):
         assert float(torch.stack([p.grad.norm() for p in group]).norm()) == pytest.approx(100.0, rel=1e-5)
 
 
-def test_plain_mean_prototypes_when_unit_prototypes_is_off():
-    """unit_prototypes = false: P_i^c is the plain mean of g_i(x) (lr = 0: the model never moves)."""
+@pytest.mark.parametrize("options", [{}, {"unit_prototypes": False}, {"compat": "htfllib", "unit_prototypes": False}])
+def test_plain_mean_prototypes_when_unit_prototypes_is_off(options):
+    """unit_prototypes = false (the paper's default): P_i^c is the plain mean of g_i(x) (lr = 0:
+    the model never moves)."""
     client = _tiny_client()
-    result = FedKTLClient(_client_context(unit_prototypes=False)).train(client, _pairs_download(), 1,
-                                                                        torch_generator(0, "b"))
+    result = FedKTLClient(_client_context(**options)).train(client, _pairs_download(), 1, torch_generator(0, "b"))
     with torch.no_grad():
         client.model.eval()
         outputs = client.model(client.train_x)

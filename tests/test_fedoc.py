@@ -144,13 +144,17 @@ def test_paper_defaults_and_the_htfllib_values():
     o = context.options
     assert (o.reg_weight, o.intra_weight, o.inter_weight, o.inter_norm) == (100.0, 1.0, 10.0, "all_classes")
     assert (o.server_batch_size, o.server_epochs, o.server_lr, o.hidden_dim) == (32, 1, 0.01, None)
+    assert o.first_round == "initial_prototypes"  # Algorithm 1 sends P̂ in round 1 too
     _, context = _context(compat="htfllib")
     o = context.options
     assert (o.reg_weight, o.intra_weight, o.inter_weight, o.inter_norm) == (10.0, 1.0, 10.0, "other_classes")
     assert (o.server_batch_size, o.server_epochs, o.server_lr) == (None, 1, 0.01)  # None: the client batch
-    _, context = _context(compat="htfllib", reg_weight=100.0, inter_norm="all_classes", server_batch_size=8)
+    assert o.first_round == "ce_only"
+    _, context = _context(compat="htfllib", reg_weight=100.0, inter_norm="all_classes", server_batch_size=8,
+                          first_round="initial_prototypes")
     o = context.options
-    assert (o.reg_weight, o.inter_norm, o.server_batch_size) == (100.0, "all_classes", 8)  # knobs win
+    assert (o.reg_weight, o.inter_norm, o.server_batch_size, o.first_round) == (
+        100.0, "all_classes", 8, "initial_prototypes")  # knobs win
 
 
 @pytest.mark.parametrize("options,key", [
@@ -161,6 +165,7 @@ def test_paper_defaults_and_the_htfllib_values():
     ({"server_epochs": 0}, "algo.server_epochs"),
     ({"server_lr": 0.0}, "algo.server_lr"),
     ({"server_batch_size": 0}, "algo.server_batch_size"),
+    ({"first_round": "none"}, "algo.first_round"),
 ])
 def test_bad_options_are_one_line_errors(options, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -232,8 +237,32 @@ def test_server_loss_falls_and_prototypes_separate():
     assert server.theory_download_floats() == 5 * 16
 
 
-def test_round_zero_downloads_nothing_and_an_empty_round_keeps_the_prototypes():
+def test_round_one_gets_the_untrained_prototypes_by_default():
+    """Paper Algorithm 1: P̂ goes down at the start of every round, round 1 included, so round 1's
+    clients align to F(P̃) of the untrained generator, all C classes, and an empty round keeps them."""
     server = _server()
+    with torch.no_grad():
+        untrained = server.tgp.mapping(server.tgp.vectors.weight)  # F(P̃), every class
+    download = server.download()
+    assert download["class_ids"].tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(download["protos"], untrained, rtol=0, atol=0)
+    assert server.update({}, 0, torch_generator(0, "s")) == {}
+    torch.testing.assert_close(server.download()["protos"], untrained, rtol=0, atol=0)
+    server.update(_uploads(), 1, torch_generator(0, "s", 1))
+    assert not torch.allclose(server.download()["protos"], untrained)  # trained after the first update
+
+
+def test_round_one_client_aligns_to_the_downloaded_untrained_prototypes():
+    """The client side of it: with P̂ downloaded in round 1 the loss is CE + λ_c·L_R, not CE alone
+    (the hand-computed L_R of PROTOS[:2] above)."""
+    entry, context = _context()
+    knowledge = {"class_ids": torch.tensor([0, 1]), "protos": PROTOS[:2]}
+    result = entry.client(context).train(_linear_client(), knowledge, 0, torch_generator(0, "b"))
+    assert result.loss_sum / result.samples == pytest.approx(math.log(2) + 100.0 * L_R, rel=1e-6)
+
+
+def test_round_zero_downloads_nothing_and_an_empty_round_keeps_the_prototypes():
+    server = _server(first_round="ce_only")  # the reference code's round 1: CE only
     assert server.download()["class_ids"].numel() == 0
     assert server.update({}, 0, torch_generator(0, "s")) == {}
     assert server.download()["class_ids"].numel() == 0
@@ -299,7 +328,6 @@ def single(single_run):
     return single_run(*PARTIAL)[1]
 
 
-@pytest.mark.launch
 def test_real_run_with_partial_participation(single, cache_dir):
     from htfl_dist.data import prepare_partition
     from htfl_dist.runtime.placement import sample_participants

@@ -56,7 +56,6 @@ def test_outputs_and_bytes(reference):
     assert (out / "config.yaml").is_file()
 
 
-@pytest.mark.launch
 def test_local_sends_nothing(single_run):
     _, rows = single_run("algorithm=local", "rounds=2")  # the conformance test's run, shared
     assert all(r["bytes_up"] == 0 and r["bytes_theory_up"] == 0 for r in rows)
