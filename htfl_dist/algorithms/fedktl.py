@@ -7,8 +7,9 @@ simplex-ETF classifier V, identical on every rank, sits on top. Local loss (Eq. 
     L_i = ArcFace(ĝ_i(x), y; V, s, m) + μ · (1/|b|) Σ_{c∈b} MSE(h′_i(f_i(I^c)), Q^c)
 
 over the downloaded pairs (I^c, Q^c) (none in round 1); h′_i = Linear(K′, H) restarts from one
-shared initial state every round and is never uploaded. Upload: one unit prototype per class held,
-the L2-normalised mean of L2-normalised g_i(x) (eval mode). Inference: argmax_c cos(g_i(x), v_c).
+shared initial state every round and is never uploaded. Upload: one prototype per class held, the
+mean of g_i(x) (eval mode; paper), or the L2-normalised mean of L2-normalised g_i(x) (reference
+code, ``unit_prototypes``). Inference: argmax_c cos(g_i(x), v_c).
 
 Server: a feature transformer F = Linear(K, K) → BN → ReLU → Linear(K, H), persistent, trained
 each round with a fresh Adam on the uploads for E_S epochs of mini-batches of B_S:
@@ -51,7 +52,10 @@ KERNEL_SIGMA2 = (10.0, 15.0, 20.0, 50.0)
 MEDIAN_ANCHOR = 20.0
 """bandwidth=median rescales the four σ² so that this one equals median(‖q − w‖²)/2."""
 CLIP_NORM = 100.0
-"""The reference code clips the client model, h′_i, F and the centroid table to norm 100."""
+"""The reference code clips the gradients of the client model, h′_i, F and the centroid table to
+norm 100 each. The paper names no clipping (nor any other numerical guard), so there is no paper
+reading to default to: we keep the code's in both modes. It changes a step only when a gradient's
+norm exceeds 100, and dropping it would change every FedKTL run for a choice the paper never makes."""
 ARCCOS_EPS = 1e-7
 """cos θ_y is clamped into [−1 + ε, 1 − ε] before arccos, whose gradient is infinite at ±1."""
 SATURATION_EPS = 1e-3
@@ -64,7 +68,8 @@ CentroidTarget = Literal["in_graph", "table"]
 class FedKTLOptions:
     compat: Literal["paper", "htfllib"] = "paper"
     """htfllib: every knob left unset takes the reference code's value: the MSE target is the
-    trainable centroid table, and each local step uses a mini-batch of ``train.batch_size`` pairs."""
+    trainable centroid table, each local step uses a mini-batch of ``train.batch_size`` pairs, and
+    the uploaded prototypes are unit vectors."""
     mu: float = 50.0
     """μ, the weight of the knowledge-transfer loss L^M on the client."""
     mse_weight: float = 1.0
@@ -93,11 +98,15 @@ class FedKTLOptions:
     pairs_per_step: int | None = None
     """Downloaded pairs per local step: unset = all C (paper Eq. 4); htfllib = train.batch_size,
     shuffled and cycled."""
-    unit_prototypes: bool = True
-    """Upload the normalised mean of normalised g_i(x) (reference code); false: the plain mean."""
+    unit_prototypes: bool | None = None
+    """false: P_i^c = the mean of g_i(x) over the class's training samples (paper §3.3.2, "P_i^c =
+    E g_i(x)"); true: the L2-normalised mean of the L2-normalised g_i(x), unit vectors in the
+    ETF space whose cosines the classifier reads (htfllib)."""
 
     def validate(self) -> None:
         reference = self.compat == "htfllib"
+        if self.unit_prototypes is None:
+            self.unit_prototypes = reference
         if self.centroid_target is None:
             self.centroid_target = "table" if reference else "in_graph"
         for key in ("mu", "mse_weight", "arcface_margin"):
@@ -220,7 +229,8 @@ class FedKTLClient(ClientAlgorithm):
         return TrainResult({"class_ids": class_ids, "protos": protos}, loss_sum, seen)
 
     def prototypes(self, client: ClientState) -> tuple[torch.Tensor, torch.Tensor]:
-        """P_i^c per class held: the mean of ĝ_i(x), normalised again (eval mode, training split)."""
+        """P_i^c per class held, eval mode, training split: the mean of g_i(x), or with
+        ``unit_prototypes`` the mean of ĝ_i(x) normalised again."""
         unit = self.options.unit_prototypes
         class_ids, protos = class_means(client, self.context.num_classes, "logits", unit_rows=unit)
         return class_ids, F.normalize(protos, dim=1) if unit else protos
@@ -290,7 +300,11 @@ def in_graph_mse(queries: torch.Tensor, labels: torch.Tensor, num_classes: int) 
 
 
 class FeatureTransformer(nn.Module):
-    """F: Linear(K, K) → BatchNorm1d(K) → ReLU → Linear(K, H), prototype → generator latent."""
+    """F: Linear(K, K) → BatchNorm1d(K) → ReLU → Linear(K, H), prototype → generator latent.
+
+    The paper lists "two FC layers and one BN layer" (Fig. 3b) and names no activation; the
+    reference code has this ReLU, and without one F would be affine in eval mode (BN then is a
+    fixed scale and shift), so the two layers would collapse into one. We keep the ReLU."""
 
     def __init__(self, dim: int, latent_dim: int) -> None:
         super().__init__()

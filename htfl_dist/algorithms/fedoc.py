@@ -9,8 +9,9 @@ orthogonality-constraint loss on cosine similarity instead of the margin contras
     s = (1/|B|) Σ cos(P, P̂^c),   d = (1/(|B|·n)) Σ Σ_{c̄≠c} |cos(P, P̂^c̄)|,   L_OC = λ_s·(1 − s) + γ·d
 
 with n = |C| (paper) or C − 1 (reference code). Clients upload FedProto's prototypes (P_i^c, c)
-for the classes they hold, train CE + λ_c·(1 − (1/|B|) Σ cos(r, P̂^y)) (Eq. 11–12; CE only before
-any global prototype exists) and classify with their own head.
+for the classes they hold, train CE + λ_c·(1 − (1/|B|) Σ cos(r, P̂^y)) (Eq. 11–12) and classify with
+their own head. In round 1 the clients align to the untrained P̂ (Algorithm 1 sends P̂ before any
+server training), or train with CE only (``first_round=ce_only``, the reference code).
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Payload
 
 InterNorm = Literal["all_classes", "other_classes"]
+FirstRound = Literal["initial_prototypes", "ce_only"]
 PAPER_SERVER_BATCH = 32
 """|B| of Eq. 5–6: "the batch size is set to 32 for all experiments" (paper §5.1)."""
 
@@ -38,10 +40,12 @@ PAPER_SERVER_BATCH = 32
 class FedOCOptions:
     compat: Literal["paper", "htfllib"] = "paper"
     """htfllib: every knob left unset takes the reference code's value (FedORGP 85ae3b6, built on
-    HtFLlib): reg_weight = 10, inter_norm = other_classes, server batch = the client batch size."""
+    HtFLlib): reg_weight = 10, inter_norm = other_classes, server batch = the client batch size,
+    first_round = ce_only."""
     reg_weight: float | None = None
-    """λ_c, the weight of the client's 1 − cos alignment: 100 (paper Table 6's best, which is
-    Table 1's number); htfllib: 10 (every run script of the reference code)."""
+    """λ_c, the weight of the client's 1 − cos alignment: 100 (paper: Table 6's best cell, 61.15, the
+    one next to Table 1's 61.12); htfllib: 10 (every run script of the reference code; Table 6 gives
+    it 57.35)."""
     intra_weight: float = 1.0
     """λ_s, the server's intra-class weight (paper and code: 1)."""
     inter_weight: float = 10.0
@@ -58,9 +62,17 @@ class FedOCOptions:
     """SGD learning rate of the prototype generator (paper and code: 0.01)."""
     hidden_dim: int | None = None
     """Width of F's hidden layer (default K, as the code's server_hidden_dim = feature_dim)."""
+    first_round: FirstRound | None = None
+    """What round 1's clients align to. initial_prototypes: the server sends P̂ = F(P̃) of its
+    untrained generator and clients train CE + λ_c·L_R against it (paper Algorithm 1: the server
+    sends P̂ at the start of every round, round 1 included, and clients train by Eq. 11);
+    ce_only: nothing goes down before the first server update, so round 1 is CE alone (htfllib:
+    the reference code starts with no global prototypes)."""
 
     def validate(self) -> None:
         reference = self.compat == "htfllib"
+        if self.first_round is None:
+            self.first_round = "ce_only" if reference else "initial_prototypes"
         if self.reg_weight is None:
             self.reg_weight = 10.0 if reference else 100.0
         if self.inter_norm is None:
@@ -142,7 +154,7 @@ class FedOCClient(PrototypeClient):
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         num_classes, weight = self.context.num_classes, self.options.reg_weight
-        has_global = knowledge["class_ids"].numel() > 0  # round 0: CE only
+        has_global = knowledge["class_ids"].numel() > 0  # none before the first update: CE only (first_round=ce_only)
         table, available = dense_prototypes(knowledge, num_classes, client.device)
 
         def loss_fn(batch: Batch) -> torch.Tensor:
@@ -159,7 +171,13 @@ class FedOCClient(PrototypeClient):
 
 
 class FedOCServer(TrainablePrototypeServer):
-    """FedTGP's trainable prototypes, trained with L_OC (``server_epochs`` = 1 per round)."""
+    """FedTGP's trainable prototypes, trained with L_OC (``server_epochs`` = 1 per round). With
+    ``first_round=initial_prototypes`` the untrained P̂ goes down before the first update too."""
+
+    def download(self) -> Payload:
+        if self.trained or self.options.first_round == "ce_only":
+            return super().download()
+        return {"class_ids": torch.arange(self.context.num_classes), "protos": self.global_prototypes().cpu()}
 
     def fit(self, pairs: torch.Tensor, labels: torch.Tensor, generator: torch.Generator) -> dict:
         options = self.options
@@ -178,4 +196,4 @@ class FedOCServer(TrainablePrototypeServer):
 
 register_algorithm("fedoc", server=FedOCServer, client=FedOCClient, options=FedOCOptions,
                    summary="trainable global prototypes with orthogonality constraints, cosine alignment "
-                           "(Guo et al. 2025)")
+                           "(Guo et al. 2025)", private_release=True)
