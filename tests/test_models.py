@@ -31,6 +31,17 @@ ALL_ARCHS = (
     + [f"resnet{d}" for d in (4, 6, 8, 10, 18, 34, 50, 101, 152)]
 )
 
+MORE_ARCHS = (
+    ["vit_b_16", "vit_b_32"]
+    + ["harcnn_s1", "harcnn_s2", "harcnn_s3", "harcnn1_s1", "harcnn1_s2", "harcnn1_s3", "harcnn3_s1", "harcnn3_s2"]
+    + ["fasttext", "text_logreg", "lstm", "gru", "bilstm", "bilstm_attention"]
+    + [f"transformer_h{h}_l{n}" for h, n in ((8, 1), (8, 2), (8, 4), (8, 8), (8, 16), (1, 4), (2, 4), (4, 4),
+                                              (16, 4), (1, 1), (2, 2), (16, 16))]
+    + ["amazon_mlp", "amazon_mlp_200", "amazon_mlp_500", "amazon_mlp_1000_500", "amazon_mlp_1000_500_200"]
+)
+"""ViTs (image sides divisible by their patch) and the sensor, text and tabular members
+(tests/test_models_more_kinds.py)."""
+
 INPUTS = [(1, 28), (3, 32)]  # (in_channels, image_size): Fashion-MNIST and CIFAR shapes
 
 
@@ -47,7 +58,7 @@ def _first_conv(model: nn.Module) -> nn.Conv2d:
 
 
 def test_registry_lists_exactly_the_expected_architectures() -> None:
-    assert sorted(architectures()) == sorted(ALL_ARCHS)
+    assert sorted(architectures()) == sorted(ALL_ARCHS + MORE_ARCHS)
     # natural order: resnet4 before resnet10 before resnet18
     names = architectures()
     assert names.index("resnet4") < names.index("resnet10") < names.index("resnet18") < names.index("resnet101")
@@ -286,12 +297,15 @@ def test_unknown_group_is_config_error_listing_allowed() -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(
-        "unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE8, HtFE8-HtC4, HtFE8-HtC4-htfllib, "
-        "HtFE9, Res34-HtC4, Res34-HtC4-htfllib"
+        "unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE5, HtFE8, HtFE8-HtC4, "
+        "HtFE8-HtC4-htfllib, HtFE9, HtFE-img-2, HtFE-img-3, HtFE-img-4, HtFE-img-5, HtFE-img-8, "
+        "HtFE-img-8-HtC-img-4, HtFE-img-9, HtFE-sen-2, HtFE-sen-3, HtFE-sen-5, HtFE-sen-8, HtFE-txt-2, "
+        "HtFE-txt-4, HtFE-txt-5-1, HtFE-txt-5-2, HtFE-txt-5-3, HtFE-txt-6, HtM10, HtM-img-10, MLP_1layer, "
+        "MLP_layers, MLPs, Res34-HtC4, Res34-HtC4-htfllib, Res34-HtC-img-4"
     )
     assert all(name in message for name in ALL_ARCHS)
     assert message.endswith("optionally as ARCH:HEAD with HEAD one of fc, fc128, fc128_relu, fc256, fc256_relu, "
-                            "fc512, fc512_relu, fc_relu)")
+                            "fc512, fc512_relu, fc768_tanh, fc_relu)")
 
 
 def test_unknown_architecture_is_config_error_listing_allowed() -> None:
@@ -327,7 +341,8 @@ def _state_equal(a: nn.Module, b: nn.Module) -> bool:
 
 
 def test_head_registry_and_htc4_group() -> None:
-    assert heads() == ["fc", "fc128", "fc128_relu", "fc256", "fc256_relu", "fc512", "fc512_relu", "fc_relu"]
+    assert heads() == ["fc", "fc128", "fc128_relu", "fc256", "fc256_relu", "fc512", "fc512_relu", "fc768_tanh",
+                       "fc_relu"]
     assert HEAD_GROUPS["HtC4"] == HTC4
     assert HEAD_GROUPS["HtC4-htfllib"] == ("fc_relu", "fc512_relu", "fc256_relu", "fc128_relu")
     assert "fc512" not in architectures()  # heads are not architectures
@@ -432,7 +447,7 @@ def test_htc4_groups_assign_extractor_and_head_round_robin() -> None:
 
 def test_unknown_head_is_one_line_config_error() -> None:
     expected = ("unknown head 'fc64' in 'resnet34:fc64'; allowed heads: fc, fc128, fc128_relu, fc256, fc256_relu, "
-                "fc512, fc512_relu, fc_relu")
+                "fc512, fc512_relu, fc768_tanh, fc_relu")
     for call in (
         lambda: build_model("resnet34:fc64", num_classes=10),
         lambda: resolve_group("resnet34:fc64"),
@@ -445,7 +460,8 @@ def test_unknown_head_is_one_line_config_error() -> None:
         build_model("cnn:", num_classes=10)
     with pytest.raises(ConfigError, match="unknown head 'x'; allowed heads: fc, fc128"):
         build_head("x", 512, 10)
-    with pytest.raises(ConfigError, match=r"unknown architecture 'resnet19' \(in 'resnet19:fc512'\); allowed: cnn"):
+    with pytest.raises(ConfigError,
+                       match=r"unknown architecture 'resnet19' \(in 'resnet19:fc512'\); allowed: amazon_mlp, "):
         build_model("resnet19:fc512", num_classes=10)
 
 

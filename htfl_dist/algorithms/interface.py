@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from htfl_dist.config import TrainConfig
+from htfl_dist.models.inputs import InputSpec
 from htfl_dist.payload import Payload, PayloadSpec
 from htfl_dist.seeding import seed_global_torch
 
@@ -43,8 +44,16 @@ class AlgorithmContext:
     """``model.init``: how the clients' initial weights were drawn (servers that rebuild them need it)."""
     in_channels: int = 1
     image_size: int = 28
+    """The square pictures' channels and side (both 0 where the data is not square pictures)."""
     latent_dim: int = 0
     """H, the latent width of the server's generator (FedKTL); 0 where the algorithm uses none."""
+    input_spec: InputSpec | None = None
+    """The data's input kind and shape; unset: square pictures of ``in_channels`` x ``image_size``."""
+
+    @property
+    def inputs(self) -> InputSpec:
+        """What one sample looks like: build models with ``build_model(..., inputs=context.inputs)``."""
+        return self.input_spec or InputSpec.image(self.in_channels, self.image_size)
 
 
 @dataclass

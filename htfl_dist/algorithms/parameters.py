@@ -67,6 +67,6 @@ def initial_model_of(context: AlgorithmContext, client_id: int) -> SplitModel:
     with torch.random.fork_rng(devices=[]):
         model = initial_client_model(context.model_group, client_id, context.seed,
                                      num_classes=context.num_classes, feature_dim=context.feature_dim,
-                                     in_channels=context.in_channels, image_size=context.image_size,
+                                     inputs=context.inputs,
                                      init=context.model_init)
     return model.to(context.device)

@@ -60,7 +60,7 @@ def shared_member(context: AlgorithmContext) -> str:
 
 def _build(context: AlgorithmContext, member: str) -> SplitModel:
     return build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                       in_channels=context.in_channels, image_size=context.image_size)
+                       inputs=context.inputs)
 
 
 def build_shared_model(context: AlgorithmContext) -> SplitModel:
@@ -87,7 +87,7 @@ def check_shared_model(context: AlgorithmContext, algorithm: str) -> None:
     the data's shape, gives K-wide features (FedKD's W_h is K×K; FML's G shares the data) and
     C-wide logits. The dry pass runs in eval mode (BatchNorm cannot train on one sample)."""
     member = shared_member(context)
-    shape = [1, context.in_channels, context.image_size, context.image_size]
+    shape = [1, *context.inputs.shape]
     fix = f"set algo.shared_model to an architecture that fits (default: client 0's, " \
           f"{architecture_for_client(context.model_group, 0)})"
     try:
@@ -96,7 +96,7 @@ def check_shared_model(context: AlgorithmContext, algorithm: str) -> None:
         raise ConfigError(f"{algorithm} shared model {member} cannot be built: {error}; {fix}") from None
     model.eval()
     try:
-        features = model.features(torch.zeros(shape))
+        features = model.features(context.inputs.example(1))
         logits = model.head(features)
     except (RuntimeError, ValueError) as error:
         reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__

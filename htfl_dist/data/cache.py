@@ -6,12 +6,16 @@ parameters, subsample, train_ratio, seed, num_clients). Layout::
 
     /                       attrs: format_version, dataset, partition, num_classes,
                                    in_channels, image_size, num_clients, x_format, key_json,
-                                   complete
+                                   vocab_size (text only), complete
     /class_counts           int64 num_clients x num_classes (train split), for reports
     /client_<id>/train_x    uint8 N x C x H x W  (x_format "uint8")  or float32 already
-    /client_<id>/train_y    int64 N               normalised (x_format "float32", PFLlib)
-    /client_<id>/test_x
-    /client_<id>/test_y
+    /client_<id>/train_y    int64 N               normalised (x_format "float32", PFLlib: N x C x H x W
+    /client_<id>/test_x                           or N x F) or int64 text rows N x (L + 1)
+    /client_<id>/test_y                           (x_format "tokens", PFLlib)
+
+The input kind and shape are read back from ``x_format`` and the stored x's shape
+(:func:`read_partition_info`); ``in_channels`` and ``image_size`` are 0 unless x holds square
+pictures.
 
 A cache is written to a private temp file in the same directory, then moved into place with
 ``os.replace``: a reader never sees a half-written file, and concurrent builders (several ranks
@@ -33,6 +37,7 @@ import torch
 from htfl_dist.atomic import replaced_atomically
 from htfl_dist.config import DataConfig, partition_cache_dir
 from htfl_dist.errors import ConfigError, DataError
+from htfl_dist.models.inputs import InputSpec
 from htfl_dist.seeding import numpy_rng
 
 from .datasets import dataset_fingerprint, dataset_root, dataset_source, load_dataset
@@ -47,6 +52,7 @@ from .partition import (
     subsample_indices,
 )
 from .pfllib import (
+    input_kind_of,
     pfllib_fingerprint,
     pickle_refusal,
     read_pfllib_config,
@@ -59,7 +65,10 @@ FORMAT_VERSION = 1
 
 @dataclass
 class PartitionInfo:
-    """What the runtime needs to know about a partition without reading any client's data."""
+    """What the runtime needs to know about a partition without reading any client's data.
+
+    ``in_channels`` and ``image_size`` describe square pictures and are 0 for other data;
+    ``input_kind``, ``input_shape`` and ``vocab_size`` describe any data (:meth:`inputs`)."""
 
     path: str
     num_classes: int
@@ -67,6 +76,15 @@ class PartitionInfo:
     image_size: int
     num_clients: int
     class_counts: np.ndarray
+    input_kind: str = "image"
+    input_shape: tuple[int, ...] = ()
+    vocab_size: int = 0
+
+    def inputs(self) -> InputSpec:
+        """One sample's kind and shape (square pictures when ``input_shape`` was not given)."""
+        if not self.input_shape:
+            return InputSpec.image(self.in_channels, self.image_size)
+        return InputSpec(self.input_kind, self.input_shape, self.vocab_size)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -133,8 +151,6 @@ def _write_clients(tmp: str, attrs: dict, num_clients: int, num_classes: int,
     except TypeError:
         handle = h5py.File(tmp, "w")
     with handle as f:
-        for key, value in attrs.items():
-            f.attrs[key] = value
         for cid in range(num_clients):
             train_x, train_y, test_x, test_y = client_arrays(cid)
             group = f.create_group(f"client_{cid}")
@@ -148,6 +164,8 @@ def _write_clients(tmp: str, attrs: dict, num_clients: int, num_classes: int,
                 )
             counts[cid] = np.bincount(train_y, minlength=num_classes)[:num_classes]
         f.create_dataset("class_counts", data=counts)
+        for key, value in attrs.items():  # after the clients: reading them may complete attrs (vocab_size)
+            f.attrs[key] = value
         f.attrs["complete"] = True
 
 
@@ -308,10 +326,9 @@ def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> Parti
         return read_partition_info(path)
 
     report(f"data: converting the PFLlib split {directory} into the partition cache {path}")
-    first_x, _ = read_pfllib_file(os.path.join(directory, "train", "0.npz"), True, directory)
-    shape = first_x.shape[1:]
-    x_dtype = first_x.dtype
-    del first_x
+    shape, x_dtype = _pfllib_sample_format(directory, num_clients)
+    kind = input_kind_of(np.zeros((0, *shape), dtype=x_dtype))
+    largest_id = [-1]
 
     def client_arrays(cid: int) -> ClientArrays:
         out = []
@@ -322,30 +339,65 @@ def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> Parti
                 x = np.zeros((0, *shape), dtype=x_dtype)
             if x.shape[1:] != shape or x.dtype != x_dtype:
                 raise DataError(
-                    f"{path_}: x is {x.dtype} {x.shape[1:]} but train/0.npz is {x_dtype} {shape}; "
-                    f"all clients must hold the same image format"
+                    f"{path_}: x is {_describe_format(x.shape[1:], x.dtype)} but the first client's is "
+                    f"{_describe_format(shape, x_dtype)}; all clients must hold the same data format"
                 )
             if y.size and (y.min() < 0 or y.max() >= num_classes):
                 raise DataError(
                     f"{path_}: label {int(y.max())} outside 0..{num_classes - 1} "
                     f"(config.json says num_classes={num_classes})"
                 )
+            if kind == "text" and x.size:
+                largest_id[0] = max(largest_id[0], int(x[:, :-1].max()))
+                attrs["vocab_size"] = largest_id[0] + 1
             out.extend([x, y])
         return out[0], out[1], out[2], out[3]
 
+    square = kind == "image" and shape[1] == shape[2]
     attrs = {
         "format_version": FORMAT_VERSION,
         "dataset": label,
         "partition": "pfllib",
         "num_classes": num_classes,
-        "in_channels": int(shape[0]),
-        "image_size": int(shape[1]),
+        "in_channels": int(shape[0]) if square else 0,
+        "image_size": int(shape[1]) if square else 0,
         "num_clients": int(num_clients),
-        "x_format": "uint8" if x_dtype == np.uint8 else "float32",
+        "x_format": {"text": "tokens", "tabular": "float32"}.get(kind, "uint8" if x_dtype == np.uint8 else "float32"),
         "key_json": key_json,
     }
     _write_cache(path, attrs, num_clients, num_classes, client_arrays)
     return read_partition_info(path)
+
+
+def _pfllib_sample_format(directory: str, num_clients: int) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of one sample, from the first client whose train file is not empty."""
+    for cid in range(num_clients):
+        x, _ = read_pfllib_file(os.path.join(directory, "train", f"{cid}.npz"), True, directory)
+        if x.shape[0]:
+            return x.shape[1:], x.dtype
+    raise DataError(f"PFLlib dataset directory {directory}: every client's train file is empty")
+
+
+def _describe_format(shape: tuple[int, ...], dtype: np.dtype) -> str:
+    kind = input_kind_of(np.zeros((0, *shape), dtype=dtype))
+    if kind == "text":
+        return f"text padded to {shape[0] - 1}"
+    return f"{dtype} {' x '.join(str(size) for size in shape)}"
+
+
+def _apply_vocab_size(info: PartitionInfo, data: DataConfig) -> PartitionInfo:
+    """``data.vocab_size``: a larger vocabulary than the data's largest id + 1 (HtFLlib's
+    ``-vs 32000``, the tokenizer's size); smaller would leave ids without an embedding."""
+    if data.vocab_size is None:
+        return info
+    if info.input_kind != "text":
+        raise ConfigError(f"config key 'data.vocab_size' is {data.vocab_size} but the data is "
+                          f"{info.inputs().describe()}, not text; leave data.vocab_size unset")
+    if data.vocab_size < info.vocab_size:
+        raise ConfigError(f"config key 'data.vocab_size' is {data.vocab_size} but the data holds token id "
+                          f"{info.vocab_size - 1}; use at least {info.vocab_size} or leave it unset")
+    info.vocab_size = data.vocab_size
+    return info
 
 
 Report = Callable[[str], None]
@@ -369,14 +421,14 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
     if num_clients < 1:
         raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
     if data.partition == "pfllib":
-        return _prepare_pfllib(data, num_clients, report)
+        return _apply_vocab_size(_prepare_pfllib(data, num_clients, report), data)
     if data.partition not in ("pathological", "dirichlet"):
         raise ConfigError(
             f"config key 'data.partition' is {data.partition!r}; allowed: pathological, "
             f"dirichlet, pfllib"
         )
     split_seed = seed if data.partition_seed is None else data.partition_seed
-    return _prepare_generated(data, num_clients, split_seed, report, batch_size)
+    return _apply_vocab_size(_prepare_generated(data, num_clients, split_seed, report, batch_size), data)
 
 
 # --------------------------------------------------------------------------- reading
@@ -392,6 +444,9 @@ def read_partition_info(path: str) -> PartitionInfo:
                     f"partition cache {path} has format version {version}, expected "
                     f"{FORMAT_VERSION}; delete it so it is rebuilt"
                 )
+            sample_shape = tuple(int(size) for size in f["client_0/train_x"].shape[1:])
+            x_format = str(f.attrs.get("x_format", "uint8"))
+            kind = "text" if x_format == "tokens" else "image" if len(sample_shape) == 3 else "tabular"
             return PartitionInfo(
                 path=path,
                 num_classes=int(f.attrs["num_classes"]),
@@ -399,6 +454,9 @@ def read_partition_info(path: str) -> PartitionInfo:
                 image_size=int(f.attrs["image_size"]),
                 num_clients=int(f.attrs["num_clients"]),
                 class_counts=np.asarray(f["class_counts"][()], dtype=np.int64),
+                input_kind=kind,
+                input_shape=(sample_shape[0] - 1,) if kind == "text" else sample_shape,
+                vocab_size=int(f.attrs.get("vocab_size", 0)),
             )
     except (OSError, KeyError) as exc:
         raise DataError(f"cannot read partition cache {path} ({exc}); delete it so it is rebuilt") from None
@@ -406,6 +464,8 @@ def read_partition_info(path: str) -> PartitionInfo:
 
 def _to_tensor(x: np.ndarray, x_format: str) -> torch.Tensor:
     tensor = torch.from_numpy(np.ascontiguousarray(x))
+    if x_format == "tokens":
+        return tensor.long()
     if x_format == "uint8":
         # PFLlib: ToTensor (x / 255) then Normalize(mean 0.5, std 0.5) on every channel.
         return tensor.float().div(255.0).sub(0.5).div(0.5)

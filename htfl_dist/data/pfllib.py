@@ -1,10 +1,18 @@
 """Reader for PFLlib / HtFLlib dataset directories.
 
-Layout (as written by PFLlib's ``generate_*.py``)::
+Layout (as written by PFLlib's ``generate_*.py``, ``save_file``)::
 
     DIR/config.json          {"num_clients": N, "num_classes": C, ...}
-    DIR/train/<id>.npz       np.savez_compressed(path, data={"x": float N x C x H x W, "y": ...})
+    DIR/train/<id>.npz       np.savez_compressed(path, data={"x": ..., "y": int labels})
     DIR/test/<id>.npz
+
+What ``x`` holds decides the input kind (:class:`~htfl_dist.models.InputSpec`):
+
+* ``N x C x H x W`` numbers: ``image`` (pictures; HAR's ``9 x 1 x 128`` and PAMAP2's
+  ``9 x 3 x 256`` sensor windows too), read as float32 (uint8 kept as it is);
+* ``N x F`` numbers: ``tabular`` (Amazon Review's 5000 features), float32;
+* an object array of ``(token ids padded to L, length)`` pairs (AG News, SogouNews): ``text``,
+  turned into int64 rows of ``L + 1`` numbers, the ids then the length.
 
 The ``data`` entry is a pickled dict (a 0-d object array), so reading needs
 ``allow_pickle=True``, which can run arbitrary code from a hostile file: it is done only
@@ -80,8 +88,44 @@ def pfllib_fingerprint(directory: str, num_clients: int) -> dict:
     return {"config_sha256": config_digest, "files": files}
 
 
+def input_kind_of(x: np.ndarray) -> str:
+    """The input kind of an ``x`` :func:`read_pfllib_file` returned (int64 rows are text)."""
+    if x.ndim == 4:
+        return "image"
+    return "text" if x.dtype == np.int64 else "tabular"
+
+
+def _token_rows(x: np.ndarray, path: str) -> np.ndarray:
+    """AG News pairs ``(ids padded to L, length)`` as int64 rows ``ids..., length`` (N x L+1).
+
+    ``np.array(pairs, dtype=object)`` gives an N x 2 array (the generator's case); a 1-D array
+    of pair objects is read the same way."""
+    try:
+        pairs = [(row[0], row[1]) for row in x] if (x.ndim == 2 and x.shape[1] == 2) or x.ndim == 1 else None
+    except (TypeError, IndexError, KeyError):
+        pairs = None
+    if pairs is None:
+        raise DataError(f"{path}: x is an object array of shape {x.shape}; text must be (token ids, length) "
+                        f"pairs as PFLlib's generate_AGNews.py writes them")
+    try:
+        tokens = np.array([np.asarray(ids, dtype=np.int64) for ids, _ in pairs])
+        lengths = np.array([int(length) for _, length in pairs], dtype=np.int64)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{path}: text pairs must hold integer token ids padded to one length and an integer "
+                        f"length ({exc})") from None
+    if tokens.ndim != 2 or tokens.shape[1] < 1:
+        raise DataError(f"{path}: token ids must be padded to one length (got {tokens.shape})")
+    if tokens.min() < 0:
+        raise DataError(f"{path}: token id {int(tokens.min())} is negative")
+    if lengths.min() < 1 or lengths.max() > tokens.shape[1]:
+        raise DataError(f"{path}: sequence lengths must lie in 1..{tokens.shape[1]} (the padded length), got "
+                        f"{int(lengths.min())}..{int(lengths.max())}")
+    return np.concatenate([tokens, lengths[:, None]], axis=1)
+
+
 def read_pfllib_file(path: str, allow_pickle: bool, directory: str) -> tuple[np.ndarray, np.ndarray]:
-    """One client file as (x, y): x float32 (or uint8) N x C x H x W, y int64 N."""
+    """One client file as (x, y), y int64 N and x by kind (see the module docstring): float32
+    (or uint8) N x C x H x W, float32 N x F, or int64 text rows N x (L + 1)."""
     if not allow_pickle:
         raise pickle_refusal(directory)
     try:
@@ -99,11 +143,17 @@ def read_pfllib_file(path: str, allow_pickle: bool, directory: str) -> tuple[np.
         raise DataError(f"{path}: 'data' must be a dict with keys 'x' and 'y'")
     x = np.asarray(payload["x"])
     y = np.asarray(payload["y"])
-    if x.ndim != 4:
-        raise DataError(f"{path}: x has shape {x.shape}; only image data (N x C x H x W) is supported")
+    text = x.dtype == object and x.size > 0
+    if text:
+        x = _token_rows(x, path)
+    elif x.dtype == object or x.ndim not in (2, 4) or not (np.issubdtype(x.dtype, np.number) or x.dtype == bool):
+        if x.size == 0 and y.size == 0:  # an empty client; the caller gives it the others' shape
+            return np.zeros((0,), dtype=np.float32), y.astype(np.int64)
+        raise DataError(f"{path}: x has shape {x.shape} ({x.dtype}); supported: N x C x H x W arrays (images, "
+                        f"sensor windows), N x F features (tabular), or N (token ids, length) pairs (text)")
     if y.ndim != 1 or y.shape[0] != x.shape[0]:
         raise DataError(f"{path}: y has shape {y.shape} but x holds {x.shape[0]} samples")
-    if x.dtype != np.uint8:
+    if not text and (x.dtype != np.uint8 or x.ndim == 2):  # numbers, not text: float32
         x = x.astype(np.float32, copy=False)
         if x.size and not np.isfinite(x).all():
             raise DataError(f"{path}: x holds NaN or Inf values")

@@ -16,21 +16,36 @@ Public interface (the runtime relies on exactly this):
   (FedTGP's HtC4 = ``fc``, ``fc512``, ``fc256``, ``fc128``; the two-FC heads have a ReLU between
   their layers, our resolution).
 
-Importing the package registers the built-in architectures (``cnn``, ``htcnn1``..``htcnn8``,
-``googlenet``, ``mobilenet_v2``, ``resnet4/6/8/10/18/34/50/101/152``), the built-in heads, and
-the groups ``HtCNN8``, ``HtFE2/3/4/8/9``, ``Res34-HtC4`` and ``HtFE8-HtC4`` (client ``i`` gets
-``HtFE8[i mod 8]`` with ``HtC4[i mod 4]``).
+* :class:`InputSpec` — one sample's kind (``image``, ``text``, ``tabular``) and shape, read from
+  the data; :func:`build_model` builds for it and :func:`check_group_inputs` refuses a group that
+  does not take it.
+
+Importing the package registers the built-in architectures (images: ``cnn``,
+``htcnn1``..``htcnn8``, ``googlenet``, ``mobilenet_v2``, ``resnet4/6/8/10/18/34/50/101/152``,
+``vit_b_16``, ``vit_b_32``; sensor windows: the HARCNN family; text: ``fasttext``,
+``text_logreg``, ``lstm``, ``bilstm``, ``gru``, ``transformer_h*_l*``; tabular: ``amazon_mlp*``),
+the built-in heads, and the groups ``HtCNN8``, ``HtFE2/3/4/5/8/9``, ``HtM10``, ``Res34-HtC4`` and
+``HtFE8-HtC4`` (client ``i`` gets ``HtFE8[i mod 8]`` with ``HtC4[i mod 4]``), HtFLlib's sensor,
+text and tabular groups under HtFLlib's names (``HtFE-sen-2``, ``HtFE-txt-6``, ``MLPs``, ...),
+and HtFLlib's image group names as aliases of ours (:data:`HTFLLIB_IMAGE_GROUPS`).
 """
 # Imported for their side effect: registering the built-in architectures.
 from . import cnn as _cnn  # noqa: F401
+from . import sensor as _sensor  # noqa: F401
+from . import tabular as _tabular  # noqa: F401
+from . import text as _text  # noqa: F401
 from . import torchvision_zoo as _torchvision_zoo  # noqa: F401
 from .base import SplitModel
 from .head_split import FeaturePool, adapt_input_channels, split_classifier
 from .heads import HEAD_GROUPS, build_head, heads, register_head
+from .inputs import InputSpec, split_tokens
 from .registry import (
+    HTFLLIB_IMAGE_GROUPS,
+    InputNeed,
     architecture_for_client,
     architectures,
     build_model,
+    check_group_inputs,
     initial_client_model,
     members_in_use,
     model_groups,
@@ -41,13 +56,17 @@ from .registry import (
 
 __all__ = [
     "HEAD_GROUPS",
+    "HTFLLIB_IMAGE_GROUPS",
     "FeaturePool",
+    "InputNeed",
+    "InputSpec",
     "SplitModel",
     "adapt_input_channels",
     "architecture_for_client",
     "architectures",
     "build_head",
     "build_model",
+    "check_group_inputs",
     "heads",
     "initial_client_model",
     "members_in_use",
@@ -57,4 +76,5 @@ __all__ = [
     "resolve_group",
     "split_architecture",
     "split_classifier",
+    "split_tokens",
 ]

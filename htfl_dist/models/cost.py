@@ -22,18 +22,21 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from .inputs import InputSpec
 from .registry import build_model
 
 
 @functools.cache
-def forward_flops_per_sample(member: str, *, num_classes: int, feature_dim: int, in_channels: int,
-                             image_size: int) -> float:
+def forward_flops_per_sample(member: str, *, num_classes: int, feature_dim: int, in_channels: int = 3,
+                             image_size: int = 32, inputs: InputSpec | None = None) -> float:
     """Floating-point operations of one sample's forward pass through ``member`` (ARCH or
-    ARCH:HEAD), counted on the meta device in eval mode (BatchNorm needs no batch statistics)."""
-    with torch.device("meta"):
-        model = build_model(member, num_classes=num_classes, feature_dim=feature_dim,
-                            in_channels=in_channels, image_size=image_size)
-        sample = torch.empty(1, in_channels, image_size, image_size)
+    ARCH:HEAD) for ``inputs`` (default: square pictures), counted in eval mode (BatchNorm needs no
+    batch statistics) on the meta device (text models on the CPU: packing sequences reads lengths)."""
+    inputs = inputs or InputSpec.image(in_channels, image_size)
+    device = "cpu" if inputs.kind == "text" else "meta"
+    with torch.random.fork_rng(devices=[]), torch.device(device):
+        model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, inputs=inputs)
+        sample = inputs.example(1, device)
     model.eval()
     with FlopCounterMode(display=False) as counter:
         model(sample)
@@ -49,24 +52,26 @@ once the timed passes took ``TIMED_BUDGET_S``: HtCNN8 on a CPU gets all 7 in abo
 while HtFE8's ResNet-152 (1.3 s a step on a CPU) would hold start-up for 29 s."""
 
 
-def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int, in_channels: int,
-                       image_size: int, batch_size: int, device: torch.device) -> dict[str, float]:
+def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int, batch_size: int,
+                       device: torch.device, in_channels: int = 3, image_size: int = 32,
+                       inputs: InputSpec | None = None) -> dict[str, float]:
     """Seconds of one plain-SGD cross-entropy step of each member at ``batch_size`` (at least 2,
     for BatchNorm) on ``device``, on random data of the config's shape: the fastest of up to
     ``TIMED_PASSES`` steps after warm-up (see ``TIMED_BUDGET_S``). The passes go over the members
     in turn, so a burst of background load hits them alike, and the fastest step is the one least
     disturbed by it (a median of 5 steps in a row swung from 18 to 28 ms for htcnn5 on a 2-core
     VM; this, 15.9 to 16.5). Torch's global RNG is restored afterwards, so timing never changes
-    what a run computes."""
+    what a run computes. ``inputs`` as in ``build_model`` (default: square pictures)."""
     batch_size = max(batch_size, 2)
+    inputs = inputs or InputSpec.image(in_channels, image_size)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(0)
-        images = torch.randn(batch_size, in_channels, image_size, image_size).to(device)
+        images = _random_inputs(inputs, batch_size).to(device)
         labels = torch.randint(num_classes, (batch_size,)).to(device)
         steps = {}
         for member in members:
-            model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
-                                image_size=image_size).to(device).train()
+            model = build_model(member, num_classes=num_classes, feature_dim=feature_dim,
+                                inputs=inputs).to(device).train()
             steps[member] = _sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), images, labels)
             for _ in range(TIMED_WARMUP_STEPS):
                 steps[member]()
@@ -82,6 +87,15 @@ def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int
                     torch.cuda.synchronize(device)
                 fastest[member] = min(fastest[member], time.perf_counter() - began)
     return fastest
+
+
+def _random_inputs(inputs: InputSpec, batch_size: int) -> torch.Tensor:
+    """A batch of random samples of ``inputs``' kind (text: random ids, every length full)."""
+    if inputs.kind != "text":
+        return torch.randn(batch_size, *inputs.shape)
+    rows = inputs.example(batch_size)
+    rows[:, :-1] = torch.randint(inputs.vocab_size, (batch_size, inputs.shape[0]))
+    return rows
 
 
 def _sgd_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, images: torch.Tensor,

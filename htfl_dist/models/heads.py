@@ -132,3 +132,10 @@ def _register_htfllib_head(hidden_dims: tuple[int, ...]) -> None:
 
 for _hidden_dims in ((), (512,), (256,), (128,)):
     _register_htfllib_head(_hidden_dims)
+
+
+@register_head("fc768_tanh")
+def build_vit_head(feature_dim: int, num_classes: int) -> nn.Module:
+    """The head HtFLlib gives its ViTs: ``Linear(K, 768) -> Tanh -> Linear(768, C)`` (the
+    ``vit_b_16`` / ``vit_b_32`` members' own head)."""
+    return nn.Sequential(nn.Linear(feature_dim, 768), nn.Tanh(), nn.Linear(768, num_classes))

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 import torch
 
@@ -28,20 +29,59 @@ from htfl_dist.errors import ConfigError
 
 from .base import SplitModel, check_new_name, natural_key
 from .heads import DEFAULT_HEAD, HEAD_GROUPS, build_head, check_head, heads
+from .inputs import InputKind, InputSpec
 
 
 class ArchitectureBuilder(Protocol):
-    """A builder takes the four keyword arguments of :func:`build_model` and returns a model.
+    """A builder of square-picture models takes the four keyword arguments of :func:`build_model`
+    (``num_classes``, ``feature_dim``, ``in_channels``, ``image_size``) and returns a model.
 
     Builders must draw all randomness from torch's global RNG and must not seed it: the
     caller seeds it per (seed, client_id) so construction is reproducible and independent of
-    which rank builds the client.
+    which rank builds the client. They are only called with inputs their :class:`InputNeed`
+    accepts.
     """
 
     def __call__(self, *, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel: ...
 
 
-_ARCHITECTURES: dict[str, ArchitectureBuilder] = {}
+class InputBuilder(Protocol):
+    """A builder for any other input (sensor windows, text, tabular rows) takes the data's
+    :class:`InputSpec` in place of ``in_channels`` and ``image_size``; same RNG rules."""
+
+    def __call__(self, *, num_classes: int, feature_dim: int, inputs: InputSpec) -> SplitModel: ...
+
+
+@dataclass(frozen=True)
+class InputNeed:
+    """The inputs an architecture accepts: a kind, and for images optionally a channel count
+    (HtFLlib's HARCNN family is written for nine sensor channels) or square pictures."""
+
+    kind: InputKind
+    what: str
+    """How error lines name it ('square images (C x S x S)')."""
+    channels: int | None = None
+    square: bool = False
+
+    def fits(self, inputs: InputSpec) -> bool:
+        if inputs.kind != self.kind:
+            return False
+        if self.channels is not None and inputs.shape[0] != self.channels:
+            return False
+        return not self.square or inputs.square
+
+
+SQUARE_IMAGES = InputNeed("image", "square images (C x S x S)", square=True)
+"""What the image architectures take (the default of :func:`register_architecture`)."""
+
+Builder = TypeVar("Builder", ArchitectureBuilder, InputBuilder)
+
+
+_ARCHITECTURES: dict[str, ArchitectureBuilder | InputBuilder] = {}
+_INPUT_NEEDS: dict[str, InputNeed] = {}
+"""Architecture -> what it takes, where that is not :data:`SQUARE_IMAGES`."""
+_OWN_HEADS: dict[str, str] = {}
+"""Architecture -> the head its builder attaches, where that is not ``fc``."""
 
 HEAD_SEPARATOR = ":"
 """Separates ``ARCH`` from ``HEAD`` in a group member (``resnet34:fc512``)."""
@@ -80,20 +120,69 @@ _MODEL_GROUPS: dict[str, tuple[str, ...]] = {
     # The same, with the heads as HtFLlib builds them (a ReLU after the last FC layer too).
     "Res34-HtC4-htfllib": with_heads(("resnet34",), HEAD_GROUPS["HtC4-htfllib"]),
     "HtFE8-HtC4-htfllib": with_heads(_HTFE8, HEAD_GROUPS["HtC4-htfllib"]),
+    # HtFLlib's further image groups (its main.py, args.model_family).
+    "HtFE5": ("googlenet", "mobilenet_v2", "resnet18", "resnet34", "resnet50"),
+    "HtM10": (*_HTFE8, "vit_b_16", "vit_b_32"),
+    # Sensor windows (PFLlib's HAR / PAMAP2): HARCNN at strides 1-3, HARCNN1, HARCNN3.
+    "HtFE-sen-2": ("harcnn_s1", "harcnn_s2"),
+    "HtFE-sen-3": ("harcnn_s1", "harcnn_s2", "harcnn_s3"),
+    "HtFE-sen-5": ("harcnn_s1", "harcnn_s2", "harcnn_s3", "harcnn1_s1", "harcnn3_s1"),
+    "HtFE-sen-8": ("harcnn_s1", "harcnn_s2", "harcnn_s3", "harcnn1_s1", "harcnn1_s2", "harcnn1_s3",
+                   "harcnn3_s1", "harcnn3_s2"),
+    # Text (PFLlib's AG News): transformers named transformer_h<heads>_l<layers>.
+    "HtFE-txt-2": ("fasttext", "text_logreg"),
+    "HtFE-txt-4": ("fasttext", "text_logreg", "lstm", "bilstm"),
+    "HtFE-txt-5-1": tuple(f"transformer_h8_l{layers}" for layers in (1, 2, 4, 8, 16)),
+    "HtFE-txt-5-2": tuple(f"transformer_h{heads}_l4" for heads in (1, 2, 4, 8, 16)),
+    "HtFE-txt-5-3": tuple(f"transformer_h{size}_l{size}" for size in (1, 2, 4, 8, 16)),
+    "HtFE-txt-6": ("fasttext", "lstm", "bilstm", "transformer_h8_l2", "text_logreg", "gru"),
+    # Tabular (PFLlib's Amazon Review): AmazonMLP with these hidden widths.
+    "MLPs": ("amazon_mlp", "amazon_mlp_500", "amazon_mlp_1000_500", "amazon_mlp_1000_500_200"),
+    "MLP_1layer": ("amazon_mlp_200", "amazon_mlp_500"),
+    "MLP_layers": ("amazon_mlp_500", "amazon_mlp_1000_500", "amazon_mlp_1000_500_200"),
 }
 
+HTFLLIB_IMAGE_GROUPS: dict[str, str] = {
+    "HtFE-img-2": "HtFE2",
+    "HtFE-img-3": "HtFE3",
+    "HtFE-img-4": "HtFE4",
+    "HtFE-img-5": "HtFE5",
+    "HtFE-img-8": "HtFE8",
+    "HtFE-img-9": "HtFE9",
+    "HtFE-img-8-HtC-img-4": "HtFE8-HtC4-htfllib",
+    "Res34-HtC-img-4": "Res34-HtC4-htfllib",
+    "HtM-img-10": "HtM10",
+}
+"""HtFLlib's image group names and ours with the same members (its HtC-img-4 heads put a ReLU
+after every FC layer, our HtC4-htfllib)."""
+_MODEL_GROUPS.update({htfllib: _MODEL_GROUPS[ours] for htfllib, ours in HTFLLIB_IMAGE_GROUPS.items()})
 
-def register_architecture(name: str) -> Callable[[ArchitectureBuilder], ArchitectureBuilder]:
-    """Decorator registering ``builder`` under ``name``. Registering a name twice is a bug."""
 
-    def decorator(builder: ArchitectureBuilder) -> ArchitectureBuilder:
+def register_architecture(name: str, needs: InputNeed = SQUARE_IMAGES, head: str = DEFAULT_HEAD
+                          ) -> Callable[[Builder], Builder]:
+    """Decorator registering ``builder`` under ``name``, for inputs ``needs`` accepts: an
+    :class:`ArchitectureBuilder` for square pictures (the default), an :class:`InputBuilder` for
+    anything else. ``head`` is the head the builder attaches (``ARCH`` alone means
+    ``ARCH:head``; HtFLlib gives its ViTs a tanh head, everything else ``fc``). Registering a
+    name twice is a bug."""
+
+    def decorator(builder: Builder) -> Builder:
         check_new_name("architecture", name, _ARCHITECTURES)
         if name in _MODEL_GROUPS:
             raise ValueError(f"architecture name {name!r} clashes with a model group name")
         _ARCHITECTURES[name] = builder
+        if needs != SQUARE_IMAGES:
+            _INPUT_NEEDS[name] = needs
+        if head != DEFAULT_HEAD:
+            _OWN_HEADS[name] = head
         return builder
 
     return decorator
+
+
+def input_need(arch: str) -> InputNeed:
+    """What architecture ``arch`` (a registered name, no ``:HEAD``) accepts as input."""
+    return _INPUT_NEEDS.get(arch, SQUARE_IMAGES)
 
 
 def architectures() -> list[str]:
@@ -107,12 +196,18 @@ def model_groups() -> dict[str, tuple[str, ...]]:
 
 
 def split_architecture(spec: str) -> tuple[str, str]:
-    """``(ARCH, HEAD)`` of a group member ``ARCH`` or ``ARCH:HEAD`` (HEAD defaults to ``fc``).
+    """``(ARCH, HEAD)`` of a group member ``ARCH`` or ``ARCH:HEAD`` (HEAD defaults to the
+    architecture's own head: ``fc`` but for the ViTs).
 
     Only splits; names are checked by :func:`build_model` / :func:`resolve_group`.
     """
     arch, separator, head = spec.partition(HEAD_SEPARATOR)
-    return arch, head if separator else DEFAULT_HEAD
+    return arch, head if separator else own_head(arch)
+
+
+def own_head(arch: str) -> str:
+    """The head ``arch``'s builder attaches (``fc`` for a name not registered)."""
+    return _OWN_HEADS.get(arch, DEFAULT_HEAD)
 
 
 def _spelling_hint() -> str:
@@ -172,6 +267,18 @@ def members_in_use(group: str, num_clients: int) -> list[str]:
     return sorted({architecture_for_client(group, client_id) for client_id in range(num_clients)})
 
 
+def check_group_inputs(group: str, num_clients: int, inputs: InputSpec) -> None:
+    """One-line ConfigError naming the group, its first unfit member and the data, unless every
+    member clients 0..num_clients-1 get accepts ``inputs`` (text into a CNN, 3-channel pictures
+    into the nine-channel HARCNN, sensor windows into a square-image model)."""
+    for member in members_in_use(group, num_clients):
+        arch, _ = split_architecture(member)
+        needs = input_need(arch)
+        if not needs.fits(inputs):
+            raise ConfigError(f"model group {group!r}: member {arch} takes {needs.what}, but the data is "
+                              f"{inputs.describe()}; choose a group for this data (see docs/datasets.md)")
+
+
 def _check_positive(key: str, value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
@@ -184,19 +291,22 @@ def build_model(
     feature_dim: int = 512,
     in_channels: int = 3,
     image_size: int = 32,
+    inputs: InputSpec | None = None,
 ) -> SplitModel:
-    """Build a freshly initialised client model of ``arch`` (``ARCH`` or ``ARCH:HEAD``).
+    """Build a freshly initialised client model of ``arch`` (``ARCH`` or ``ARCH:HEAD``) for
+    ``inputs`` (default: square pictures ``in_channels x image_size x image_size``).
 
     Does not seed anything: parameters come from torch's global RNG, which the caller seeds
     (per client) beforehand, so the same RNG state always gives the same parameters.
 
     ``ARCH:HEAD`` builds ``ARCH`` exactly as ``ARCH`` alone, then replaces its head by a fresh
-    ``HEAD`` (the discarded ``Linear`` head's RNG draws are wasted, deterministically). For the
-    default head (``ARCH:fc``) nothing is replaced, so ``ARCH:fc`` and ``ARCH`` are bit-identical.
-    ``model.arch`` is ``arch`` as given.
+    ``HEAD`` (the discarded head's RNG draws are wasted, deterministically). For the
+    architecture's own head (``ARCH:fc`` for all but the ViTs) nothing is replaced, so ``ARCH:fc``
+    and ``ARCH`` are bit-identical. ``model.arch`` is ``arch`` as given.
 
     Raises:
-        ConfigError: unknown architecture or head, a non-positive size, or an image too small.
+        ConfigError: unknown architecture or head, a non-positive size, inputs the architecture
+            does not take, or an image too small.
     """
     name, head = split_architecture(arch)
     builder = _ARCHITECTURES.get(name)
@@ -206,24 +316,37 @@ def build_model(
     check_head(head, arch)
     _check_positive("num_classes", num_classes)
     _check_positive("feature_dim", feature_dim)
-    _check_positive("in_channels", in_channels)
-    _check_positive("image_size", image_size)
-    model = builder(num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels, image_size=image_size)
-    if head != DEFAULT_HEAD:
+    if inputs is None:
+        if in_channels == 0 and image_size == 0:  # what the runtime gives for data that is not square pictures
+            raise ConfigError(f"architecture {name!r} was asked for square pictures (in_channels and image_size), "
+                              f"but the data is not pictures: this part of the algorithm builds models for images only")
+        _check_positive("in_channels", in_channels)
+        _check_positive("image_size", image_size)
+        inputs = InputSpec.image(in_channels, image_size)
+    needs = input_need(name)
+    if not needs.fits(inputs):
+        raise ConfigError(f"architecture {name!r} takes {needs.what}, not {inputs.describe()}")
+    if needs == SQUARE_IMAGES:
+        model = builder(num_classes=num_classes, feature_dim=feature_dim, in_channels=inputs.shape[0],
+                        image_size=inputs.shape[1])
+    else:
+        model = builder(num_classes=num_classes, feature_dim=feature_dim, inputs=inputs)
+    if head != own_head(name):
         model.head = build_head(head, feature_dim, num_classes)
     model.arch = arch
     return model
 
 
 def initial_client_model(group: str, client_id: int, seed: int, *, num_classes: int, feature_dim: int,
-                         in_channels: int, image_size: int, init: str = "per_client") -> SplitModel:
+                         in_channels: int = 3, image_size: int = 32, init: str = "per_client",
+                         inputs: InputSpec | None = None) -> SplitModel:
     """Client ``client_id``'s model as it is at the start of a run: its group member, initialised
     from torch's global RNG seeded by (seed, "init", client id) (``init="per_client"``), or seeded
     by ``seed`` alone with the default head drawn a second time (``init="htfllib"``, HtFLlib's
     ``torch.manual_seed(0)`` per client followed by BaseHeadSplit's fresh head; see
     ``model.init``). The runtime builds every client with it, and a server that starts from a
     client's initial weights (LG-FedAvg's global head is client 0's initial head) rebuilds them
-    with it. Reseeds the global RNG."""
+    with it. ``inputs`` as in :func:`build_model`. Reseeds the global RNG."""
     from htfl_dist.seeding import seed_global_torch
 
     member = architecture_for_client(group, client_id)
@@ -232,8 +355,9 @@ def initial_client_model(group: str, client_id: int, seed: int, *, num_classes: 
     else:
         seed_global_torch(seed, "init", client_id)
     model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
-                        image_size=image_size)
-    if init == "htfllib" and split_architecture(member)[1] == DEFAULT_HEAD:
+                        image_size=image_size, inputs=inputs)
+    arch, head = split_architecture(member)
+    if init == "htfllib" and head == own_head(arch):
         # ARCH:HEAD already draws the architecture's own Linear and then the head, HtFLlib's order
-        model.head = build_head(DEFAULT_HEAD, feature_dim, num_classes)
+        model.head = build_head(head, feature_dim, num_classes)
     return model

@@ -18,6 +18,7 @@ stages ([1, 1, 1, 1]); ResNet8/6/4 keep only the first 3/2/1 stages (later stage
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from types import ModuleType
 
@@ -26,7 +27,8 @@ from torch import nn
 from htfl_dist.errors import ConfigError
 
 from .base import SplitModel
-from .head_split import adapt_input_channels, split_classifier
+from .head_split import FeaturePool, adapt_input_channels, split_classifier
+from .heads import build_head
 from .registry import register_architecture
 
 # Smallest square input each family accepts (GoogLeNet's ceil-mode pools reach a 1x1 map at
@@ -146,3 +148,37 @@ def _register_shallow_resnet(arch: str, stages: int) -> None:
 
 for _arch, _stages in _SHALLOW_RESNET_STAGES.items():
     _register_shallow_resnet(_arch, _stages)
+
+
+# HtFLlib's HtM-img-10 ViTs: torchvision's ViT-B/16 and ViT-B/32 built for the data's image size
+# (``vit_b_16(image_size=32, ...)`` there), their ``heads`` pooled 768 -> K, and the head HtFLlib
+# gives every ViT (``Linear(K, 768), Tanh, Linear(768, C)``, registered as ``fc768_tanh``).
+VIT_HEAD = "fc768_tanh"
+_VIT_PATCHES: dict[str, int] = {"vit_b_16": 16, "vit_b_32": 32}
+
+
+def _vit_stem_init(conv: nn.Conv2d) -> None:
+    """ViT patch embedding init (as torchvision does it): truncated normal, std sqrt(1 / fan_in)."""
+    fan_in = conv.in_channels * conv.kernel_size[0] * conv.kernel_size[1]
+    nn.init.trunc_normal_(conv.weight, std=math.sqrt(1 / fan_in))
+    if conv.bias is not None:
+        nn.init.zeros_(conv.bias)
+
+
+def _register_vit(arch: str, patch: int) -> None:
+    @register_architecture(arch, head=VIT_HEAD)
+    def build(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+        if image_size % patch:
+            raise ConfigError(f"image_size {image_size} does not suit architecture {arch!r}: its {patch}x{patch} "
+                              f"patches need a side divisible by {patch}")
+        model = getattr(_torchvision_models(), arch)(weights=None, image_size=image_size, num_classes=num_classes)
+        adapt_input_channels(model, in_channels, _vit_stem_init)
+        model.heads = FeaturePool(model.hidden_dim, feature_dim)
+        return SplitModel(model, build_head(VIT_HEAD, feature_dim, num_classes), feature_dim, arch=arch)
+
+    build.__name__ = f"build_{arch}"
+    build.__doc__ = f"torchvision {arch} (weights=None) at the data's image size; class token pooled to K."
+
+
+for _arch, _patch in _VIT_PATCHES.items():
+    _register_vit(_arch, _patch)

@@ -45,7 +45,7 @@ def _meta_member(context: AlgorithmContext, member: str) -> nn.Module:
     """``member`` built on the meta device: parameter names and shapes, no memory, no RNG draws."""
     with torch.device("meta"):
         return build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                           in_channels=context.in_channels, image_size=context.image_size)
+                           inputs=context.inputs)
 
 
 def _describe(signature: dict[str, tuple[int, ...]]) -> str:
