@@ -1,10 +1,13 @@
 """Entry point: ``python -m htfl_dist.main --config FILE [--out DIR] [--resume auto] [key=value ...]``.
 
 The same program runs under torchrun, srun and mpirun, or alone (world size 1).
-User mistakes end the job with one line and exit code 2; any other failure prints the
-traceback of the failing rank, names the rank and its clients, and brings every rank down.
-A run stopped by SIGTERM after every rank checkpointed exits with 75 and leaves ``PREEMPTED``
-in the run directory (torchrun reports any worker status as 1, so batch scripts read the file).
+User mistakes end the job with one line and exit code 2; a full disk (or quota) with one line
+naming the file and exit code 74; training that diverged for good with one line and exit code 1;
+any other failure prints the traceback of the failing rank, names the rank and its clients, and
+brings every rank down (exit code 1). A run stopped by SIGTERM after every rank checkpointed exits
+with 75 and leaves ``PREEMPTED`` in the run directory (torchrun reports any worker status as 1,
+so batch scripts read the file). Rank 0 holds a lock on the run directory for the run's life,
+so a second run on the same ``--out`` is refused at start-up.
 """
 from __future__ import annotations
 
@@ -18,22 +21,33 @@ import traceback
 import typing
 from pathlib import Path
 
-from htfl_dist.errors import HtflError
+from htfl_dist.errors import (
+    EXIT_DISK_FULL,
+    EXIT_FAILURE,
+    EXIT_USER_ERROR,
+    ConfigError,
+    DiskFullError,
+    HtflError,
+    clipped,
+    disk_full_reason,
+    is_disk_full,
+)
 from htfl_dist.runtime.liveness import report_once, tell_torchrun
 
-EXIT_USER_ERROR = 2
-EXIT_FAILURE = 1
+__all__ = ["EXIT_DISK_FULL", "EXIT_FAILURE", "EXIT_PREEMPTED", "EXIT_USER_ERROR", "main", "parse_args",
+           "resolved_config", "run"]
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: checkpointed on SIGTERM, run again with --resume auto
 PREEMPTED_MARKER = "PREEMPTED"
 
 
 class _ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> typing.NoReturn:
-        """``--rounds 3`` is a config key written as an option: say how to write it."""
+        """One line in our format (exit 2), not argparse's usage block; ``--rounds 3`` is a config
+        key written as an option: say how to write it."""
         match = re.search(r"unrecognized arguments: --([A-Za-z_][\w.]*)(?:=(\S+))?", message)
         if match:
             message += f"; config keys are key=value without dashes: write {match[1]}={match[2] or 'VALUE'}"
-        super().error(message)
+        raise ConfigError(f"{clipped(message)} (python -m htfl_dist.main --help lists the options)")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,21 +95,44 @@ def _resume_source(resume: str, out: Path) -> Path | None:
     return source
 
 
-def _prepare_out_dir(out: Path, resume_from: Path | None) -> None:
-    """Refuse to write over another run: an existing run directory may only be continued from
-    its own checkpoints (``--resume auto``, or a path inside it)."""
-    continuing_itself = resume_from is not None and (resume_from == out or out in resume_from.parents)
-    if (out / "metrics.jsonl").exists() and not continuing_itself:
-        how = "--resume auto" if resume_from is None else f"a new --out (resuming from {resume_from})"
-        raise HtflError(f"run directory {out} already holds a run; pass {how}, or a new --out")
+def _out_dir(out: str | None, config) -> Path:
+    if out is None:
+        return (Path("runs") / f"{config.algorithm}-{config.config_hash()}").resolve()
+    if not out.strip():  # --out "$RUN_DIR" with the variable unset
+        raise ConfigError("--out is empty (an unset shell variable?); pass --out DIR, or leave --out out "
+                          "for runs/<algorithm>-<config hash>")
+    return Path(out).resolve()
+
+
+def _prepare_out_dir(out: Path, resume_from: Path | None):
+    """Rank 0 takes the run directory: its lock first (one writer at a time), then refuse to write
+    over another run: an existing run directory may only be continued from its own checkpoints
+    (``--resume auto``, or a path inside it). Returns the held lock."""
+    from htfl_dist.runtime.bootstrap import lock_run_directory
+
     try:
         out.mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        lock = lock_run_directory(out)
     except OSError as exc:
         raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); "
                         f"pass --out DIR you can write to") from None
+    try:
+        continuing_itself = resume_from is not None and (resume_from == out or out in resume_from.parents)
+        if (out / "metrics.jsonl").exists() and not continuing_itself:
+            how = "--resume auto" if resume_from is None else f"a new --out (resuming from {resume_from})"
+            raise HtflError(f"run directory {out} already holds a run; pass {how}, or a new --out")
+        probe = out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+        lock.record_holder()
+    except OSError as exc:
+        lock.release()
+        raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); "
+                        f"pass --out DIR you can write to") from None
+    except HtflError:
+        lock.release()
+        raise
+    return lock
 
 
 def _make_deterministic(torch) -> None:
@@ -123,10 +160,8 @@ def run(argv: list[str] | None = None) -> int:
     import torch
 
     from htfl_dist.metrics.sinks import check_outputs_available
-    from htfl_dist.metrics.writer import progress
     from htfl_dist.models import architecture_for_client
-    from htfl_dist.runtime.bootstrap import detect_launch, open_liveness, open_transport, pick_device
-    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.bootstrap import agree_to_start, detect_launch, open_transport, pick_device
     from htfl_dist.runtime.placement import check_world_size
 
     args = parse_args(argv)
@@ -139,12 +174,33 @@ def run(argv: list[str] | None = None) -> int:
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
     _make_deterministic(torch)
-    out = Path(args.out or Path("runs") / f"{config.algorithm}-{config.config_hash()}").resolve()
+    out = _out_dir(args.out, config)
     resume_from = _resume_source(args.resume, out)
+    refusal, lock = None, None
     if launch.rank == 0:
-        _prepare_out_dir(out, resume_from)
-    device = pick_device(config.runtime, launch)
-    transport = open_transport(config.runtime, launch, device)
+        try:
+            lock = _prepare_out_dir(out, resume_from)
+        except HtflError as exc:
+            refusal = exc
+    try:
+        device = pick_device(config.runtime, launch)
+        transport = open_transport(config.runtime, launch, device)
+        agree_to_start(transport, refusal)  # no rank goes on (or writes) unless rank 0 took the directory
+        return _run_federation(config, launch, transport, device, out, resume_from)
+    except HtflError:
+        if lock is not None:
+            lock.withdraw_record()
+        raise
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run_federation(config, launch, transport, device, out: Path, resume_from: Path | None) -> int:
+    from htfl_dist.metrics.writer import progress
+    from htfl_dist.runtime.bootstrap import open_liveness
+    from htfl_dist.runtime.loop import Federation, RunContext
+
     liveness = open_liveness(config.runtime, transport)
     if launch.rank == 0:
         progress(f"htfl_dist: {config.algorithm}, {_count(config.num_clients, 'client')}, "
@@ -205,9 +261,13 @@ def _fail(exc: BaseException, context, rank: int) -> None:
     every surviving rank sees; the ranks that fail only because the job is ending stay quiet."""
     transport, liveness = context.transport, context.liveness
     where = context.rank_description or f"rank {rank}"
+    exc = _as_disk_full(exc) or exc
     if isinstance(exc, HtflError):
-        line, code = f"htfl_dist: error on {where}: {exc}", EXIT_USER_ERROR
-        report_once(line, liveness)
+        line, code = f"htfl_dist: error on {where}: {one_line(exc)}", exc.exit_status
+        if rank == 0 or not exc.said_by_rank0:
+            report_once(line, liveness)
+        else:
+            code = _echo_status(exc)
     else:
         code = EXIT_FAILURE
         lost_peer = liveness is not None and liveness.report_lost_peers(where, type(exc).__name__)
@@ -221,6 +281,33 @@ def _fail(exc: BaseException, context, rank: int) -> None:
     os._exit(code)  # peers blocked in a collective are ended by the launcher (torchrun, srun, mpirun)
 
 
+LINE_CHARS = 600
+"""The longest error line: messages quote the user's values, and a pasted file or a runaway
+shell expansion must not become a screenful (the start names the problem, the end the fix)."""
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message as one bounded line."""
+    text = str(error).replace("\r", "\\r").replace("\n", "\\n")
+    return text if len(text) <= LINE_CHARS else f"{text[:400]} ... {text[-(LINE_CHARS - 405):]}"
+
+
+def _echo_status(error: HtflError) -> int:
+    """The status of a rank that ends because rank 0 said why. torchrun lists every worker that
+    exits non-zero in its summary, each with a "To enable traceback" pointer; there these ranks
+    exit 0, so the summary names rank 0 and its line alone (the job's status is 1 either way).
+    Under other launchers they share rank 0's status."""
+    return 0 if "TORCHELASTIC_RUN_ID" in os.environ else error.exit_status
+
+
+def _as_disk_full(exc: BaseException) -> DiskFullError | None:
+    """An OSError for a full disk or quota raised outside our own writers (a partition cache, a
+    TensorBoard file), as the same one line."""
+    if isinstance(exc, DiskFullError) or not is_disk_full(exc):
+        return None
+    return DiskFullError(exc.filename or "a run output", None, disk_full_reason(exc))
+
+
 def main(argv: list[str] | None = None) -> int:
     from htfl_dist.runtime import preemption
 
@@ -229,12 +316,18 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return run(argv)
-    except HtflError as exc:
-        line = f"htfl_dist: error: {exc}"
-        if launch_rank_hint() == 0:
+    except (HtflError, OSError) as exc:
+        error = exc if isinstance(exc, HtflError) else _as_disk_full(exc)
+        if error is None:
+            raise
+        line = f"htfl_dist: error: {one_line(error)}"
+        rank = launch_rank_hint()
+        if rank == 0:
             print(line, file=sys.stderr, flush=True)
+        if rank != 0 and error.said_by_rank0:
+            return _echo_status(error)
         tell_torchrun(line)
-        return EXIT_USER_ERROR
+        return error.exit_status
     except KeyboardInterrupt:
         print("htfl_dist: interrupted", file=sys.stderr, flush=True)
         return 130

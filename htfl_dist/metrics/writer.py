@@ -1,7 +1,9 @@
 """Run outputs: metrics.jsonl (one row per evaluated round), summary.json, progress lines.
 
 Files are written so that an interrupted run never leaves a half-written file: JSON
-documents go through a temp file and ``os.replace``; metrics rows are whole lines.
+documents go through a temp file and ``os.replace``; metrics rows are whole lines (a row that
+runs out of disk space is taken back off the file), and a resumed run refuses to go on when the
+rows its checkpoint vouches for are not all there.
 """
 from __future__ import annotations
 
@@ -12,16 +14,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from htfl_dist.atomic import replaced_atomically
-from htfl_dist.errors import HtflError
+from htfl_dist.atomic import publish_bytes
+from htfl_dist.errors import DiskFullError, HtflError, disk_full_reason, is_disk_full
 
 
 def write_atomic(path: Path, text: str) -> None:
     """Publish ``text`` at ``path`` all at once (see :mod:`htfl_dist.atomic`)."""
-    with replaced_atomically(path) as tmp, open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
+    publish_bytes(path, text.encode())
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -65,23 +64,62 @@ class MetricsLog:
         self.path = path
         self.rows: list[dict[str, Any]] = []
 
-    def load_existing(self, up_to_round: int, source: Path | None = None) -> None:
+    def load_existing(self, up_to_round: int, source: Path | None = None,
+                      required_rounds: list[int] | None = None) -> None:
         """On resume: keep the rows of completed rounds (from ``source``, the checkpointed run's
         metrics, by default this run's own) and drop any written after the checkpoint; with
-        ``up_to_round`` 0 (no checkpoint to resume from) the file is emptied."""
+        ``up_to_round`` 0 (no checkpoint to resume from) the file is emptied. The rows of
+        ``required_rounds`` (the rounds the checkpoint saw evaluated) must all be there: going on
+        without them would lose them from the run's record for good, so a file that lacks them
+        (emptied, cut, edited) refuses the resume."""
         source = source if source is not None and source.exists() else self.path
-        if not source.exists():
+        if not source.exists() and up_to_round == 0:
             return
         # up_to_round 0: a restart from scratch discards the rows, whatever state they are in
-        rows = read_rows(source) if up_to_round > 0 else []  # read_rows skips a half-written last line
+        rows = read_rows(source) if up_to_round > 0 and source.exists() else []  # skips a cut last line
         self.rows = [row for row in rows if row["round"] <= up_to_round]
+        _check_required_rows(source, self.rows, required_rounds or [], up_to_round)
         write_atomic(self.path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
 
     def append(self, row: dict[str, Any]) -> None:
+        """One whole line or nothing: a write cut short by a full disk is truncated away again."""
+        data = (json.dumps(row, sort_keys=True) + "\n").encode()
+        with open(self.path, "ab", buffering=0) as handle:
+            start = handle.seek(0, os.SEEK_END)
+            try:
+                written = 0
+                while written < len(data):
+                    written += handle.write(data[written:])
+            except OSError as exc:
+                handle.truncate(start)
+                if is_disk_full(exc):
+                    raise DiskFullError(self.path, len(data), disk_full_reason(exc)) from None
+                raise
         self.rows.append(row)
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(row, sort_keys=True) + "\n")
-            handle.flush()
+
+
+def _check_required_rows(source: Path, rows: list[dict[str, Any]], required: list[int], up_to_round: int) -> None:
+    missing = sorted(set(required) - {row["round"] for row in rows})
+    if not missing:
+        return
+    state = ("is missing" if not source.exists() else "is empty" if source.stat().st_size == 0
+             else "lacks them (cut or edited)")
+    raise MetricsFileError(
+        f"cannot resume after round {up_to_round}: {source} {state}, but the checkpoint vouches for the rows "
+        f"of rounds {_rounds_text(missing)}; put the run's metrics.jsonl back, or start afresh with a new --out"
+    )
+
+
+def _rounds_text(rounds: list[int]) -> str:
+    """1, 2, 3, 7 -> '1-3, 7' (at most a few ranges: the line stays short)."""
+    ranges: list[list[int]] = []
+    for number in rounds:
+        if ranges and number == ranges[-1][1] + 1:
+            ranges[-1][1] = number
+        else:
+            ranges.append([number, number])
+    parts = [f"{a}" if a == b else f"{a}-{b}" for a, b in ranges]
+    return ", ".join(parts[:6]) + (", ..." if len(parts) > 6 else "")
 
 
 def format_progress(round_number: int, rounds: int, row: dict[str, Any] | None, seconds: float,

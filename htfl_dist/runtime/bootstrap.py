@@ -8,18 +8,28 @@ Launchers, in the order they are recognised:
 3. SLURM ``srun`` without torchrun (``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``; the
    sbatch script exports ``MASTER_ADDR``/``MASTER_PORT``);
 4. nothing: world size 1, server and every client in this process.
+
+Rank 0 also locks the run directory (``lock_run_directory``) for the run's life, and every rank
+learns whether rank 0 let the run go ahead (``agree_to_start``) before it touches anything.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
+import platform
+import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from htfl_dist.config import RuntimeConfig
-from htfl_dist.errors import ConfigError, HtflError
+from htfl_dist.errors import ConfigError, HtflError, RefusedByRank0
 from htfl_dist.runtime.liveness import Liveness, StoreAddress
 from htfl_dist.runtime.transport import LocalTransport, MPITransport, TorchTransport, Transport
+from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, decode, encode
 
 _MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
@@ -179,3 +189,90 @@ def open_liveness(runtime: RuntimeConfig, transport: Transport) -> Liveness | No
     if address is None or runtime.heartbeat_timeout_s <= 0:
         return None
     return Liveness(address, transport.rank, transport.world_size, runtime.heartbeat_timeout_s)
+
+
+# --------------------------------------------------------------------------- one writer per run directory
+
+LOCK_FILE = ".htfl_dist.lock"
+"""In the run directory; holds the holder's host, pid and start time while a run owns the directory."""
+
+
+class RunDirectoryLock:
+    """An exclusive ``fcntl`` (POSIX record) lock on ``RUN/.htfl_dist.lock``, held by rank 0 from
+    start-up to exit. The kernel drops it when the process ends, however it ends (kill -9, a node
+    reboot for NFS's lock manager), so a lock left by a dead run never blocks the next one; the
+    file itself stays. POSIX locks work across the nodes of an NFS mount, which ``flock`` does
+    not on every system. They belong to the process and end when it closes *any* descriptor of
+    the file, so nothing else in the holding process may open it."""
+
+    def __init__(self, fd: int, directory: Path) -> None:
+        self._fd: int | None = fd
+        self.directory = directory
+        self._previous_record = b""
+
+    def record_holder(self) -> None:
+        """Write who holds the directory (host, pid, start time), for a second run's line."""
+        holder = {"host": platform.node(), "pid": os.getpid(),
+                  "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        self._previous_record = os.pread(self._fd, 4096, 0)
+        self._write(json.dumps(holder).encode() + b"\n")
+
+    def withdraw_record(self) -> None:
+        """Put back the record this run replaced: a start refused after the directory was taken
+        (a checkpoint of another experiment, metrics rows missing) leaves every byte as it was.
+        The record only matters while the lock is held, so which one stays is otherwise moot."""
+        if self._fd is not None:
+            self._write(self._previous_record)
+
+    def _write(self, record: bytes) -> None:
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, record, 0)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def lock_run_directory(directory: Path) -> RunDirectoryLock:
+    """Take ``directory``'s lock (the directory must exist), or raise one HtflError line naming the
+    run that holds it."""
+    path = directory / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        holder = _holder(fd)
+        os.close(fd)
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            raise HtflError(f"run directory {directory} is in use by {holder}; wait for that run to end "
+                            f"(or stop it), or pass a new --out") from None
+        raise HtflError(f"cannot lock the run directory {directory} ({exc.strerror}): its file system has no "
+                        f"working fcntl locks; pass an --out on one that has") from None
+    return RunDirectoryLock(fd, directory)
+
+
+def _holder(fd: int) -> str:
+    """'pid P on host H (started T)' from the lock file, or what is known of it."""
+    try:
+        record = json.loads(os.pread(fd, 4096, 0).decode())
+        return f"pid {int(record['pid'])} on host {str(record['host'])[:100]} (started {str(record['started'])[:40]})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process (it is still starting)"
+
+
+VERDICT_SPEC = (Field("refused", torch.int64),)
+
+
+def agree_to_start(transport: Transport, refusal: HtflError | None) -> None:
+    """Rank 0 tells every rank whether it accepted the run directory (``refusal`` is its reason
+    not to, None on the other ranks); all raise together, rank 0 its reason, the others a
+    ``RefusedByRank0`` that prints nothing, so a refused run is one line and nobody has touched
+    a file. One broadcast at start-up."""
+    if transport.world_size > 1:
+        verdict = {BROADCAST_ENTRY: {"refused": torch.tensor([int(refusal is not None)])}}
+        message = transport.broadcast(encode(VERDICT_SPEC, verdict) if transport.rank == 0 else None)
+        if transport.rank != 0 and bool(decode(VERDICT_SPEC, message)[BROADCAST_ENTRY]["refused"][0]):
+            raise RefusedByRank0("rank 0 refused to start; its line says why")
+    if refusal is not None:
+        raise refusal

@@ -1,11 +1,14 @@
-"""Atomic, per-client-id checkpoints (DESIGN.md contract 6).
+"""Atomic, per-client-id checkpoints (docs/architecture.md).
 
 Layout under ``<out>/checkpoints/round_<NNNNN>/``: ``server.pt`` (rank 0), one
 ``client_<id>.pt`` per logical client (written by whichever rank hosts it), and
 ``MANIFEST.json`` written by rank 0 *last*, after a barrier, by rename; every file and name is
 fsynced before the manifest vouches for it and before older checkpoints are pruned. A round directory
 without a manifest is incomplete and ignored, so a job killed mid-save never damages the
-previous checkpoint. Nothing is keyed by rank, so a job may resume on a different world size.
+previous checkpoint. A save that runs out of disk space removes its round directory and ends the
+run with one line (``DiskFullError``); the previous checkpoint stays whole and resumable. The
+manifest also lists the rounds whose metrics rows exist, so a resume can tell a metrics file that
+lost rows. Nothing is keyed by rank, so a job may resume on a different world size.
 
 No RNG state is stored: every stream is derived from (seed, client id, round), so the
 round number is all a resumed run needs to draw the same numbers.
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import json
 import os
 import re
@@ -23,9 +27,9 @@ from pathlib import Path
 import torch
 
 from htfl_dist.algorithms import ServerAlgorithm, spelled_out_options
-from htfl_dist.atomic import replaced_atomically
+from htfl_dist.atomic import publish_bytes
 from htfl_dist.config import Config, experiment_differences, experiment_view
-from htfl_dist.errors import HtflError
+from htfl_dist.errors import DiskFullError, HtflError
 from htfl_dist.metrics.writer import write_json
 from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.transport import Transport
@@ -40,11 +44,12 @@ def _round_dir(out_dir: Path, completed_rounds: int) -> Path:
 def _save_atomic(obj, path: Path) -> None:
     """Write ``obj`` to ``path`` by rename, with its bytes on disk first: the manifest that
     vouches for this file is fsynced and older checkpoints are pruned after it, so an unsynced
-    file could leave, after a node crash, a "complete" checkpoint of empty .pt files as the only one."""
-    with replaced_atomically(path) as tmp, open(tmp, "wb") as handle:
-        torch.save(obj, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
+    file could leave, after a node crash, a "complete" checkpoint of empty .pt files as the only one.
+    Serialised in memory first: a full disk then fails in our write, naming the file and its size,
+    not deep inside torch's archive writer."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    publish_bytes(path, buffer.getbuffer())
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -64,17 +69,18 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transport, *,
-         clients: ClientStore, server: ServerAlgorithm | None) -> None:
+         clients: ClientStore, server: ServerAlgorithm | None, metric_rounds: list[int] | None = None) -> None:
     """Every rank writes the clients it hosts (and rank 0 the server); rank 0 publishes the
-    manifest after a barrier, then prunes all but the newest ``config.checkpoint_keep``."""
+    manifest after a barrier, then prunes all but the newest ``config.checkpoint_keep``.
+    ``metric_rounds``: the rounds whose metrics rows rank 0 has written so far."""
     expected_clients = list(range(config.num_clients))
     directory = _round_dir(out_dir, completed_rounds)
-    directory.mkdir(parents=True, exist_ok=True)
-    for client_id in clients:  # parked clients' records come from the store, one at a time
-        _save_atomic(clients.record(client_id), directory / f"client_{client_id}.pt")
-    if server is not None:
-        _save_atomic({"server": server.state_dict()}, directory / "server.pt")
-    _fsync_directory(directory)  # each rank its own renames, before the manifest vouches for them
+    try:
+        _save_own_files(directory, clients, server)
+    except DiskFullError:
+        shutil.rmtree(directory, ignore_errors=True)  # never a partial round_NNNNN/ beside the good one
+        raise
+    transport.barrier()
     transport.barrier()
     if transport.rank == 0:
         missing = [cid for cid in expected_clients if not (directory / f"client_{cid}.pt").exists()]
@@ -84,12 +90,32 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
         write_json(directory / "MANIFEST.json", {
             "round": completed_rounds, "config_hash": config.config_hash(), "experiment": config.experiment(),
             "clients": expected_clients, "files": sorted(p.name for p in directory.glob("*.pt")),
+            "metric_rounds": list(metric_rounds or []),
         })
         # the manifest's name and the round directory's, durable before older checkpoints are deleted
         for synced in (directory, directory.parent):
             _fsync_directory(synced)
         _prune(out_dir, config.checkpoint_keep)
     transport.barrier()
+
+
+def _save_own_files(directory: Path, clients: ClientStore, server: ServerAlgorithm | None) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for client_id in clients:  # parked clients' records come from the store, one at a time
+        _save_atomic(clients.record(client_id), directory / f"client_{client_id}.pt")
+    if server is not None:
+        _save_atomic({"server": server.state_dict()}, directory / "server.pt")
+    _fsync_directory(directory)  # each rank its own renames, before the manifest vouches for them
+
+
+def metric_rounds(directory: Path, eval_every: int) -> list[int]:
+    """The rounds whose metrics rows the checkpoint in ``directory`` vouches for: as its manifest
+    lists them, or (a manifest written before they were listed) every ``eval_every``-th round."""
+    manifest = json.loads((directory / "MANIFEST.json").read_text())
+    listed = manifest.get("metric_rounds")
+    if isinstance(listed, list) and all(isinstance(number, int) for number in listed):
+        return listed
+    return [number for number in range(1, int(manifest["round"]) + 1) if number % eval_every == 0]
 
 
 def _checkpoint_dirs(out_dir: Path) -> list[tuple[int, Path]]:

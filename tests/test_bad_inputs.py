@@ -1,0 +1,242 @@
+"""The catalogue of bad input: every mistake the project knows a user makes, each ending in one
+line on stderr (our format, no traceback), its exit status, and no changed file in the run
+directory. In-process through ``htfl_dist.main.main`` (the same code a launch runs, minus the
+interpreter start); tests/test_cli_errors.py launches the few that need a real process."""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import SMOKE
+from htfl_dist.main import LINE_CHARS, main
+from htfl_dist.runtime.bootstrap import LOCK_FILE
+
+
+def _stderr_line(capsys) -> str:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("htfl_dist: error: "), lines[0]
+    assert len(lines[0]) <= len("htfl_dist: error: ") + LINE_CHARS, len(lines[0])
+    return lines[0]
+
+
+def _snapshot(directory: Path) -> dict[str, bytes] | None:
+    """Every file under ``directory`` with its bytes (None: no directory), the lock file aside: it
+    is the run directory's lock, not the run's data, and rank 0 makes it when it takes the
+    directory (tests/test_nothing_lost.py checks what happens to it)."""
+    if not directory.exists():
+        return None
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != LOCK_FILE}
+
+
+def _refused(capsys, argv: list[str], out: Path, status: int, needles: list[str], *, leaves=None) -> str:
+    """``main(argv)`` ends with ``status`` and one line holding every needle; the run directory
+    is as it was (``leaves``: what it must hold afterwards, when it did not exist)."""
+    before = _snapshot(out)
+    began = time.monotonic()
+    assert main(argv) == status
+    line = _stderr_line(capsys)
+    for needle in needles:
+        assert needle in line, line
+    assert time.monotonic() - began < 60
+    assert _snapshot(out) == (before if leaves is None else leaves), "the run directory changed"
+    return line
+
+
+def _file(tmp_path: Path, text: str | bytes, name: str = "config.yaml") -> str:
+    path = tmp_path / name
+    path.write_bytes(text.encode() if isinstance(text, str) else text)
+    return str(path)
+
+
+# ------------------------------------------------------------------ mistakes in the config and the command line
+
+def _alias_bomb(levels: int = 9) -> str:
+    lines = ["a0: &a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, levels)]
+    return "\n".join(lines) + f"\ndata:\n  root: *a{levels - 1}\n"
+
+
+SMOKE_ARGS = ["--config", str(SMOKE)]
+
+CONFIG_MISTAKES = [
+    # (id, command line after --out (a callable of tmp_path for files), needles)
+    ("unknown-algorithm", [*SMOKE_ARGS, "algorithm=fedfoo"], ["unknown algorithm 'fedfoo'", "fedproto", "local"]),
+    ("unknown-model-group", [*SMOKE_ARGS, "model.group=HtFE7"], ["unknown model group 'HtFE7'", "HtCNN8"]),
+    ("beta-zero", [*SMOKE_ARGS, "data.beta=0"], ["data.beta", "> 0"]),
+    ("beta-negative", [*SMOKE_ARGS, "data.beta=-1"], ["data.beta", "got -1"]),
+    ("key-typo", [*SMOKE_ARGS, "data.partiton=dirichlet"],
+     ["unknown config key 'data.partiton'", "did you mean 'data.partition'"]),
+    ("closed-choice", [*SMOKE_ARGS, "on_bad_upload=ignore"], ["on_bad_upload", "skip, fail"]),
+    ("not-an-integer", [*SMOKE_ARGS, "rounds=abc"], ["'rounds'", "integer"]),
+    ("algorithm-option", [*SMOKE_ARGS, "algo.client_reg=foo"], ["algo.client_reg", "paper"]),
+    ("infinite-timeout", [*SMOKE_ARGS, "runtime.timeout_s=.inf"], ["runtime.timeout_s", "finite"]),
+    ("nan-lr", [*SMOKE_ARGS, "train.lr=.nan"], ["train.lr", "finite"]),
+    ("lr-beyond-float32", [*SMOKE_ARGS, "train.lr=1e308"], ["train.lr", "float32", "got '1e308'"]),
+    ("threshold-beyond-float32", [*SMOKE_ARGS, "data.beta=1e39"], ["data.beta", "float32"]),
+    ("seed-beyond-int64", [*SMOKE_ARGS, "seed=1e30"], ["'seed'", "64 bits"]),
+    ("billion-clients", [*SMOKE_ARGS, "num_clients=1000000000", "data.partition=pathological"],
+     ["num_clients", "in [1, 1000000]", "got 1000000000"]),
+    ("huge-feature-width", [*SMOKE_ARGS, "model.feature_dim=100000000"], ["model.feature_dim", "in [1, 65536]"]),
+    ("heartbeat-below-floor", [*SMOKE_ARGS, "runtime.heartbeat_timeout_s=0.01"],
+     ["runtime.heartbeat_timeout_s", "0 (off) or at least 3", "got 0.01"]),
+    ("negative-divergence-limit", [*SMOKE_ARGS, "train.max_diverged_rounds=-1"], ["train.max_diverged_rounds"]),
+    ("pfllib-without-dir", [*SMOKE_ARGS, "data.partition=pfllib"], ["data.pfllib_dir"]),
+    ("override-without-equals", [*SMOKE_ARGS, "rounds"], ["override 'rounds' must look like key=value"]),
+    ("megabyte-value", [*SMOKE_ARGS, "rounds=" + "9x" * 500_000], ["'rounds' must be an integer", "..."]),
+    ("megabyte-algorithm-name", [*SMOKE_ARGS, "algorithm=" + "x" * 1_000_000], ["unknown algorithm", " ... "]),
+    ("alias-bomb-override", [*SMOKE_ARGS, "data.root=[&a [x, x, x, x, x, x, x, x, x, x], "
+                                          "&b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a], "
+                                          "&c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], "
+                                          "[*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]]"],
+     ["override data.root", "aliases expand to more than"]),
+    ("unknown-flag", [*SMOKE_ARGS, "--rounds", "3"],
+     ["unrecognized arguments: --rounds", "write rounds=VALUE"]),
+    ("unknown-flag-with-value", [*SMOKE_ARGS, "--seed=4"], ["write seed=4"]),
+    ("unknown-option", [*SMOKE_ARGS, "--bogus"], ["unrecognized arguments: --bogus", "--help"]),
+    ("resume-from-nowhere", [*SMOKE_ARGS, "--resume", "/nonexistent/run"], ["--resume /nonexistent/run",
+                                                                            "no such directory"]),
+    ("missing-config-file", ["--config", "/nonexistent/nope.yaml"], ["nope.yaml", "does not exist"]),
+    ("malformed-yaml", lambda tmp: ["--config", _file(tmp, "rounds: 3\ndata: [unclosed\n")],
+     ["not valid YAML", "line"]),
+    ("empty-config", lambda tmp: ["--config", _file(tmp, "")], ["is empty", "algorithm: NAME"]),
+    ("comment-only-config", lambda tmp: ["--config", _file(tmp, "# only a comment\n")], ["is empty"]),
+    ("not-utf8", lambda tmp: ["--config", _file(tmp, b"rounds: 2\n\xff\xfe: 1\n")],
+     ["not UTF-8", "0xff", "offset 10"]),
+    ("not-a-mapping", lambda tmp: ["--config", _file(tmp, "- rounds\n- 3\n")], ["must hold a mapping"]),
+    ("duplicate-key", lambda tmp: ["--config", _file(tmp, "algorithm: fedproto\nrounds: 3\nseed: 0\n"
+                                                          "data:\n  beta: 0.1\nrounds: 0\n")],
+     ["key 'rounds' appears twice in one mapping, at lines 2 and 6"]),
+    ("duplicate-nested-key", lambda tmp: ["--config", _file(tmp, "data:\n  beta: 0.1\n  subsample: 0.02\n"
+                                                                 "  beta: -5\n")],
+     ["key 'beta' appears twice", "lines 2 and 4"]),
+    ("alias-bomb-file", lambda tmp: ["--config", _file(tmp, _alias_bomb())], ["aliases expand to more than"]),
+    ("recursive-alias", lambda tmp: ["--config", _file(tmp, "data: &d\n  root: *d\n")], ["recursive structure"]),
+    ("deep-nesting", lambda tmp: ["--config", _file(tmp, "data: " + "[" * 50_000 + "]" * 50_000 + "\n")],
+     ["nested too deeply"]),
+    ("section-not-a-mapping", lambda tmp: ["--config", _file(tmp, "data: 3\n")], ["'data' must be a mapping"]),
+]
+
+
+@pytest.mark.parametrize("argv,needles", [pytest.param(argv, needles, id=name) for name, argv, needles in
+                                          CONFIG_MISTAKES])
+def test_config_and_command_line_mistakes(tmp_path, capsys, argv, needles):
+    """Refused before anything is written: the run directory never comes into existence."""
+    out = tmp_path / "run"
+    argv = argv(tmp_path) if callable(argv) else argv
+    _refused(capsys, ["--out", str(out), *argv], out, 2, needles)
+
+
+def test_empty_out_is_refused_not_taken_for_the_default(tmp_path, capsys, monkeypatch):
+    """``--out "$RUN_DIR"`` with the variable unset would run into ./runs of the working directory."""
+    monkeypatch.chdir(tmp_path)
+    for empty in ("", "  "):
+        _refused(capsys, ["--config", str(SMOKE), "--out", empty], tmp_path / "runs", 2,
+                 ["--out is empty (an unset shell variable?)"])
+
+
+def test_error_values_are_cut_short():
+    from htfl_dist.errors import SHOWN_CHARS, shown
+
+    nested: list = [1]
+    for _ in range(50):
+        nested = [nested] * 10  # 10^50 leaves when expanded: the repr must not walk them
+    began = time.monotonic()
+    assert len(shown(nested)) <= SHOWN_CHARS
+    assert len(shown("x" * 10**7)) <= SHOWN_CHARS
+    assert shown("abc") == "'abc'" and shown(0.01) == "0.01"
+    assert time.monotonic() - began < 1
+
+
+# ------------------------------------------------------------------ mistakes found once the data is looked at
+
+DATA_MISTAKES = [
+    ("fmnist-root-missing", ["data.root=/nonexistent/fmnist"],
+     ["/nonexistent/fmnist", "apt-get install dataset-fashion-mnist"]),
+    ("cifar-root-missing", ["data.dataset=cifar10", "data.root=/nonexistent"], ["/nonexistent"]),
+    ("too-many-classes-per-client", ["data.partition=pathological", "data.classes_per_client=11"],
+     ["classes_per_client", "10"]),
+]
+
+
+@pytest.mark.parametrize("overrides,needles", [pytest.param(o, n, id=name) for name, o, n in DATA_MISTAKES])
+def test_data_mistakes(tmp_path, capsys, cache_dir, overrides, needles):
+    """Found by rank 0 after it took the run directory: it holds nothing but the lock file."""
+    out = tmp_path / "run"
+    _refused(capsys, ["--out", str(out), "--config", str(SMOKE), f"data.cache_dir={cache_dir}", *overrides],
+             out, 2, needles, leaves={})
+
+
+def test_data_root_without_expected_files(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    out = tmp_path / "run"
+    _refused(capsys, ["--out", str(out), "--config", str(SMOKE), f"data.root={empty}", f"data.cache_dir={tmp_path}"],
+             out, 2, [str(empty), "train-images-idx3-ubyte"], leaves={})
+
+
+def test_truncated_dataset_file(tmp_path, capsys):
+    from htfl_dist.config import DEFAULT_FMNIST_ROOT
+
+    root = tmp_path / "fmnist"
+    shutil.copytree(DEFAULT_FMNIST_ROOT, root)
+    victim = root / "t10k-labels-idx1-ubyte.gz"
+    victim.write_bytes(victim.read_bytes()[:200])
+    out = tmp_path / "run"
+    _refused(capsys, ["--out", str(out), "--config", str(SMOKE), f"data.root={root}",
+                      f"data.cache_dir={tmp_path / 'cache'}"], out, 2, ["t10k-labels-idx1-ubyte"],
+             leaves={})
+
+
+# ------------------------------------------------------------------ mistakes about an existing run directory
+
+
+@pytest.fixture
+def finished_run(single_run, tmp_path) -> Path:
+    """A copy of a finished 2-round smoke run with a checkpoint after each round."""
+    source, _ = single_run("rounds=2", "checkpoint_every=1")
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    return run
+
+
+def _resume_args(run: Path, cache_dir: Path, *extra: str) -> list[str]:
+    return ["--config", str(SMOKE), "--out", str(run), f"data.cache_dir={cache_dir}", *extra]
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("extra,needles", [
+    pytest.param([], ["already holds a run", "--resume auto"], id="same-out-without-resume"),
+    pytest.param(["--resume", "auto", "rounds=1"], ["after round 2 but rounds=1", "pass rounds=2 or more"],
+                 id="fewer-rounds-than-checkpointed"),
+    pytest.param(["--resume", "auto", "rounds=2", "seed=7"], ["belongs to another experiment", "seed: 0 -> 7"],
+                 id="another-experiment"),
+])
+def test_run_directory_mistakes(finished_run, capsys, cache_dir, extra, needles):
+    _refused(capsys, _resume_args(finished_run, cache_dir, *extra), finished_run, 2, needles)
+
+
+@pytest.mark.launch
+def test_resume_with_emptied_metrics(finished_run, capsys, cache_dir):
+    (finished_run / "metrics.jsonl").write_text("")
+    _refused(capsys, _resume_args(finished_run, cache_dir, "--resume", "auto", "rounds=3"), finished_run, 2,
+             ["cannot resume after round 2", "is empty", "rows of rounds 1-2"])
+
+
+@pytest.mark.launch
+def test_run_directory_in_use(finished_run, capsys, cache_dir):
+    from test_nothing_lost import _hold_lock
+
+    holder = _hold_lock(finished_run)
+    try:
+        _refused(capsys, _resume_args(finished_run, cache_dir, "--resume", "auto", "rounds=3"), finished_run, 2,
+                 [f"is in use by pid {holder.pid}"])
+    finally:
+        holder.kill()
+        holder.wait()
