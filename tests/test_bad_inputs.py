@@ -162,6 +162,8 @@ DATA_MISTAKES = [
     ("cifar-root-missing", ["data.dataset=cifar10", "data.root=/nonexistent"], ["/nonexistent"]),
     ("too-many-classes-per-client", ["data.partition=pathological", "data.classes_per_client=11"],
      ["classes_per_client", "10"]),
+    ("more-clients-than-samples", ["num_clients=900000", "data.partition=pathological"],
+     ["config key 'num_clients' is 900000", "samples to split", "lower num_clients"]),
 ]
 
 

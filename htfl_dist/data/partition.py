@@ -28,6 +28,9 @@ def _check_common(labels: np.ndarray, num_clients: int, num_classes: int) -> np.
         raise DataError(f"labels must be a 1-D array, got shape {labels.shape}")
     if num_clients < 1:
         raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
+    if num_clients > labels.size:  # checked before any per-client list is allocated
+        raise ConfigError(f"config key 'num_clients' is {num_clients}, but the data has {labels.size} samples to "
+                          f"split and every client needs at least one; lower num_clients or raise data.subsample")
     if num_classes < 1:
         raise DataError(f"num_classes must be >= 1, got {num_classes}")
     if labels.size and (labels.min() < 0 or labels.max() >= num_classes):
