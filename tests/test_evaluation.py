@@ -18,7 +18,7 @@ from torch import nn
 from conftest import SMOKE, read_metrics
 from htfl_dist.algorithms import ClientState
 from htfl_dist.config import load_config
-from htfl_dist.models import SplitModel
+from htfl_dist.models import InputSpec, SplitModel
 from htfl_dist.runtime.loop import Federation, RunContext
 from htfl_dist.runtime.placement import sample_participants
 from htfl_dist.runtime.transport import LocalTransport
@@ -61,6 +61,7 @@ def _federation(monkeypatch, out, *overrides: str) -> Federation:
     """FedProto, 4 clients, half of them training in each round."""
     monkeypatch.setattr(Federation, "_prepare_data",
                         lambda self: SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None,
+                                                     inputs=lambda: InputSpec.image(1, 1),
                                                      class_counts=np.ones((NUM_CLIENTS, 2), dtype=np.int64)))
     monkeypatch.setattr(Federation, "_build_client", lambda self, client_id, shell=False: _client(client_id))
     config = load_config(SMOKE, ["algorithm=fedproto", "rounds=1", f"num_clients={NUM_CLIENTS}",

@@ -7,6 +7,8 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     fedgh,
     fedkd,
     fedktl,
+    fedl2g,
+    fedmrl,
     fedoc,
     fedproto,
     fedsa,

@@ -240,7 +240,7 @@ class FedKTLClient(ClientAlgorithm):
         return self.context.num_classes * int(client.classes.numel())
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor:
+                logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
         """The nearest ETF column by cosine: V is part of every client's classifier."""
         return etf_cosines(logits, self.etf.to(logits.device)).argmax(dim=1)
 

@@ -269,7 +269,7 @@ class FedSAClient(FedProtoClient):
         return TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor:
+                logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
         rule = self.options.inference
         if rule == "head":
             return logits.argmax(dim=1)

@@ -162,8 +162,10 @@ class ClientAlgorithm:
         evaluate the global head on the local base)."""
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor:
-        """The algorithm's own inference rule (default: the head's argmax)."""
+                logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
+        """The algorithm's own inference rule (default: the head's argmax) for a batch of ``inputs``
+        whose client model gave ``features`` and ``logits`` (the runtime passes all three; a rule
+        that runs another model on the batch, FedMRL's, reads ``inputs``)."""
         return logits.argmax(dim=1)
 
     def head_predict(self, client: ClientState, logits: torch.Tensor) -> torch.Tensor:
