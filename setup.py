@@ -9,7 +9,10 @@ setup(
     install_requires=["torch>=2.2", "torchvision>=0.17", "numpy", "pyyaml", "h5py", "mpi4py",
                       "pillow", "scipy",  # pillow: JPEG datasets; scipy: Flowers102's .mat files
                       "matplotlib"],  # learning-curve plots of python -m htfl_dist.report (imported only there)
-    # tensorboard: optional event files (output.tensorboard); the tests read them back
-    extras_require={"test": ["pytest", "tensorboard"], "mpi": ["mpich"], "tensorboard": ["tensorboard"]},
+    # tensorboard: optional event files (output.tensorboard); the tests read them back.
+    # opacus: privacy.* (docs/privacy.md) takes its accountants (RDP, PRV), noise calibration and
+    # per-sample clipping-and-noise optimizer from it rather than from code of our own
+    extras_require={"test": ["pytest", "tensorboard"], "mpi": ["mpich"], "tensorboard": ["tensorboard"],
+                    "privacy": ["opacus>=1.5"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
 )

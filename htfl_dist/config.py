@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import yaml
 
-from htfl_dist.errors import ConfigError
+from htfl_dist.errors import ConfigError, clipped, shown
 from htfl_dist.generators.base import GeneratorConfig
 
 DEFAULT_FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -85,7 +85,7 @@ def check_bounds(section: Any, prefix: str = "") -> None:
             continue
         bound = item.metadata.get("bound")
         if bound is not None and not bound.holds(value):
-            raise ConfigError(f"config key '{prefix}{item.name}' must be {bound.describe()}, got {value}")
+            raise ConfigError(f"config key '{prefix}{item.name}' must be {bound.describe()}, got {shown(value)}")
 
 
 @dataclass
@@ -142,6 +142,9 @@ class DataConfig:
     """partition=pfllib: a PFLlib/HtFLlib dataset directory (config.json, train/, test/)."""
     allow_pickle: bool = False
     """partition=pfllib: PFLlib's .npz files hold pickled arrays; loading them needs consent."""
+    vocab_size: int | None = bounded(None, at_least=1, optional=True, note="or null: the data's largest id + 1")
+    """Text data: the vocabulary the text models embed (token ids 0 .. vocab_size - 1); unset: the
+    largest id in the data + 1. HtFLlib sets 32000 for AG News (the tokenizer's ``max_tokens``)."""
 
     def check(self) -> None:
         if self.partition == "pfllib" and not self.pfllib_dir:
@@ -156,7 +159,7 @@ class ModelConfig:
     """A named group (HtCNN8, HtFE8, HtFE8-HtC4, ...), one member ARCH or ARCH:HEAD, or a custom
     group: a YAML list of members, or the same members comma-separated (a list is stored in that
     comma form, so both spellings are one experiment)."""
-    feature_dim: int = bounded(512, at_least=1)
+    feature_dim: int = bounded(512, at_least=1, at_most=1 << 16, note="wider than any model's features")
     init: Literal["per_client", "htfllib"] = "per_client"
     """per_client: client i's initial weights come from a stream keyed by (seed, client i), so no
     two clients start alike. htfllib: as HtFLlib's clients, torch's RNG is set to ``seed`` before
@@ -195,6 +198,11 @@ class TrainConfig:
     arithmetic and it does not pay. Only for algorithms with a batched client path (local,
     fedproto, fedtgp) and models without BatchNorm or Dropout; anything else is refused at
     start-up. Changes the config hash (``off`` does not)."""
+    max_diverged_rounds: int = bounded(3, at_least=0, note="0 = never give up")
+    """A run in which every participating client's loss is not finite (NaN or infinite: the
+    learning rate is too large for the model) this many rounds in a row ends with one line and
+    status 1; the rounds in between are not checkpointed, so the last checkpoint is a good one.
+    Not part of the experiment (it decides when to give up, not what a round computes)."""
 
 
 @dataclass
@@ -245,6 +253,17 @@ class RuntimeConfig:
     """Largest message rank 0 accepts from one client rank per gather (checked before allocating
     it); raise it only for shared models larger than this."""
 
+    def check(self) -> None:
+        if 0 < self.heartbeat_timeout_s < HEARTBEAT_FLOOR_S:
+            raise ConfigError(
+                f"config key 'runtime.heartbeat_timeout_s' must be 0 (off) or at least {HEARTBEAT_FLOOR_S:g} "
+                f"(ranks beat once a second, and a busy machine delays a beat; less declares healthy ranks "
+                f"dead), got {shown(self.heartbeat_timeout_s)}")
+
+
+HEARTBEAT_FLOOR_S = 3.0
+"""The shortest silence that may end a job: three of the one-second heartbeats."""
+
 
 @dataclass
 class OutputConfig:
@@ -267,13 +286,43 @@ class OutputConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Record-level (ε, δ) differential privacy of each client's training samples against everyone
+    who sees its uploads (docs/privacy.md): DP-SGD local training (Opacus) and Gaussian noise on
+    the released class rows, one accountant per client. Off by default; while off the section is
+    not part of the experiment (it changes nothing)."""
+
+    enabled: bool = False
+    target_epsilon: float = bounded(4.0, above=0, note="the budget each client may spend")
+    """ε each client may spend over the run; the one noise multiplier of every mechanism is
+    calibrated up front so that ``planned_rounds`` full rounds spend at most this."""
+    delta: float = bounded(1e-5, above=0, below=1)
+    """δ of the guarantee (well below 1 / the samples a client holds)."""
+    planned_rounds: int | None = bounded(None, at_least=1, optional=True, note="or null: rounds")
+    """Rounds the noise is calibrated for (null: ``rounds`` of the run's first start; the
+    multiplier is then kept in the checkpoints, so extending ``rounds`` on resume does not
+    re-calibrate: clients stop uploading when their budget is spent)."""
+    feature_clip: float = bounded(1.0, above=0, note="S")
+    """S: every sample's row (feature or logit vector) is scaled to L2 norm at most S before the
+    class mean is taken."""
+    max_grad_norm: float = bounded(1.0, above=0, note="C")
+    """C: DP-SGD's per-sample gradient clipping norm."""
+    min_class_samples: int = bounded(10, at_least=1)
+    """A class with fewer training samples than this is not uploaded (its mean would be mostly
+    noise: the noise's scale is 2·S·σ / n_c)."""
+    accountant: Literal["rdp", "prv"] = "rdp"
+    """Opacus's accountant composing every release: rdp (Rényi DP, an upper bound) or prv
+    (privacy random variables, a tighter numerical estimate)."""
+
+
+@dataclass
 class Config:
     """One federated run."""
 
     algorithm: str = "fedproto"
     rounds: int = bounded(100, at_least=1)
     seed: int = 0
-    num_clients: int = bounded(20, at_least=1)
+    num_clients: int = bounded(20, at_least=1, at_most=1_000_000, note="no dataset here has more samples")
     join_ratio: float = bounded(1.0, above=0, at_most=1)
     eval_every: int = bounded(1, at_least=1)
     checkpoint_every: int = bounded(0, at_least=0, note="0 = never")
@@ -289,6 +338,8 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    """Differential privacy of what leaves a client (docs/privacy.md); off by default."""
     algo: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen algorithm (validated by the algorithm)."""
 
@@ -314,6 +365,13 @@ YAML_SWITCH = {False: "off", True: "on"}
 named ``off`` (``train.client_batching``) is taken back from the boolean it became."""
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""Every number reaches the tensors as float32: a larger one is infinite there (SGD refuses an
+lr of 1e308; a threshold of 1e39 compares as inf)."""
+INT64_MAX = (1 << 63) - 1
+"""Counts and seeds travel and are stored as int64."""
+
+
 def _coerce(value: Any, annotation: Any, key: str) -> Any:
     """Convert a YAML/CLI value to the field's type, or raise a one-line ConfigError."""
     origin = typing.get_origin(annotation)
@@ -328,35 +386,40 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if isinstance(value, bool) and YAML_SWITCH[value] in allowed:
             value = YAML_SWITCH[value]  # YAML reads a bare off/on as a boolean
         if str(value) not in allowed or isinstance(value, (dict, list)):
-            raise ConfigError(f"config key '{key}' is {value!r}; allowed: {', '.join(allowed)}")
+            raise ConfigError(f"config key '{key}' is {shown(value)}; allowed: {', '.join(allowed)}")
         return str(value)
     if annotation is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"config key '{key}' must be true or false, got {value!r}")
+        raise ConfigError(f"config key '{key}' must be true or false, got {shown(value)}")
     if annotation is int:
         if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be an integer, got {shown(value)}")
         try:
             as_float = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}") from None
+            raise ConfigError(f"config key '{key}' must be an integer, got {shown(value)}") from None
         if not as_float.is_integer():
-            raise ConfigError(f"config key '{key}' must be an integer, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be an integer, got {shown(value)}")
+        if abs(as_float) > INT64_MAX:
+            raise ConfigError(f"config key '{key}' must fit in 64 bits (at most {INT64_MAX}), got {shown(value)}")
         return int(as_float)
     if annotation is float:
         try:
             number = float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"config key '{key}' must be a number, got {value!r}") from None
+            raise ConfigError(f"config key '{key}' must be a number, got {shown(value)}") from None
         if not math.isfinite(number):  # .inf would overflow a timedelta, nan passes every comparison
-            raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a finite number, got {shown(value)}")
+        if abs(number) > FLOAT32_MAX:
+            raise ConfigError(f"config key '{key}' must be at most {FLOAT32_MAX:.4g} in size (the largest "
+                              f"float32, which the arithmetic uses), got {shown(value)}")
         return number
     if annotation is str:
         if value is None or isinstance(value, (dict, list)):
-            raise ConfigError(f"config key '{key}' must be a string, got {value!r}")
+            raise ConfigError(f"config key '{key}' must be a string, got {shown(value)}")
         return str(value)
     return value
 
@@ -364,7 +427,7 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
 def _comma_joined(items: list[Any], key: str) -> str:
     """A YAML list of names as one comma-separated string (the canonical form of list keys)."""
     if not items or not all(isinstance(item, str) and item.strip() and "," not in item for item in items):
-        raise ConfigError(f"config key '{key}' must be a name or a non-empty list of names, got {items!r}")
+        raise ConfigError(f"config key '{key}' must be a name or a non-empty list of names, got {shown(items)}")
     return ",".join(item.strip() for item in items)
 
 
@@ -375,14 +438,14 @@ def _resolved_hints(cls: type) -> dict[str, Any]:
 def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     """Build dataclass ``cls`` from a nested dict, rejecting unknown keys."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"config key '{prefix.rstrip('.')}' must be a mapping, got {raw!r}")
+        raise ConfigError(f"config key '{prefix.rstrip('.')}' must be a mapping, got {shown(raw)}")
     hints = _resolved_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
-        dotted = f"{prefix}{key}"
+        dotted = clipped(f"{prefix}{key}")
         if key not in names:
-            close = difflib.get_close_matches(str(key), names, n=1)
+            close = difflib.get_close_matches(clipped(str(key)), names, n=1)
             hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
             raise ConfigError(
                 f"unknown config key '{dotted}'; {hint}allowed keys here: {', '.join(names)}"
@@ -411,9 +474,77 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+            raise ConfigError(f"override '{clipped(dotted)}': '{clipped(part)}' is not a section")
         node = child
     node[parts[-1]] = value
+
+
+class RefusedYaml(Exception):
+    """YAML that parses but is refused: a duplicated key, aliases that expand too far, nesting too
+    deep. The caller says where it came from (a file, an override)."""
+
+
+MAX_EXPANDED_NODES = 10_000
+"""A config's node count with every alias expanded (the largest config in configs/ has about 60).
+Aliases share one object when loaded, but anything that walks the value (a repr for an error
+line, a deep copy, the config hash) walks the expansion: ten levels of ten aliases ("billion
+laughs") are 10^10 nodes from a few hundred bytes."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (the later value would win
+    silently) and documents whose alias expansion exceeds ``MAX_EXPANDED_NODES``."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _expanded_size(node, {}, set())
+        return super().construct_document(node)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        first_line: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' then a key: a deliberate override
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                seen_at = first_line.get(key)
+            except TypeError:  # an unhashable key: the base class names it
+                continue
+            if seen_at is not None:
+                raise RefusedYaml(f"key {shown(key)} appears twice in one mapping, at lines {seen_at} and {line}; "
+                                  f"keep one")
+            first_line[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Nodes under ``node`` with aliases expanded (each shared node counted once per use, by
+    memo, so the walk itself stays linear); raises RefusedYaml past the bound or on a cycle."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise RefusedYaml("an alias refers to a node that contains it (a recursive structure)")
+    open_nodes.add(id(node))
+    size = 1
+    if isinstance(node, yaml.SequenceNode):
+        size += sum(_expanded_size(child, sizes, open_nodes) for child in node.value)
+    elif isinstance(node, yaml.MappingNode):
+        size += sum(_expanded_size(key, sizes, open_nodes) + _expanded_size(value, sizes, open_nodes)
+                    for key, value in node.value)
+    open_nodes.discard(id(node))
+    if size > MAX_EXPANDED_NODES:
+        raise RefusedYaml(f"its aliases expand to more than {MAX_EXPANDED_NODES} values; write the values out")
+    sizes[id(node)] = size
+    return size
+
+
+def load_yaml(text: str) -> Any:
+    """One YAML document through ``_BoundedLoader``. Raises yaml.YAMLError (invalid YAML) or
+    RefusedYaml (valid, but refused)."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader subclass
+    except RecursionError:
+        raise RefusedYaml("it is nested too deeply") from None
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -421,12 +552,14 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     pairs = []
     for item in overrides:
         if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {item!r} must look like key=value, e.g. rounds=3")
+            raise ConfigError(f"override {shown(item)} must look like key=value, e.g. rounds=3")
         key, text = item.split("=", 1)
         try:
-            value = yaml.safe_load(text) if text != "" else ""
+            value = load_yaml(text) if text != "" else ""
         except yaml.YAMLError:
             value = text
+        except RefusedYaml as exc:
+            raise ConfigError(f"override {clipped(key)}: {exc}") from None
         pairs.append((key.strip(), value))
     return pairs
 
@@ -437,21 +570,23 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
     if path is not None:
         file = Path(path)
         if not file.is_file():
-            raise ConfigError(f"config file {str(file)!r} does not exist; pass --config PATH")
+            raise ConfigError(f"config file {shown(str(file))} does not exist; pass --config PATH")
         try:
-            loaded = yaml.safe_load(file.read_bytes().decode("utf-8"))
+            loaded = load_yaml(file.read_bytes().decode("utf-8"))
+        except RefusedYaml as exc:
+            raise ConfigError(f"config file {shown(str(file))} is refused: {exc}") from None
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {str(file)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+            raise ConfigError(f"config file {shown(str(file))} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
                               f"at offset {exc.start}); save it as UTF-8") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"config file {str(file)!r} is not valid YAML{where}") from None
+            raise ConfigError(f"config file {shown(str(file))} is not valid YAML{where}") from None
         if loaded is None:  # a run of every default is never what an empty file meant
-            raise ConfigError(f"config file {str(file)!r} is empty; write at least 'algorithm: NAME', "
+            raise ConfigError(f"config file {shown(str(file))} is empty; write at least 'algorithm: NAME', "
                               f"or leave out --config to run the defaults")
         if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {str(file)!r} must hold a mapping of keys")
+            raise ConfigError(f"config file {shown(str(file))} must hold a mapping of keys")
         raw = loaded
     for key, value in parse_overrides(overrides or []):
         _set_dotted(raw, key, value)
@@ -480,12 +615,15 @@ def validate(config: Config) -> None:
         config.generator.path = os.path.expanduser(config.generator.path)
     check_bounds(config)
     config.data.check()
+    config.runtime.check()
 
 
 PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")
 """Not part of the experiment: plumbing, and the run length (a resumed run may extend `rounds`)."""
 DATA_LOCATION_KEYS = ("root", "cache_dir")
 """Where the data lives: moving it (another node, a new cache) is the same run."""
+TRAIN_STOPPING_KEYS = ("max_diverged_rounds",)
+"""When a run gives up, not what its rounds compute."""
 
 
 def _legacy_partition_view(data: dict[str, Any]) -> None:
@@ -504,6 +642,7 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
 KEYS_ADDED_LATER = {
     "model": {"init": "per_client"},
     "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off"},
+    "data": {"vocab_size": None},
 }
 """Keys added after runs existed, per section, with the default that was the only behaviour
 before them: at that default a key is left out of the experiment, so earlier runs and their
@@ -524,12 +663,16 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     view = copy.deepcopy(tree)
     if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
+    if not view.get("privacy", {}).get("enabled", False):
+        view.pop("privacy", None)  # off, the section changes nothing: runs without it keep their hash
     _legacy_partition_view(view.get("data", {}))
     _drop_defaults_added_later(view)
     for key in PLUMBING_KEYS:
         view.pop(key, None)
     for key in DATA_LOCATION_KEYS:
         view.get("data", {}).pop(key, None)
+    for key in TRAIN_STOPPING_KEYS:
+        view.get("train", {}).pop(key, None)
     return view
 
 
@@ -553,7 +696,7 @@ def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix
         if isinstance(old, dict) and isinstance(new, dict):
             changes += experiment_differences(old, new, f"{prefix}{key}.")
         elif old != new:
-            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+            changes.append(f"{prefix}{key}: {shown(old)} -> {shown(new)}")
     return changes
 
 

@@ -121,4 +121,5 @@ class FedDistillServer(ClassMeanServer):
 
 
 register_algorithm("feddistill", server=FedDistillServer, client=FedDistillClient, options=FedDistillOptions,
-                   summary="per-class mean logits, distilled into every client (Jeong et al. 2018; HtFLlib FD)")
+                   summary="per-class mean logits, distilled into every client (Jeong et al. 2018; HtFLlib FD)",
+                   private_release=True)

@@ -173,7 +173,7 @@ class PrototypeClient(ClientAlgorithm):
         return self.context.feature_dim * int(client.classes.numel())
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
-                logits: torch.Tensor) -> torch.Tensor:
+                logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
         class_ids, protos = knowledge["class_ids"], knowledge["protos"]
         if class_ids.numel() == 0:
             return torch.full((features.shape[0],), -1, dtype=torch.int64, device=features.device)
@@ -220,4 +220,4 @@ class FedProtoServer(ClassMeanServer):
 
 
 register_algorithm("fedproto", server=FedProtoServer, client=FedProtoClient, options=FedProtoOptions,
-                   summary="per-class mean of client prototypes (Tan et al. 2022)")
+                   summary="per-class mean of client prototypes (Tan et al. 2022)", private_release=True)

@@ -291,4 +291,5 @@ class FedTGPServer(TrainablePrototypeServer):
         }
 
 register_algorithm("fedtgp", server=FedTGPServer, client=PrototypeClient, options=FedTGPOptions,
-                   summary="trainable global prototypes, adaptive-margin contrastive learning (Zhang et al. 2024)")
+                   summary="trainable global prototypes, adaptive-margin contrastive learning (Zhang et al. 2024)",
+                   private_release=True)

@@ -24,6 +24,11 @@ class AlgorithmEntry:
     uses_generator: bool = False
     """True for FedKTL: rank 0 loads ``generator.*`` and passes it to the server as
     ``server(context, generator=...)``; every rank learns its latent width (``context.latent_dim``)."""
+    private_release: bool = False
+    """True where everything a client uploads is class rows from ``class_rows.class_means`` and
+    its local training is ``training.run_local_training`` with its own optimizer: ``privacy.*``
+    then noises the rows and runs DP-SGD (docs/privacy.md). Any other algorithm is refused at
+    start-up when privacy is on."""
 
 
 _REGISTRY: dict[str, AlgorithmEntry] = {}
@@ -31,10 +36,11 @@ _REGISTRY: dict[str, AlgorithmEntry] = {}
 
 def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type[ClientAlgorithm],
                        options: type, summary: str, shares_parameters: bool = False,
-                       uses_generator: bool = False) -> None:
+                       uses_generator: bool = False, private_release: bool = False) -> None:
     if name in _REGISTRY:
         raise ValueError(f"algorithm {name!r} registered twice")
-    _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator)
+    _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator,
+                                     private_release)
 
 
 def algorithm_names() -> list[str]:

@@ -14,6 +14,7 @@ from torch.func import functional_call, grad, stack_module_state, vmap
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError
+from htfl_dist.privacy import LEDGER_KEY
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,18 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
     batch unless it holds a single sample (BatchNorm in the torchvision models cannot train on
     it); ``drop`` leaves every trailing partial batch out (HtFLlib's ``drop_last=True``).
     Returns (sum of batch losses × batch size, samples).
+
+    With ``privacy.enabled`` the client holds a privacy ledger and the same epochs run as DP-SGD
+    (``privacy.dpsgd``); it trains only the client's model with its own optimizer.
     """
+    ledger = client.modules.get(LEDGER_KEY)
+    if ledger is not None:
+        if optimizers is not None or before_step is not None:
+            raise ConfigError(f"privacy.enabled: client {client.client_id}'s local training steps other modules "
+                              f"or edits gradients, which DP-SGD does not cover")
+        from htfl_dist.privacy.dpsgd import train_privately  # imports this module
+
+        return train_privately(client, context, loss_fn, generator, ledger, on_batch=on_batch)
     model = client.model
     optimizers = (client.optimizer,) if optimizers is None else tuple(optimizers)
     train = context.train

@@ -1,4 +1,4 @@
-"""The one round loop (DESIGN.md contract 5), shared by every algorithm and every launcher.
+"""The one round loop (docs/architecture.md), shared by every algorithm and every launcher.
 
 Per round t (0-based; metrics call it round t+1):
 
@@ -39,7 +39,7 @@ from htfl_dist.algorithms.interface import seed_training
 from htfl_dist.algorithms.training import batching_obstacle
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
-from htfl_dist.errors import ConfigError, HtflError, ProtocolError
+from htfl_dist.errors import ConfigError, HtflError, ProtocolError, TrainingDiverged
 from htfl_dist.generators import build_generator, generator_latent_dim
 from htfl_dist.metrics.generated import GeneratedImageGrids
 from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_payloads
@@ -53,9 +53,25 @@ from htfl_dist.metrics.writer import (
     write_atomic,
     write_json,
 )
-from htfl_dist.models import architecture_for_client, build_model, initial_client_model, members_in_use
+from htfl_dist.models import (
+    InputSpec,
+    architecture_for_client,
+    build_model,
+    check_group_inputs,
+    initial_client_model,
+    members_in_use,
+)
 from htfl_dist.models.cost import timed_step_seconds
 from htfl_dist.payload import Field, Payload, max_message_bytes
+from htfl_dist.privacy.startup import (
+    attach_ledger,
+    begin_round,
+    check_private_run,
+    client_epsilon,
+    epsilon_columns,
+    privacy_plan,
+    privacy_summary,
+)
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.liveness import Liveness, describe_plain
@@ -90,9 +106,13 @@ REPORT_SPEC = (
     Field("train", torch.float64, (2,), max_rows=1),  # [loss_sum, samples]
     Field("eval", torch.float64, (3,), max_rows=1),  # [correct (algorithm's rule), correct (head), samples]
     Field("rank", torch.float64, (len(RankReport._fields),), max_rows=1),  # rank entry only
+    Field("privacy", torch.float64, (1,), max_rows=1),  # [ε spent so far]; privacy.enabled only
 )
 
 CONTROL_SPEC = (Field("stop", torch.int64),)  # rank 0's decision at each round boundary
+STOP, DIVERGING, GIVE_UP = 1, 2, 4
+"""Bits of that decision: a rank saw SIGTERM; every participant's loss was not finite this round
+(no periodic checkpoint of such a state); ``train.max_diverged_rounds`` such rounds in a row."""
 
 HANDSHAKE_SPEC = (Field("facts", torch.int64, (5,), max_rows=1),)  # [config hash, C, K, num_clients, software]
 
@@ -169,6 +189,15 @@ def _check_feature_width(model, architecture: str, client_id: int, sample: torch
                         f"model.feature_dim={width}: every client must produce K-wide features")
 
 
+def check_inputs(config: Config, inputs: InputSpec, uses_generator: bool) -> None:
+    """One ConfigError line, before any model is built, unless every member of the model group
+    takes the data's inputs, and the algorithm's server generator (FedKTL's) makes them."""
+    check_group_inputs(config.model.group, config.num_clients, inputs)
+    if uses_generator and not inputs.square:
+        raise ConfigError(f"{config.algorithm} trains clients on images its generator makes, but the data is "
+                          f"{inputs.describe()}; use it on square pictures")
+
+
 def check_client_batching(client_class: type[ClientAlgorithm], context: AlgorithmContext, algorithm: str) -> None:
     """With ``train.client_batching=vmap``, one ConfigError line unless every client can train
     batched: the algorithm has a batched path (``ClientAlgorithm.has_batched_path``) and no
@@ -183,12 +212,27 @@ def check_client_batching(client_class: type[ClientAlgorithm], context: Algorith
     for member in members_in_use(context.model_group, context.num_clients):
         with torch.device("meta"):
             model = build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                                in_channels=context.in_channels, image_size=context.image_size)
+                                inputs=context.inputs)
         obstacle = batching_obstacle(model)
         if obstacle is not None:
             raise ConfigError(f"train.client_batching=vmap cannot batch {member}: it has {obstacle}, whose "
                               f"training output depends on the batch or on random draws; use "
                               f"train.client_batching=off")
+
+
+def _every_loss_diverged(reports: dict[int, Any]) -> bool:
+    """Every client that trained this round reported a loss that is not finite."""
+    losses = [float(r["train"][0, 0]) for r in reports.values() if r["train"].shape[0] and r["train"][0, 1] > 0]
+    return bool(losses) and not any(np.isfinite(losses))
+
+
+def _diverged(config: Config, completed: int, out_dir: Path) -> TrainingDiverged:
+    first = completed - config.train.max_diverged_rounds + 1
+    kept = checkpoint.find_checkpoint(out_dir)
+    return TrainingDiverged(
+        f"training diverged: every participating client's loss was not finite in rounds {first}-{completed} "
+        f"(train.max_diverged_rounds={config.train.max_diverged_rounds}); lower train.lr (now {config.train.lr:g}) "
+        f"and start a new --out; " + (f"the last good checkpoint is {kept}" if kept else "no checkpoint was kept"))
 
 
 class Federation:
@@ -208,6 +252,7 @@ class Federation:
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)
         self.partition = self._prepare_data()
+        check_inputs(config, self.partition.inputs(), self.entry.uses_generator)
         self._handshake()  # ranks agree on the maths before anything else travels
         self.placement = self._plan_placement()
         run.rank_description = self.placement.describe_rank(self.rank)
@@ -221,7 +266,7 @@ class Federation:
             seed=config.seed, train=config.train, options=options, device=self.device,
             num_clients=config.num_clients, model_group=config.model.group, model_init=config.model.init,
             in_channels=self.partition.in_channels, image_size=self.partition.image_size,
-            latent_dim=latent_dim,
+            latent_dim=latent_dim, input_spec=self.partition.inputs(),
         )
         self.entry.client.check_models(self.context)
         check_client_batching(self.entry.client, self.context, config.algorithm)
@@ -231,6 +276,8 @@ class Federation:
             self.server = self._build_server()
         self.download_spec = self.entry.server.download_fields(self.context)
         self.upload_spec = self.entry.client.upload_fields(self.context)
+        check_private_run(config, self.entry, options, [item.name for item in self.upload_spec])
+        self.privacy_plan = privacy_plan(config)  # None without privacy.enabled
         if config.output.prototypes_every:  # every rank: a mistake stops them all before they talk
             check_prototype_payloads(config.algorithm, self.upload_spec, self.download_spec)
         self.snapshots = PrototypeSnapshots(run.out_dir, config.output.prototypes_every)
@@ -252,6 +299,7 @@ class Federation:
                                                                                  "SIGTERM from the launcher")
         self.preempted_after: int | None = None
         self.skipped_clients: list[int] = []
+        self.diverged_rounds = 0  # rank 0: rounds in a row in which every participant's loss was not finite
         self.sinks: list[MetricsSink] = []
         where = "" if self.world_size == 1 else f"rank {self.rank}"
         self.training_progress = TrainingProgress(config.output.progress_every_s, where)
@@ -301,8 +349,8 @@ class Federation:
         if self.is_server:
             info = self.partition
             timed = timed_step_seconds(members, num_classes=info.num_classes, feature_dim=self.config.model.feature_dim,
-                                       in_channels=info.in_channels, image_size=info.image_size,
-                                       batch_size=self.config.train.batch_size, device=self.device)
+                                       inputs=info.inputs(), batch_size=self.config.train.batch_size,
+                                       device=self.device)
             progress("placement: one training step takes " + ", ".join(
                 f"{member} {seconds * 1000:.1f} ms" for member, seconds in timed.items()))
             message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([list(timed.values())],
@@ -324,8 +372,7 @@ class Federation:
         info = prepare_partition(config.data, config.num_clients, config.seed, report=progress,
                                  batch_size=config.train.batch_size)
         progress(f"data: {config.data.dataset}, {config.num_clients} clients, {info.num_classes} classes, "
-                 f"{info.in_channels}x{info.image_size}x{info.image_size} images "
-                 f"({time.perf_counter() - began:.1f}s)")
+                 f"{info.inputs().describe()} ({time.perf_counter() - began:.1f}s)")
         self.transport.barrier()
         return info
 
@@ -368,8 +415,7 @@ class Federation:
         def build() -> torch.nn.Module:
             return initial_client_model(
                 config.model.group, client_id, config.seed, num_classes=info.num_classes,
-                feature_dim=config.model.feature_dim, in_channels=info.in_channels, image_size=info.image_size,
-                init=config.model.init,
+                feature_dim=config.model.feature_dim, inputs=info.inputs(), init=config.model.init,
             )
 
         member = architecture_for_client(config.model.group, client_id)
@@ -407,6 +453,8 @@ class Federation:
         )
         seed_global_torch(config.seed, "algorithm-init", client_id)
         self.client_algorithm.init_client(client)
+        if self.privacy_plan is not None:
+            attach_ledger(client, self.privacy_plan)
         return client
 
     def _handshake(self) -> None:
@@ -474,6 +522,7 @@ class Federation:
         (seed, client, round); off: ``train`` of the one client, torch's global RNG seeded for it."""
         seed = self.config.seed
         generators = [torch_generator(seed, "batches", client.client_id, round_index) for client in clients]
+        begin_round(clients, round_index)  # privacy: each client's ledger decides whether it can afford the round
         if self.config.train.client_batching == "vmap":
             return self.client_algorithm.train_group(clients, knowledge, round_index, generators)
         (client,), (generator,) = clients, generators
@@ -493,7 +542,7 @@ class Federation:
             for start in range(0, client.test_y.shape[0], 1000):
                 x, y = client.test_x[start : start + 1000], client.test_y[start : start + 1000]
                 features, logits = client.model.forward_with_features(x)
-                predicted = self.client_algorithm.predict(client, knowledge, features, logits)
+                predicted = self.client_algorithm.predict(client, knowledge, features, logits, x)
                 correct += int((predicted == y).sum())
                 correct_head += int((self.client_algorithm.head_predict(client, logits) == y).sum())
             rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0])]
@@ -541,10 +590,11 @@ class Federation:
                 "train": _rows(train_rows.get(client_id), 2),
                 "eval": _rows(eval_rows.get(client_id), 3),
                 "rank": _rows(None, len(RankReport._fields)),
+                "privacy": _rows(self._epsilon_row(client_id), 1),
             }
         mine = RankReport(seconds, float(theory_up), float(stop_requested))
         entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 3),
-                               "rank": _rows(list(mine), len(mine))}
+                               "rank": _rows(list(mine), len(mine)), "privacy": _rows(None, 1)}
         gathered = self.transport.gather(encode(REPORT_SPEC, entries), self._bounds(
             REPORT_SPEC, lambda rank: len(self.placement.clients_of(rank)) + 1))
         if gathered is None:
@@ -679,10 +729,12 @@ class Federation:
     def _close_round(self, outcome: RoundOutcome) -> bool:
         """Every rank: agree whether to stop (a SIGTERM anywhere) and checkpoint when stopping or
         when one is due, inside the round's deadline (a stuck save must not hang MPI)."""
-        stop = self._agree_to_stop(outcome.report)
+        decision = self._agree_to_stop(outcome.report)
         completed = outcome.round_index + 1
-        every = self.config.checkpoint_every
-        if stop or (every and completed % every == 0):
+        if decision & GIVE_UP:
+            raise _diverged(self.config, completed, self.run_context.out_dir)
+        stop, every = bool(decision & STOP), self.config.checkpoint_every
+        if stop or (every and completed % every == 0 and not decision & DIVERGING):
             self._save_checkpoint(completed)
         return stop
 
@@ -706,14 +758,20 @@ class Federation:
                                  self.config.on_bad_upload, round_number=0)
         self.server.setup(kept)
 
-    def _agree_to_stop(self, report) -> bool:
-        """Rank 0 decides (any rank saw SIGTERM) and tells everyone, so all stop at one boundary."""
+    def _agree_to_stop(self, report) -> int:
+        """Rank 0 decides (any rank saw SIGTERM; the training diverged) and tells everyone, so all
+        act at one boundary; returns the decision's bits (STOP, DIVERGING, GIVE_UP)."""
         decision = {}
         if self.is_server:
-            _, rank_rows = report
-            decision = {BROADCAST_ENTRY: {"stop": torch.tensor([int(any(r.stop_requested for r in rank_rows))])}}
+            reports, rank_rows = report
+            self.diverged_rounds = self.diverged_rounds + 1 if _every_loss_diverged(reports) else 0
+            limit = self.config.train.max_diverged_rounds
+            bits = ((STOP if any(r.stop_requested for r in rank_rows) else 0)
+                    | (DIVERGING if self.diverged_rounds else 0)
+                    | (GIVE_UP if limit and self.diverged_rounds >= limit else 0))
+            decision = {BROADCAST_ENTRY: {"stop": torch.tensor([bits])}}
         message = self.transport.broadcast(encode(CONTROL_SPEC, decision) if self.is_server else None)
-        return bool(decode(CONTROL_SPEC, message)[BROADCAST_ENTRY]["stop"][0])
+        return int(decode(CONTROL_SPEC, message)[BROADCAST_ENTRY]["stop"][0])
 
     def _metrics_row(self, round_index, reports, traffic, diagnostics, seconds, client_s, server_s) -> dict:
         evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])
@@ -736,14 +794,20 @@ class Federation:
             "comm_s": max(0.0, seconds - client_s - server_s),
             "skipped_clients": list(self.skipped_clients),  # bad uploads left out since the last row
         }
+        row.update(epsilon_columns([float(r["privacy"][0, 0]) for r in reports.values() if r["privacy"].shape[0]]))
         row.update(diagnostics)
         return row
+
+    def _epsilon_row(self, client_id: int) -> list[float] | None:
+        """privacy.enabled: [ε the client has spent so far] for the report; None otherwise."""
+        return None if self.privacy_plan is None else [client_epsilon(self.clients.peek(client_id))]
 
     # ------------------------------------------------------------------ checkpoints and summary
 
     def _save_checkpoint(self, completed_rounds: int) -> None:
         checkpoint.save(self.run_context.out_dir, completed_rounds, self.config, self.transport,
-                        clients=self.clients, server=self.server)
+                        clients=self.clients, server=self.server,
+                        metric_rounds=[row["round"] for row in self.metrics.rows] if self.metrics else None)
 
     def restore(self) -> int:
         """Load the newest complete checkpoint of ``resume_from`` (clients, server, metrics so far)
@@ -763,7 +827,8 @@ class Federation:
             raise HtflError(f"checkpoint {directory} is after round {completed} but rounds={self.config.rounds}; "
                             f"pass rounds={completed} or more to continue it")
         if self.metrics is not None:
-            self.metrics.load_existing(completed, source=directory.parent.parent / "metrics.jsonl")
+            self.metrics.load_existing(completed, source=directory.parent.parent / "metrics.jsonl",
+                                       required_rounds=checkpoint.metric_rounds(directory, self.config.eval_every))
             progress(f"resume: continuing after round {completed} from {directory}")
         return completed
 
@@ -784,6 +849,7 @@ class Federation:
             "device": str(self.device),
             "seconds_per_round": float(np.mean(round_seconds)) if round_seconds else None,
             **self.run_context.extra_summary,
+            **privacy_summary(self.metrics.rows, self.privacy_plan),
         }
         write_json(self.run_context.out_dir / "summary.json", summary)
         return summary

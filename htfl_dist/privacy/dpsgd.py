@@ -1,0 +1,98 @@
+"""DP-SGD local training: the client's own loop (``training.run_local_training``'s batches: the
+same epochs, permutations and trailing-batch rule), each step's gradient replaced by Opacus's
+clipped and noised per-sample sum.
+
+Per-sample gradients come from ``torch.func`` (``vmap`` of ``grad`` over single-sample batches)
+rather than Opacus's layer hooks: an algorithm's loss may couple a batch's samples (FedProto's
+regulariser compares batch class means with the global prototypes), and a hook's per-sample
+share of a coupled loss depends on the other samples, which breaks the clipping bound. Evaluated
+on one sample at a time, any loss is a per-sample loss, so the clipped gradients are bounded by
+construction; the step then minimises the mean of the per-sample losses. Opacus's
+``DPOptimizer`` clips, sums, adds the noise (from the ledger's (seed, client, round) stream) and
+scales; the wrapped optimizer steps as usual.
+
+Noise: under the neighbouring relation of docs/privacy.md (one sample's input replaced) the sum
+of clipped gradients moves by at most 2·C, so the noise standard deviation is σ·2·C, i.e.
+Opacus's ``noise_multiplier`` (std / C) is 2σ. Each local epoch visits each sample in exactly
+one batch, so an epoch is one Gaussian mechanism of multiplier σ (composed adaptively over its
+steps, only one of which sees the replaced sample); no amplification by subsampling is claimed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from opacus.optimizers import DPOptimizer
+from torch.func import functional_call, grad, vmap
+
+from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
+from htfl_dist.algorithms.training import Batch, _FeaturesAndLogits, epoch_order, samples_per_epoch
+from htfl_dist.errors import ConfigError
+from htfl_dist.privacy.accounting import PrivacyLedger
+
+
+def check_private_optimizer(client: ClientState) -> None:
+    """DP-SGD clips the gradients of the client's model parameters only: its optimizer must
+    update exactly those (an algorithm that steps other modules from the private data is refused
+    at start-up; this guards the loop itself)."""
+    optimised = [id(p) for group in client.optimizer.param_groups for p in group["params"]]
+    trainable = [id(p) for p in client.model.parameters() if p.requires_grad]
+    if sorted(optimised) != sorted(trainable):
+        raise ConfigError(f"privacy.enabled: client {client.client_id}'s optimizer does not update exactly its "
+                          f"model's parameters, which DP-SGD needs")
+
+
+def train_privately(client: ClientState, context: AlgorithmContext, loss_fn: Callable[[Batch], torch.Tensor],
+                    generator: torch.Generator, ledger: PrivacyLedger, *,
+                    on_batch: Callable[[Batch], None] | None = None) -> tuple[float, int]:
+    """``train.local_epochs`` epochs of DP-SGD over the client's training split; returns (sum of
+    the per-sample losses, samples) as ``run_local_training`` does. A client the ledger has
+    stopped does not train (0, 0)."""
+    if not ledger.active:
+        return 0.0, 0
+    check_private_optimizer(client)
+    model, train = client.model, context.train
+    plan = ledger.plan
+    ledger.charge(train.local_epochs)  # before any step: a refused charge leaves the model untouched
+    optimizer = DPOptimizer(client.optimizer, noise_multiplier=2.0 * ledger.noise_multiplier,
+                            max_grad_norm=plan.max_grad_norm, expected_batch_size=train.batch_size,
+                            generator=ledger.generator("sgd", client.device))
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    parameters = [p for _, p in model.named_parameters() if p.requires_grad]
+    buffers = {f"model.{name}": b for name, b in model.named_buffers()}
+    wrapper = _FeaturesAndLogits(model)
+
+    def sample_loss(weights: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor):
+        state = {f"model.{name}": w for name, w in zip(names, weights, strict=True)}
+        features, logits = functional_call(wrapper, (state, buffers), (x.unsqueeze(0),))
+        loss = loss_fn(Batch(x.unsqueeze(0), y.unsqueeze(0), features, logits))
+        return loss, (loss, features.squeeze(0), logits.squeeze(0))
+
+    per_sample = vmap(grad(sample_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
+    count = client.train_y.shape[0]
+    used = samples_per_epoch(count, train)
+    model.train()
+    loss_total, seen = torch.zeros((), device=client.device), 0
+    try:
+        for _ in range(train.local_epochs):
+            order = epoch_order(count, train, generator, client.device)
+            for start in range(0, used, train.batch_size):
+                stop = min(start + train.batch_size, used)
+                index = slice(start, stop) if order is None else order[start:stop]
+                x, y = client.train_x[index], client.train_y[index]
+                grads, (losses, features, logits) = per_sample(tuple(p.detach() for p in parameters), x, y)
+                for parameter, sample_grads in zip(parameters, grads, strict=True):
+                    parameter.grad_sample = sample_grads
+                optimizer.expected_batch_size = y.shape[0]  # the mean over this batch's samples
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                if on_batch is not None:
+                    on_batch(Batch(x, y, features.detach(), logits.detach()))
+                loss_total += losses.detach().sum()
+                seen += y.shape[0]
+    finally:
+        for parameter in parameters:  # Opacus's per-step attributes: nothing of them outlives the loop
+            for attribute in ("grad_sample", "summed_grad", "_processed"):
+                if hasattr(parameter, attribute):
+                    delattr(parameter, attribute)
+    return float(loss_total), seen

@@ -1,0 +1,134 @@
+"""What the runtime and the class-row helpers call: the refusals at start-up, the plan, each
+client's ledger, the release of class rows, and the ε reported in metrics.jsonl and summary.json."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+import torch
+from torch import nn
+
+from htfl_dist.config import Config
+from htfl_dist.errors import ConfigError
+from htfl_dist.privacy import LEDGER_KEY
+from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise
+from htfl_dist.privacy.release import noisy_class_means
+
+DURING_TRAINING = "during_training"
+"""An option value (FedProto/FedTGP ``proto_from``, FedDistill ``logits_from``) that takes the
+uploaded rows from the training batches: every epoch adds each sample again, under a model that
+changes in between, which the release's sensitivity does not cover."""
+
+
+def privacy_plan(config: Config) -> PrivacyPlan | None:
+    """The calibrated mechanisms of a run (None with ``privacy.enabled`` false): one σ for every
+    mechanism, such that ``planned_rounds`` rounds of E DP-SGD epochs and one release spend at
+    most ``target_epsilon``."""
+    privacy = config.privacy
+    if not privacy.enabled:
+        return None
+    rounds = privacy.planned_rounds or config.rounds
+    epochs = config.train.local_epochs
+    sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, rounds * (epochs + 1), privacy.accountant)
+    return PrivacyPlan(noise_multiplier=sigma, target_epsilon=privacy.target_epsilon, delta=privacy.delta,
+                       feature_clip=privacy.feature_clip, max_grad_norm=privacy.max_grad_norm,
+                       min_class_samples=privacy.min_class_samples, accountant=privacy.accountant,
+                       local_epochs=epochs, seed=config.seed)
+
+
+def check_private_run(config: Config, entry: Any, options: Any, upload_names: list[str]) -> None:
+    """Refuse, with one line, a run whose uploads ``privacy.*`` cannot cover: an algorithm that
+    uploads anything but class rows from ``class_rows.class_means`` (model parameters, a
+    generator's images, gradients: registered without ``private_release``), rows taken during
+    training, class counts on the wire, and batched client training."""
+    if not config.privacy.enabled:
+        return
+    name = config.algorithm
+    if not entry.private_release:
+        raise ConfigError(f"privacy.enabled: algorithm {name!r} uploads what privacy.* does not noise (model "
+                          f"parameters or rows not built as clipped class means); it covers the class-row "
+                          f"algorithms: {', '.join(private_algorithms())}")
+    if dataclasses.is_dataclass(options):
+        for item in dataclasses.fields(options):
+            if getattr(options, item.name) == DURING_TRAINING:
+                raise ConfigError(f"privacy.enabled: algo.{item.name}={DURING_TRAINING} averages rows over the "
+                                  f"training batches, which the release's sensitivity does not cover; "
+                                  f"use algo.{item.name}=post_update")
+    if "counts" in upload_names:
+        raise ConfigError(f"privacy.enabled: {name} with these options uploads class counts, which the "
+                          f"guarantee does not cover (docs/privacy.md); turn the weighted mean off")
+    if config.train.client_batching != "off":
+        raise ConfigError("privacy.enabled: train.client_batching=vmap has no DP-SGD path; "
+                          "use train.client_batching=off")
+
+
+def private_algorithms() -> list[str]:
+    from htfl_dist.algorithms.registry import algorithm_names, get_algorithm
+
+    return [name for name in algorithm_names() if get_algorithm(name).private_release]
+
+
+def batch_statistics_layer(model: nn.Module) -> str | None:
+    """A layer whose training output depends on the whole batch (BatchNorm, or a norm keeping
+    running statistics): per-sample gradients, and so DP-SGD, are undefined through it."""
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._NormBase) and (
+                isinstance(module, nn.modules.batchnorm._BatchNorm) or module.track_running_stats):
+            return f"a {type(module).__name__} layer ({name})"
+    return None
+
+
+def attach_ledger(client: Any, plan: PrivacyPlan) -> None:
+    """Give a freshly built client its ledger (before any checkpoint is restored into it)."""
+    obstacle = batch_statistics_layer(client.model)
+    if obstacle is not None:
+        raise ConfigError(f"privacy.enabled: client {client.client_id}'s model {client.architecture} has "
+                          f"{obstacle}, through which DP-SGD has no per-sample gradient (Opacus's "
+                          f"ModuleValidator.fix would swap in GroupNorm, another architecture); use a model "
+                          f"group without BatchNorm, e.g. HtCNN8")
+    client.modules[LEDGER_KEY] = PrivacyLedger(plan, client.client_id)
+
+
+def begin_round(clients: list[Any], round_index: int) -> None:
+    """Before the clients train in round ``round_index``: each ledger decides whether its client
+    can afford the round."""
+    for client in clients:
+        ledger = client.modules.get(LEDGER_KEY)
+        if ledger is not None:
+            ledger.begin_round(round_index)
+
+
+def release_class_means(ledger: PrivacyLedger, sums: torch.Tensor, counts: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The private release of a client's class means (``sums`` of rows already clipped to S,
+    ``counts`` per class): nothing once the ledger has stopped the client; else the ledger is
+    charged one mechanism and the noised means of the classes with enough samples leave."""
+    if not ledger.active:
+        return torch.empty(0, dtype=torch.int64), torch.empty(0, sums.shape[1])
+    ledger.charge(1)
+    plan = ledger.plan
+    return noisy_class_means(sums, counts, clip=plan.feature_clip, noise_multiplier=ledger.noise_multiplier,
+                             min_count=plan.min_class_samples, generator=ledger.generator("release"))
+
+
+def client_epsilon(client: Any) -> float | None:
+    """The ε a client has spent so far (None without privacy)."""
+    ledger = client.modules.get(LEDGER_KEY)
+    return None if ledger is None else ledger.epsilon()
+
+
+def epsilon_columns(epsilons: list[float]) -> dict[str, float]:
+    """The metrics row's ε columns over the reported clients: the largest and the median."""
+    if not epsilons:
+        return {}
+    return {"epsilon_max": max(epsilons), "epsilon_median": float(statistics.median(epsilons))}
+
+
+def privacy_summary(rows: list[dict[str, Any]], plan: PrivacyPlan | None) -> dict[str, Any]:
+    """summary.json's privacy block: the mechanisms' parameters and the last reported ε."""
+    if plan is None:
+        return {}
+    last = next((row for row in reversed(rows) if "epsilon_max" in row), {})
+    return {"privacy": {**plan.describe(), "epsilon_max": last.get("epsilon_max"),
+                        "epsilon_median": last.get("epsilon_median")}}

@@ -1,0 +1,470 @@
+"""privacy.*: the noise calibration against hand-computed Gaussian bounds, the clipping and
+sensitivity bounds of the released class rows and of DP-SGD, budget exhaustion, the ledger's
+checkpoint round trip, the refusals, and world-size invariance of a private run."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from htfl_dist.algorithms import get_algorithm, parse_options
+from htfl_dist.algorithms.class_rows import class_means
+from htfl_dist.algorithms.training import batch_cross_entropy, run_local_training
+from htfl_dist.config import config_from_dict
+from htfl_dist.errors import ConfigError
+from htfl_dist.privacy import LEDGER_KEY
+from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise, epsilon_spent
+from htfl_dist.privacy.release import clip_rows, noisy_class_means
+from htfl_dist.privacy.startup import attach_ledger, check_private_run, epsilon_columns, privacy_plan
+from htfl_dist.seeding import torch_generator
+from tests.conftest import SMOKE, launch, maths_only, read_metrics
+from tests.helpers import make_client, make_context, roundtrip
+
+pytest.importorskip("opacus")
+
+DELTA = 1e-5
+
+
+def _phi(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def gaussian_delta(epsilon: float, sigma: float) -> float:
+    """The exact δ(ε) of one Gaussian mechanism of sensitivity 1 and noise σ (Balle & Wang 2018,
+    Thm. 8): Φ(1/(2σ) − εσ) − e^ε Φ(−1/(2σ) − εσ)."""
+    return _phi(1 / (2 * sigma) - epsilon * sigma) - math.exp(epsilon) * _phi(-1 / (2 * sigma) - epsilon * sigma)
+
+
+def rdp_epsilon(mechanisms: int, sigma: float, delta: float) -> float:
+    """ε of ``mechanisms`` Gaussian mechanisms through Rényi DP, minimised over a fine grid of
+    orders: RDP ε_α = n·α / (2σ²), converted as ε = ε_α + log((α − 1)/α) − (log δ + log α)/(α − 1)."""
+    orders = np.linspace(1.01, 400, 200_000)
+    values = (mechanisms * orders / (2 * sigma**2) + np.log((orders - 1) / orders)
+              - (math.log(delta) + np.log(orders)) / (orders - 1))
+    return float(values.min())
+
+
+def _plan(sigma: float = 1.0, *, target: float = 4.0, epochs: int = 1, clip: float = 1.0, grad_norm: float = 1.0,
+          min_count: int = 1, accountant: str = "rdp") -> PrivacyPlan:
+    return PrivacyPlan(noise_multiplier=sigma, target_epsilon=target, delta=DELTA, feature_clip=clip,
+                       max_grad_norm=grad_norm, min_class_samples=min_count, accountant=accountant,
+                       local_epochs=epochs, seed=0)
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@pytest.mark.parametrize("mechanisms", [1, 10, 60])
+def test_rdp_calibration_meets_the_hand_computed_bounds(mechanisms):
+    """σ from the RDP accountant: n mechanisms of σ are one Gaussian of σ/√n, whose exact δ at
+    the target ε is within δ (RDP is an upper bound); the hand-computed RDP ε is at the target
+    (Opacus's coarser order grid can only be above it); and σ is tight: 3 % less overspends."""
+    sigma = calibrate_noise(4.0, DELTA, mechanisms, "rdp")
+    assert gaussian_delta(4.0, sigma / math.sqrt(mechanisms)) <= DELTA
+    by_hand = rdp_epsilon(mechanisms, sigma, DELTA)
+    opacus = epsilon_spent(((sigma, 1.0, mechanisms),), DELTA, "rdp")
+    assert by_hand <= opacus + 1e-9 and opacus == pytest.approx(by_hand, rel=0.02)
+    assert 3.98 <= opacus <= 4.0
+    assert rdp_epsilon(mechanisms, 0.97 * sigma, DELTA) > 4.0
+
+
+def test_one_gaussian_hand_computed_case():
+    """One mechanism at ε = 1, δ = 1e-5: bisection on Balle & Wang's exact δ(ε) gives σ = 3.73 (the
+    analytic Gaussian mechanism's published value); PRV (numerically near-exact) calibrates within
+    2 % above it, RDP (an upper bound) above it too."""
+    low, high = 0.1, 20.0
+    for _ in range(100):
+        middle = (low + high) / 2
+        low, high = (middle, high) if gaussian_delta(1.0, middle) > DELTA else (low, middle)
+    exact = high
+    assert exact == pytest.approx(3.73, abs=0.005)
+    prv = calibrate_noise(1.0, DELTA, 1, "prv")
+    rdp = calibrate_noise(1.0, DELTA, 1, "rdp")
+    assert exact <= prv <= 1.02 * exact
+    assert rdp >= prv
+
+
+def test_plan_counts_every_epoch_and_release_of_the_planned_rounds():
+    """R rounds of E DP-SGD epochs and one release are R·(E + 1) mechanisms, calibrated so that
+    exactly the planned spending lands on the target."""
+    raw = {"rounds": 9, "train": {"local_epochs": 2},
+           "privacy": {"enabled": True, "target_epsilon": 3.0, "planned_rounds": 4}}
+    plan = privacy_plan(config_from_dict(raw))
+    assert gaussian_delta(3.0, plan.noise_multiplier / math.sqrt(12)) <= DELTA
+    spent = epsilon_spent(((plan.noise_multiplier, 1.0, 12),), DELTA, "rdp")
+    assert 2.98 <= spent <= 3.0
+    assert privacy_plan(config_from_dict({"rounds": 4, "train": {"local_epochs": 2},
+                                          "privacy": {"enabled": True, "target_epsilon": 3.0}})) == plan
+    assert privacy_plan(config_from_dict({})) is None
+
+
+# --------------------------------------------------------------------------- released class rows
+
+
+def test_clipping_bounds_every_row_and_keeps_short_ones():
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randn(200, 16, generator=generator) * torch.logspace(-2, 2, 200).unsqueeze(1)
+    clipped = clip_rows(rows, 1.5)
+    norms = clipped.norm(dim=1)
+    assert bool((norms <= 1.5 * (1 + 1e-6)).all())
+    short = rows.norm(dim=1) <= 1.5
+    torch.testing.assert_close(clipped[short], rows[short])
+    long = ~short
+    torch.testing.assert_close(norms[long], torch.full_like(norms[long], 1.5))
+    cosine = torch.nn.functional.cosine_similarity(clipped, rows, dim=1)
+    torch.testing.assert_close(cosine, torch.ones_like(cosine))  # scaled, never turned
+
+
+def _class_sums(rows, labels, classes, clip):
+    clipped = clip_rows(rows, clip)
+    sums = torch.zeros(classes, rows.shape[1], dtype=torch.float64).index_add_(0, labels, clipped.double())
+    return sums, torch.bincount(labels, minlength=classes).double()
+
+
+def test_replacing_one_sample_moves_only_its_class_mean_by_at_most_2S_over_n():
+    """Noise off: the released mean of the replaced sample's class moves by at most 2S/n_c (and
+    almost exactly that for two antipodal rows); every other class's row stays put. A class below
+    ``min_count`` is not released."""
+    S, classes = 2.0, 4
+    labels = torch.tensor([0] * 5 + [1] * 8 + [2] * 2 + [3] * 6)
+    rows = torch.randn(labels.shape[0], 6, generator=torch.Generator().manual_seed(1)) * 3
+    direction = torch.nn.functional.normalize(torch.randn(6, generator=torch.Generator().manual_seed(2)), dim=0)
+    rows[7], replaced = direction * 10, rows.clone()
+    replaced[7] = -direction * 10  # sample 7 (class 1) replaced by its opposite, far outside S
+    kwargs = dict(clip=S, noise_multiplier=0.0, min_count=3, generator=torch_generator(0, "n"))
+    ids, before = noisy_class_means(*_class_sums(rows, labels, classes, S), **kwargs)
+    ids_after, after = noisy_class_means(*_class_sums(replaced, labels, classes, S), **kwargs)
+    assert ids.tolist() == ids_after.tolist() == [0, 1, 3]  # class 2 has 2 < 3 samples
+    moved = (after - before).norm(dim=1)
+    assert float(moved[1]) <= 2 * S / 8 * (1 + 1e-5)
+    assert float(moved[1]) == pytest.approx(2 * S / 8, rel=1e-5)
+    assert float(moved[0]) == 0 and float(moved[2]) == 0
+
+
+def test_class_means_hook_releases_clipped_noised_rows_with_one_stream_per_round():
+    """Through ``class_rows.class_means`` with a ledger: the same (seed, client, round) stream
+    noises both neighbours alike, so replacing one sample moves its class row by at most 2S/n_c
+    even with the noise on; another round draws other noise; the ledger is charged one release."""
+    _, context = make_context("fedproto", num_classes=3, feature_dim=8)
+    client, neighbour = make_client(context, samples=30), make_client(context, samples=30)
+    neighbour.train_x = client.train_x.clone()
+    neighbour.train_x[4] = -50 * client.train_x[4]  # sample 4 (class 1) replaced
+    plan = _plan(sigma=0.7, clip=0.5, min_count=1, target=100.0)
+    for state in (client, neighbour):
+        state.modules[LEDGER_KEY] = PrivacyLedger(plan, state.client_id)
+        state.modules[LEDGER_KEY].begin_round(3)
+    ids, rows = class_means(client, 3, "features")
+    _, other = class_means(neighbour, 3, "features")
+    assert ids.tolist() == [0, 1, 2]
+    moved = (rows - other).double().norm(dim=1)
+    assert float(moved[1]) <= 2 * 0.5 / 10 * (1 + 1e-4) and float(moved[[0, 2]].max()) < 1e-5
+    client.model.eval()
+    with torch.no_grad():
+        clean = clip_rows(client.model.features(client.train_x), 0.5)
+    means = torch.stack([clean[client.train_y == c].mean(0) for c in range(3)])
+    noise = (rows - means).double()
+    assert float(noise.norm()) > 0.05  # the noise is there: 0.7 · 2 · 0.5 / 10 per coordinate
+    ledger = client.modules[LEDGER_KEY]
+    assert ledger.history == ((0.7, 1.0, 1),)
+    ledger.begin_round(4)
+    _, later = class_means(client, 3, "features")
+    assert float((later - rows).norm()) > 0.05  # round 4 draws other noise
+
+
+def test_release_noise_has_the_calibrated_scale():
+    """The noise added to class c's mean has standard deviation σ · 2S / n_c, σ being the
+    calibrated multiplier (measured over 40 000 coordinates: within 2 %)."""
+    sigma = calibrate_noise(4.0, DELTA, 20, "rdp")
+    counts = torch.tensor([20.0, 50.0, 400.0])
+    sums = torch.zeros(3, 40_000, dtype=torch.float64)
+    _, rows = noisy_class_means(sums, counts, clip=1.5, noise_multiplier=sigma, min_count=1,
+                                generator=torch_generator(0, "scale"))
+    for row, n in zip(rows, counts.tolist(), strict=True):
+        assert float(row.double().std()) == pytest.approx(sigma * 2 * 1.5 / n, rel=0.02)
+        assert abs(float(row.double().mean())) < 4 * sigma * 3 / n / math.sqrt(40_000)
+
+
+# --------------------------------------------------------------------------- DP-SGD
+
+
+def _private_client(plan, samples, batch_size, lr=0.1, data_seed=0):
+    _, context = make_context("fedproto", num_classes=3, feature_dim=8, batch_size=batch_size, lr=lr)
+    client = make_client(context, samples=samples, data_seed=data_seed)
+    attach_ledger(client, plan)
+    client.modules[LEDGER_KEY].begin_round(0)
+    return context, client
+
+
+def _parameters(client) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in client.model.parameters()]).double()
+
+
+def test_dpsgd_noise_has_the_calibrated_scale():
+    """A loss with zero gradient: one step moves the parameters by lr · noise / B only, whose
+    standard deviation is lr · 2σC / B (2C: a replaced sample's clipped gradient moves the sum
+    by up to 2C)."""
+    sigma, C, B, lr = 1.3, 0.8, 6, 0.1
+    context, client = _private_client(_plan(sigma, grad_norm=C, target=1e4), samples=B, batch_size=B, lr=lr)
+    before = _parameters(client)
+    loss, samples = run_local_training(client, context, lambda batch: 0.0 * batch.logits.sum(),
+                                       torch_generator(0, "b"))
+    assert samples == B and loss == 0.0
+    step = _parameters(client) - before
+    assert float(step.std()) == pytest.approx(lr * 2 * sigma * C / B, rel=0.02)
+    assert client.modules[LEDGER_KEY].history == ((sigma, 1.0, 1),)
+    assert not any(hasattr(p, "grad_sample") or hasattr(p, "summed_grad") for p in client.model.parameters())
+
+
+def test_dpsgd_step_moves_by_at_most_2C_over_B_when_one_sample_is_replaced():
+    """Two neighbouring clients (sample 2 replaced) take one DP-SGD step with the same noise
+    stream: their parameters differ by at most lr · 2C / B, however large the gradients (the
+    loss is scaled by 1e4), which holds only if every per-sample gradient was clipped to C.
+    FedProto's batch-coupled regulariser is in the loss: per-sample evaluation keeps the bound."""
+    C, B, lr = 0.5, 5, 0.1
+    plan = _plan(2.0, grad_norm=C, target=1e4)
+    entry, context = make_context("fedproto", num_classes=3, feature_dim=8, batch_size=B, lr=lr)
+    protos = torch.randn(3, 8, generator=torch.Generator().manual_seed(5))
+    knowledge = {"class_ids": torch.tensor([0, 1, 2]), "protos": protos}
+    algorithm = entry.client(context)
+    loss_fn = algorithm.loss_function(knowledge, torch.device("cpu"))
+    results = []
+    for replace in (False, True):
+        client = make_client(context, samples=B)
+        if replace:
+            client.train_x[2] = torch.randn(1, 28, 28, generator=torch.Generator().manual_seed(9)) * 20
+        attach_ledger(client, plan)
+        client.modules[LEDGER_KEY].begin_round(0)
+        before = _parameters(client)
+        run_local_training(client, context, lambda batch: 1e4 * loss_fn(batch), torch_generator(0, "b"))
+        results.append(_parameters(client) - before)
+    gap = float((results[0] - results[1]).norm())
+    assert gap <= lr * 2 * C / B * (1 + 1e-4)
+    assert gap > 0.2 * lr * C / B  # the replaced sample's clipped gradient did change
+
+
+def test_dpsgd_trains_and_reports_per_sample_losses():
+    """With little noise DP-SGD still learns the training batches (the loss falls over epochs),
+    and the reported loss is the sum of the per-sample losses."""
+    context, client = _private_client(_plan(0.05, grad_norm=5.0, target=1e6, epochs=1), samples=12, batch_size=4,
+                                      lr=0.05)
+    generator = torch_generator(0, "b")
+    first, seen = run_local_training(client, context, batch_cross_entropy, generator)
+    assert seen == 12
+    for round_index in range(1, 6):
+        client.modules[LEDGER_KEY].begin_round(round_index)
+        last, _ = run_local_training(client, context, batch_cross_entropy, torch_generator(0, "b", round_index))
+    assert last < first
+
+
+def test_dpsgd_refuses_other_optimizers_and_gradient_edits():
+    context, client = _private_client(_plan(1.0), samples=8, batch_size=4)
+    with pytest.raises(ConfigError, match="DP-SGD does not cover"):
+        run_local_training(client, context, batch_cross_entropy, torch_generator(0, "b"), before_step=lambda: None)
+
+
+def test_batchnorm_model_is_refused_with_one_line():
+    _, context = make_context("fedproto", num_classes=3, feature_dim=8)
+    client = make_client(context)
+    client.model.extra = torch.nn.BatchNorm1d(4)
+    with pytest.raises(ConfigError, match="BatchNorm1d") as caught:
+        attach_ledger(client, _plan(1.0))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("algorithm, options", [
+    ("fedproto", {}), ("fedproto", {"client_reg": "htfllib"}), ("fedtgp", {}), ("fedoc", {}), ("fedgh", {}),
+    ("feddistill", {"logits_from": "post_update"}),
+])
+def test_accepted_algorithms_train_privately_through_their_own_code(algorithm, options):
+    """Two rounds of each accepted algorithm's own client and server with a ledger: every loss
+    runs under the per-sample DP-SGD step, every upload is the noised release of the classes
+    with enough samples, and the ledger holds E + 1 mechanisms per round."""
+    plan = _plan(1.0, target=1e3, min_count=3)
+    entry, context = make_context(algorithm, num_classes=3, feature_dim=8, **options)
+    server, algorithm_client = entry.server(context), entry.client(context)
+    client = make_client(context, samples=8)  # classes 0, 1 hold 3 samples each, class 2 holds 2
+    algorithm_client.init_client(client)
+    attach_ledger(client, plan)
+    before = _parameters(client)
+    for round_index in range(2):
+        client.modules[LEDGER_KEY].begin_round(round_index)
+        result = algorithm_client.train(client, server.download(), round_index, torch_generator(0, "b", round_index))
+        assert result.samples == 8 and math.isfinite(result.loss_sum)
+        assert result.upload["class_ids"].tolist() == [0, 1]
+        server.validate_upload(0, result.upload)
+        server.update({0: result.upload}, round_index, torch_generator(0, "s", round_index))
+    assert client.modules[LEDGER_KEY].history == ((1.0, 1.0, 4),)
+    assert float((_parameters(client) - before).norm()) > 0
+
+
+# --------------------------------------------------------------------------- budget and resume
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_a_spent_budget_stops_training_and_uploads(capsys, accountant):
+    """Calibrated for 2 rounds: the client takes part in rounds 1 and 2 (ε at most the target),
+    then stops, says so in one line, neither trains nor uploads, and spends nothing more."""
+    raw = {"rounds": 2, "privacy": {"enabled": True, "target_epsilon": 2.0, "min_class_samples": 1,
+                                    "accountant": accountant}}
+    plan = privacy_plan(config_from_dict(raw))
+    entry, context = make_context("fedproto", num_classes=3, feature_dim=8, batch_size=4)
+    algorithm = entry.client(context)
+    client = make_client(context, client_id=3, samples=12)
+    attach_ledger(client, plan)
+    ledger = client.modules[LEDGER_KEY]
+    knowledge = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 8)}
+    spent = []
+    for round_index in range(4):
+        ledger.begin_round(round_index)
+        result = algorithm.train(client, knowledge, round_index, torch_generator(0, "b", round_index))
+        spent.append(ledger.epsilon())
+        if round_index < 2:
+            assert result.upload["class_ids"].tolist() == [0, 1, 2] and result.samples == 12
+        else:
+            assert result.upload["class_ids"].numel() == 0 and result.upload["protos"].shape == (0, 8)
+            assert result.samples == 0
+    assert spent[0] < spent[1] <= 2.0 and spent[1] == spent[2] == spent[3]
+    lines = [line for line in capsys.readouterr().err.splitlines() if "privacy" in line]
+    assert len(lines) == 1 and "client 3" in lines[0] and "round 3" in lines[0]
+
+
+def test_reported_epsilon_columns_are_the_max_and_median():
+    assert epsilon_columns([0.5, 3.0, 1.0, 2.0]) == {"epsilon_max": 3.0, "epsilon_median": 1.5}
+    assert epsilon_columns([]) == {}
+
+
+def test_charge_past_the_budget_is_an_error_never_a_silent_overspend():
+    ledger = PrivacyLedger(_plan(1.0, target=3.0), 0)
+    ledger.begin_round(0)
+    with pytest.raises(RuntimeError, match="past its privacy budget"):
+        ledger.charge(50)
+    assert ledger.history == ()
+
+
+def test_ledger_round_trip_continues_epsilon_exactly():
+    """The ledger's state through a checkpoint (torch.save / weights_only load) into a ledger
+    built from another plan (a resumed run with more rounds calibrates another σ): the history,
+    the kept σ and the stop continue, so ε after further rounds equals the uninterrupted one."""
+    plan = _plan(1.7, target=30.0)
+    original = PrivacyLedger(plan, 5)
+    for round_index in range(3):
+        original.begin_round(round_index)
+        original.charge(1)
+        original.charge(1)
+    restored = PrivacyLedger(_plan(9.0, target=30.0), 5)
+    restored.load_state_dict(roundtrip(copy.deepcopy(original.state_dict())))
+    assert restored.history == original.history == ((1.7, 1.0, 6),)
+    assert restored.noise_multiplier == 1.7 and restored.epsilon() == original.epsilon()
+    for ledger in (original, restored):
+        ledger.begin_round(3)
+        ledger.charge(2)
+    assert restored.epsilon() == original.epsilon()
+    stopped = PrivacyLedger(plan, 5)
+    stopped.stopped_round = 4
+    again = PrivacyLedger(plan, 5)
+    again.load_state_dict(roundtrip(stopped.state_dict()))
+    again.begin_round(5)
+    assert not again.active
+
+
+# --------------------------------------------------------------------------- config and refusals
+
+
+def test_privacy_section_off_leaves_the_experiment_and_its_hash_alone():
+    plain = config_from_dict({})
+    assert "privacy" not in plain.experiment()
+    changed_but_off = config_from_dict({"privacy": {"delta": 1e-6, "feature_clip": 3.0}})
+    assert changed_but_off.config_hash() == plain.config_hash()
+    on = config_from_dict({"privacy": {"enabled": True}})
+    assert on.experiment()["privacy"]["target_epsilon"] == 4.0 and on.config_hash() != plain.config_hash()
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"privacy": {"delta": 1.0}}, "'privacy.delta' must be in (0, 1)"),
+    ({"privacy": {"target_epsilon": 0}}, "'privacy.target_epsilon' must be > 0"),
+    ({"privacy": {"accountant": "gdp"}}, "'privacy.accountant' is 'gdp'; allowed: rdp, prv"),
+    ({"privacy": {"min_class_samples": 0}}, "'privacy.min_class_samples' must be >= 1"),
+])
+def test_bad_privacy_values_are_one_line(raw, message):
+    with pytest.raises(ConfigError) as caught:
+        config_from_dict(raw)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def _check(algorithm, **extra):
+    algo = extra.pop("algo", {})
+    config = config_from_dict({"algorithm": algorithm, "privacy": {"enabled": True}, "algo": algo, **extra})
+    entry = get_algorithm(algorithm)
+    options = parse_options(entry, algo)
+    _, context = make_context(algorithm, num_classes=10, feature_dim=8, **algo)
+    check_private_run(config, entry, options, [field.name for field in entry.client.upload_fields(context)])
+
+
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedtgp", "fedoc", "fedgh"])
+def test_class_row_algorithms_are_accepted(algorithm):
+    _check(algorithm)
+
+
+@pytest.mark.parametrize("algorithm, extra, message", [
+    ("fedkd", {}, "uploads what privacy.* does not noise"),
+    ("lgfedavg", {}, "uploads what privacy.* does not noise"),
+    ("fml", {}, "uploads what privacy.* does not noise"),
+    ("feddistill", {}, "algo.logits_from=during_training"),
+    ("fedproto", {"algo": {"proto_from": "during_training"}}, "algo.proto_from=during_training"),
+    ("fedproto", {"algo": {"weighted": True}}, "class counts"),
+    ("fedproto", {"train": {"client_batching": "vmap"}}, "client_batching=vmap"),
+])
+def test_uncovered_runs_are_refused_with_one_line(algorithm, extra, message):
+    with pytest.raises(ConfigError) as caught:
+        _check(algorithm, **extra)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_feddistill_with_post_update_logits_is_accepted():
+    _check("feddistill", algo={"logits_from": "post_update"})
+
+
+# --------------------------------------------------------------------------- a real run
+
+
+PRIVATE = ("privacy.enabled=true", "privacy.target_epsilon=4", "rounds=2")
+
+
+def _private_smoke(launcher: str, nproc: int, out, cache_dir, *overrides: str) -> list[dict]:
+    """``conftest.run_smoke`` with room for DP-SGD's per-sample step on a busy machine."""
+    result = launch(launcher, nproc, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
+                                      *overrides], timeout=1200)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return read_metrics(out)
+
+
+@pytest.mark.launch
+def test_private_run_is_world_size_invariant(tmp_path, cache_dir):
+    """The same private run on one process and on three torchrun ranks: identical metrics, ε
+    included (every noise stream is keyed by seed, client and round, never by rank)."""
+    single = _private_smoke("single", 1, tmp_path / "single", cache_dir, *PRIVATE)
+    ranks = _private_smoke("torchrun", 3, tmp_path / "torchrun", cache_dir, *PRIVATE)
+    assert maths_only(single) == maths_only(ranks)
+    assert [row["round"] for row in single] == [1, 2]
+    assert 3.9 <= single[-1]["epsilon_max"] <= 4.0 and single[0]["epsilon_max"] < single[-1]["epsilon_max"]
+
+
+@pytest.mark.launch
+def test_resume_continues_epsilon_exactly_and_stops_clients_at_the_budget(tmp_path, cache_dir):
+    """Calibrated for 2 rounds, run for 3: the third round is past every client's budget, so each
+    client says so once and uploads nothing, and ε stays where round 2 left it. Resumed from the
+    round-2 checkpoint (ledgers in the client files), the run reproduces the uninterrupted one."""
+    planned = (*PRIVATE[:2], "privacy.planned_rounds=2")
+    whole = _private_smoke("single", 1, tmp_path / "whole", cache_dir, *planned, "rounds=3")
+    assert whole[2]["epsilon_max"] == whole[1]["epsilon_max"] <= 4.0
+    assert whole[2]["global_classes"] == 0.0  # nobody uploaded a row in round 3
+    part = tmp_path / "part"
+    _private_smoke("single", 1, part, cache_dir, *planned, "rounds=2", "checkpoint_every=1")
+    resumed = launch("single", 1, ["--config", str(SMOKE), "--out", str(part), f"data.cache_dir={cache_dir}",
+                                   *planned, "rounds=3", "checkpoint_every=1", "--resume", "auto"], timeout=1200)
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stderr.count("neither trains nor uploads") == 6
+    assert maths_only(read_metrics(part)) == maths_only(whole)
