@@ -24,14 +24,16 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
-from conftest import REPO, SMOKE, _env, launch, read_metrics
+from conftest import REPO, SMOKE, _env, launch, maths_only, read_metrics
 
 pytestmark = pytest.mark.slurm
 
@@ -337,3 +339,27 @@ def test_sigterm_checkpoints_requeues_and_resumes(cluster, reference, tmp_path, 
     assert f"job {job} attempt 2" in log, log
     _same_metrics(read_metrics(out), reference)
     assert (out / "summary.json").is_file() and not (out / "PREEMPTED").exists()
+
+
+def test_a_study_as_one_array_job_gives_the_cells_of_a_local_study(cluster, tmp_path, cache_dir):
+    """python -m htfl_dist.study --slurm --wait: one array job over the study's cells, both at once
+    (a node each, two ranks through slurm/cpu.sbatch), then the table; every cell's metrics equal
+    the same study's run locally, one process per cell."""
+    study = tmp_path / "study.yaml"
+    study.write_text(yaml.safe_dump({"base": str(SMOKE), "set": {"rounds": 2, "data.cache_dir": str(cache_dir)},
+                                     "grid": {"algorithm": ["fedproto", "local"]}}))
+    program = [sys.executable, "-m", "htfl_dist.study", str(study), "--progress-every", "0"]
+    local = subprocess.run([*program, "--out", str(tmp_path / "local"), "--jobs", "2"], cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=300)
+    assert local.returncode == 0, local.stdout + local.stderr
+    array = subprocess.run(cluster.on_host("ctl", *program, "--out", str(tmp_path / "array"), "--slurm", "--wait",
+                                           "--sbatch", "--nodes=1 --ntasks-per-node=2 --cpus-per-task=1"),
+                           cwd=REPO, env=cluster.env, capture_output=True, text=True, timeout=300)
+    assert array.returncode == 0, array.stdout + array.stderr
+    assert "submitted array job" in array.stdout and "| fedproto | 1 |" in array.stdout, array.stdout
+    logs = sorted((tmp_path / "array" / "slurm").glob("array-0-task-*.log"))
+    assert len(logs) == 2 and all("1 node(s) x 2 rank(s)" in log.read_text() for log in logs)
+    for cell in ("fedproto-seed0", "local-seed0"):
+        rows = read_metrics(tmp_path / "array" / "cells" / cell)
+        assert len(rows) == 2 and maths_only(rows) == maths_only(read_metrics(tmp_path / "local" / "cells" / cell))
+    assert "| 2/2 |" in (tmp_path / "array" / "table.md").read_text()

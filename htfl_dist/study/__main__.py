@@ -1,0 +1,144 @@
+"""``python -m htfl_dist.study STUDY.yaml --out DIR [--set key=value ...] [--jobs N] [--ranks R]
+[--gpus-per-cell G] [--slurm [--wait]] [--dry-run] [--table-only]``: a paper's table in one command (docs/studies.md).
+
+Exit status: 0 every cell finished; 2 a mistake in the study, a cell's config or DIR (one line);
+75 stopped by SIGTERM/Ctrl-C after the running cells checkpointed (run the same command again);
+100 + n when n cells failed or were stopped alone (at most 199); the others still ran.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from htfl_dist.errors import HtflError
+from htfl_dist.study import plan, schedule, slurm, table
+
+EXIT_USER_ERROR = 2
+EXIT_FAILED_BASE = 100
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m htfl_dist.study", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("study", help="study file (see studies/)")
+    parser.add_argument("--out", required=True, help="study directory: DIR/cells/<key>-seed<s>/, DIR/table.md")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="cells at once (default: 1 on CPU, every GPU place with GPUs; with --slurm: "
+                             "tasks at once, unlimited by default)")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="key=value", dest="overrides",
+                        help="overrides for every cell after the study's own (e.g. data.root=DIR rounds=50)")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="these seeds instead of the study's")
+    parser.add_argument("--ranks", type=int, default=1, help="ranks per cell (torchrun when > 1)")
+    parser.add_argument("--gpus-per-cell", type=float, default=1.0,
+                        help="GPUs a cell sees: a whole number, or 1/k for k cells per GPU (0.5, 0.25)")
+    parser.add_argument("--gpus", default=None,
+                        help="CUDA device ids to use, comma-separated (default: every visible GPU; "
+                             "'none': CPU only)")
+    parser.add_argument("--cores", type=int, default=None, help="CPU cores to share (default: all usable)")
+    parser.add_argument("--progress-every", type=float, default=30.0, metavar="S",
+                        help="seconds between progress lines (0 = none)")
+    parser.add_argument("--slurm", choices=("cpu", "gpu"), nargs="?", const="cpu", default=None,
+                        help="submit one array job through slurm/cpu.sbatch (or gpu.sbatch) instead")
+    parser.add_argument("--sbatch", default="", help="extra sbatch options for --slurm, one string")
+    parser.add_argument("--wait", action="store_true", help="with --slurm: wait for the array, then write the table")
+    parser.add_argument("--dry-run", action="store_true", help="validate every cell and print the commands")
+    parser.add_argument("--table-only", action="store_true", help="write the table from DIR as it is")
+    return parser.parse_args(argv)
+
+
+def visible_gpus(option: str | None) -> list[int]:
+    if option is not None:
+        if option.strip().lower() == "none":
+            return []
+        try:
+            return [int(item) for item in option.split(",") if item.strip()]
+        except ValueError:
+            raise plan.StudyError(f"--gpus {option!r}: comma-separated device ids, or none") from None
+    import torch
+
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+def default_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out).resolve()
+    study = plan.validate(plan.expand(Path(args.study), args.overrides, args.seeds), args.ranks)
+    if args.dry_run:
+        return _dry_run(study, out, args.ranks)
+    if args.table_only:
+        print(table.write_outputs(study, out), flush=True)
+        return 0
+    plan.claim_directory(out, study)
+    pending = [cell for cell in study.cells if not plan.finished(cell, out)]
+    print(f"study: {study.title}: {len(study.cells)} cells, {len(study.cells) - len(pending)} already finished; "
+          f"directory {out}", flush=True)
+    if args.slurm:
+        return _slurm(study, out, pending, args)
+    gpus = visible_gpus(args.gpus)
+    jobs = args.jobs or (len(schedule.assign_slots(10**6, 1, 1, gpus, args.gpus_per_cell)) if gpus else 1)
+    slots = schedule.assign_slots(jobs, args.cores or default_cores(), args.ranks, gpus, args.gpus_per_cell)
+    print(f"study: {len(slots)} at once, {args.ranks} rank(s) x {slots[0].threads} thread(s) per cell"
+          f"{', GPUs ' + ' | '.join(','.join(map(str, s.gpus)) for s in slots) if gpus else ' on CPU'}", flush=True)
+    runner = schedule.LocalRunner(out, slots, args.ranks, args.progress_every, study.cells)
+    outcome = runner.run(pending, len(study.cells) - len(pending))
+    print(runner.progress_line(0), flush=True)
+    print(table.write_outputs(study, out), flush=True)
+    print(f"study: table in {out / 'table.md'}, {out / 'table.csv'}, {out / 'curves.png'}", flush=True)
+    if outcome.stopped:
+        print(f"study: stopped; {len(outcome.interrupted)} cell(s) checkpointed; run the same command again to "
+              f"continue", file=sys.stderr, flush=True)
+        return schedule.EXIT_PREEMPTED
+    return _failed_status(len(outcome.failed) + len(outcome.interrupted))  # not finished either way
+
+
+def _failed_status(failed: int) -> int:
+    if failed:
+        print(f"study: {failed} cell(s) did not finish", file=sys.stderr, flush=True)
+        return EXIT_FAILED_BASE + min(failed, 99)
+    return 0
+
+
+def _dry_run(study: plan.Study, out: Path, ranks: int) -> int:
+    for cell in study.cells:
+        state = "finished" if plan.finished(cell, out) else "to run"
+        launcher = "python" if ranks == 1 else f"torchrun --standalone --nproc_per_node={ranks}"
+        print(f"{cell.name} [{cell.config_hash}, {cell.rounds} rounds, {state}]: {launcher} -m htfl_dist.main "
+              f"{shlex.join(cell.main_args(out))}")
+    print(f"study: {len(study.cells)} cells, {len(study.keys)} rows; all configs valid")
+    return 0
+
+
+def _slurm(study: plan.Study, out: Path, pending: list[plan.Cell], args: argparse.Namespace) -> int:
+    if not pending:
+        print(table.write_outputs(study, out), flush=True)
+        return 0
+    job, status = slurm.submit(pending, out, args.slurm, args.jobs, shlex.split(args.sbatch), args.wait)
+    if not args.wait:
+        print(f"study: the table once the array has run: python -m htfl_dist.study {shlex.quote(str(study.path))} "
+              f"--out {shlex.quote(str(out))} --table-only", flush=True)
+        return 0
+    print(table.write_outputs(study, out), flush=True)
+    unfinished = [cell for cell in study.cells if not plan.finished(cell, out)]
+    for cell in unfinished:
+        print(f"study: cell {cell.name} did not finish in array job {job} (sbatch status {status}); "
+              f"see {out / 'slurm'}", file=sys.stderr, flush=True)
+    return _failed_status(len(unfinished))
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(argv)
+    except HtflError as exc:
+        print(f"htfl_dist.study: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Running a study's cells on this machine: N at once, each with its share of the cores, GPUs
+packed k cells per device (or g devices per cell), multi-rank cells under torchrun.
+
+Each cell is a child process in its own session, so a Ctrl-C at the terminal reaches only the
+study, which then asks every running cell to checkpoint (SIGTERM, which the program turns into a
+checkpoint at the round boundary and exit status 75). A rerun of the same command reads finished
+cells back and continues the others from their checkpoints (``--resume auto``).
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from htfl_dist.metrics.writer import _clock as clock
+from htfl_dist.metrics.writer import read_rows
+from htfl_dist.study.plan import Cell, StudyError
+
+EXIT_PREEMPTED = 75  # the program's own status for "checkpointed on SIGTERM"
+CELL_LOG = "output.log"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one running cell goes: the CUDA devices it sees (empty: CPU) and its torch threads
+    per rank."""
+
+    gpus: tuple[int, ...]
+    threads: int
+
+
+def assign_slots(jobs: int, cores: int, ranks_per_cell: int = 1, gpus: Sequence[int] = (),
+                 gpus_per_cell: float = 1.0) -> list[Slot]:
+    """The slots of a study: at most ``jobs`` cells at once. On CPU each rank of a running cell
+    gets an equal share of ``cores`` (at least one thread). With ``gpus``, ``gpus_per_cell`` is
+    either a whole number g (a cell sees g devices of its own) or 1/k (k cells share a device,
+    the count limit); slots go round the devices, so fewer jobs than places still spread out."""
+    if jobs < 1 or ranks_per_cell < 1 or cores < 1:
+        raise StudyError(f"--jobs and --ranks must be >= 1 (got --jobs {jobs}, --ranks {ranks_per_cell})")
+    if not gpus:
+        threads = max(1, cores // (jobs * ranks_per_cell))
+        return [Slot((), threads) for _ in range(jobs)]
+    places = _gpu_places(list(gpus), gpus_per_cell)
+    chosen = places[:jobs]
+    threads = max(1, cores // (len(chosen) * ranks_per_cell))
+    return [Slot(place, threads) for place in chosen]
+
+
+def _gpu_places(gpus: list[int], gpus_per_cell: float) -> list[tuple[int, ...]]:
+    if gpus_per_cell >= 1:
+        if not float(gpus_per_cell).is_integer():
+            raise StudyError(f"--gpus-per-cell {gpus_per_cell}: a whole number of GPUs, or 1/k to share one")
+        size = int(gpus_per_cell)
+        if size > len(gpus):
+            raise StudyError(f"--gpus-per-cell {size} needs {size} GPUs; {len(gpus)} visible")
+        return [tuple(gpus[i:i + size]) for i in range(0, len(gpus) - size + 1, size)]
+    if gpus_per_cell <= 0:
+        raise StudyError(f"--gpus-per-cell must be > 0, got {gpus_per_cell}")
+    per_gpu = round(1 / gpus_per_cell)
+    if not math.isclose(per_gpu * gpus_per_cell, 1.0, rel_tol=1e-6):
+        raise StudyError(f"--gpus-per-cell {gpus_per_cell}: use 1/k (0.5, 0.25, ...) so k cells share a GPU")
+    return [(gpu,) for _ in range(per_gpu) for gpu in gpus]  # round the devices first
+
+
+def cell_command(cell: Cell, out: Path, slot: Slot, ranks: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one cell in ``slot``. The slot's threads are passed as
+    ``runtime.threads`` (plumbing: the config hash does not change) unless the study sets it."""
+    args = cell.main_args(out)
+    if "runtime.threads" not in cell.explicit_keys:
+        args.append(f"runtime.threads={slot.threads}")
+    program = ["-m", "htfl_dist.main", *args]
+    if ranks == 1:
+        command = [sys.executable, *program]
+    else:
+        command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}", *program]
+    env = dict(os.environ, OMP_NUM_THREADS=str(slot.threads))
+    if slot.gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus))
+    return command, env
+
+
+@dataclass
+class Running:
+    cell: Cell
+    slot: Slot
+    process: subprocess.Popen
+    log: object
+
+
+@dataclass
+class Outcome:
+    done: list[Cell] = field(default_factory=list)
+    failed: list[Cell] = field(default_factory=list)
+    interrupted: list[Cell] = field(default_factory=list)
+    stopped: bool = False  # SIGTERM/SIGINT reached the study
+
+
+class LocalRunner:
+    """Launch the pending cells into free slots until all have ended or a signal stops the study."""
+
+    def __init__(self, out: Path, slots: list[Slot], ranks: int, progress_every_s: float,
+                 all_cells: list[Cell]) -> None:
+        self.out, self.slots, self.ranks = out, slots, ranks
+        self.progress_every_s = progress_every_s
+        self.all_cells = all_cells
+        self.outcome = Outcome()
+        self.running: list[Running] = []
+        self.signals = 0
+
+    def run(self, pending: list[Cell], already_done: int) -> Outcome:
+        pending = list(pending)
+        self.already_done = already_done
+        self.began = time.monotonic()
+        self.rounds_at_start = self._rounds_done()
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        last_line = time.monotonic()
+        try:
+            while self.running or (pending and not self.outcome.stopped):
+                free = [slot for slot in self.slots if all(r.slot is not slot for r in self.running)]
+                while free and pending and not self.outcome.stopped:
+                    self._start(pending.pop(0), free.pop(0))
+                time.sleep(0.3)
+                self._reap()
+                if self.progress_every_s and time.monotonic() - last_line >= self.progress_every_s:
+                    last_line = time.monotonic()
+                    print(self.progress_line(len(pending)), flush=True)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return self.outcome
+
+    def _on_signal(self, signum: int, frame) -> None:
+        """First signal: every running cell checkpoints and exits; no new cell starts. A later one
+        is passed on too (the program then ends at once)."""
+        self.signals += 1
+        self.outcome.stopped = True
+        if self.signals == 1:
+            print(f"study: {signal.Signals(signum).name}: the {len(self.running)} running cell(s) checkpoint "
+                  f"and stop; run the same command again to continue", file=sys.stderr, flush=True)
+        for entry in self.running:
+            if entry.process.poll() is None:
+                entry.process.send_signal(signal.SIGTERM)
+
+    def _start(self, cell: Cell, slot: Slot) -> None:
+        run_dir = cell.run_dir(self.out)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        command, env = cell_command(cell, self.out, slot, self.ranks)
+        log = open(run_dir / CELL_LOG, "a")  # noqa: SIM115 (closed when the cell ends)
+        log.write(f"study: {' '.join(command)}\n")
+        log.flush()
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.running.append(Running(cell, slot, process, log))
+
+    def _reap(self) -> None:
+        for entry in list(self.running):
+            code = entry.process.poll()
+            if code is None:
+                continue
+            entry.log.close()
+            self.running.remove(entry)
+            cell, run_dir = entry.cell, entry.cell.run_dir(self.out)
+            if code == 0:
+                self.outcome.done.append(cell)
+            elif code == EXIT_PREEMPTED or (self.outcome.stopped and (run_dir / "PREEMPTED").exists()):
+                self.outcome.interrupted.append(cell)
+                if not self.outcome.stopped:  # a SIGTERM that reached the cell alone
+                    print(f"study: cell {cell.name} stopped after a checkpoint (exit status {code}); the same "
+                          f"command again continues it", file=sys.stderr, flush=True)
+            else:
+                self.outcome.failed.append(cell)
+                print(f"study: cell {cell.name} failed (exit status {code}): {_last_line(run_dir / CELL_LOG)}; "
+                      f"log {run_dir / CELL_LOG}", file=sys.stderr, flush=True)
+
+    def _rounds_done(self) -> int:
+        total = 0
+        for cell in self.all_cells:
+            metrics = cell.run_dir(self.out) / "metrics.jsonl"
+            if metrics.is_file():
+                rows = read_rows(metrics)
+                total += min(rows[-1]["round"], cell.rounds) if rows else 0
+        return total
+
+    def progress_line(self, waiting: int) -> str:
+        """Cells done/running/failed/waiting and an ETA from the rounds finished since the start."""
+        done = self.already_done + len(self.outcome.done)
+        planned = sum(cell.rounds for cell in self.all_cells)
+        rounds_now = self._rounds_done()
+        rate = (rounds_now - self.rounds_at_start) / max(time.monotonic() - self.began, 1e-9)
+        eta = f"ETA {clock((planned - rounds_now) / rate)}" if rate > 0 else "ETA unknown"
+        return (f"study: {done}/{len(self.all_cells)} cells done, {len(self.running)} running, "
+                f"{len(self.outcome.failed)} failed, {waiting} waiting; rounds {rounds_now}/{planned}; {eta}")
+
+
+def _last_line(log: Path) -> str:
+    try:
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return "no log"
+    return lines[-1].strip() if lines else "no output"

@@ -1,0 +1,241 @@
+"""Studies (python -m htfl_dist.study): grid expansion and cell keys, per-cell validation, packing,
+the table's folding over seeds, the refusal of a foreign directory, and a study killed with
+SIGTERM and run again (its cells' metrics equal an uninterrupted study's)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import REPO, SMOKE, _env, maths_only, read_metrics
+from htfl_dist.main import resolved_config
+from htfl_dist.metrics.report import RunRecord
+from htfl_dist.study import plan, schedule, table
+from htfl_dist.study.__main__ import main as study_main
+
+
+def write_study(folder: Path, **content) -> Path:
+    path = folder / "study.yaml"
+    path.write_text(yaml.safe_dump({"base": str(SMOKE), **content}))
+    return path
+
+
+# ------------------------------------------------------------------------------------ grid and cells
+
+def test_grid_product_keys_overrides_and_cell_patterns(tmp_path):
+    path = write_study(tmp_path, set={"rounds": 2, "train": {"lr": 0.05}},
+                       grid={"algorithm": ["fedproto", "fedtgp"], "data.partition": ["dirichlet", "pathological"]},
+                       seeds=[3, 4], cells={"fedtgp": {"algo.tau": 50}, "fedtgp/pathological": {"algo.tau": 7}},
+                       paper={"fedproto/dirichlet": "97.46 ± 0.01"})
+    study = plan.expand(path)
+    assert study.keys == ["fedproto/dirichlet", "fedproto/pathological", "fedtgp/dirichlet", "fedtgp/pathological"]
+    assert [cell.name for cell in study.cells[:3]] == ["fedproto/dirichlet-seed3", "fedproto/dirichlet-seed4",
+                                                        "fedproto/pathological-seed3"]
+    assert len(study.cells) == 8 and study.paper == {"fedproto/dirichlet": 97.46}
+    by_name = {cell.name: cell for cell in study.cells}
+    assert by_name["fedproto/dirichlet-seed3"].overrides == (
+        "rounds=2", "train.lr=0.05", "algorithm=fedproto", "data.partition=dirichlet", "seed=3")
+    assert by_name["fedtgp/dirichlet-seed4"].overrides[-2:] == ("algo.tau=50", "seed=4")
+    assert by_name["fedtgp/pathological-seed4"].overrides[-2:] == ("algo.tau=7", "seed=4")  # the specific one wins
+    assert by_name["fedtgp/pathological-seed4"].run_dir(tmp_path) == tmp_path / "cells/fedtgp/pathological-seed4"
+
+
+def test_a_cell_has_the_config_and_hash_main_gives_the_same_overrides(tmp_path):
+    path = write_study(tmp_path, grid={"data.beta": [0.5]}, set={"algo": {"reg_weight": 2.0}, "data.subsample": 0.03})
+    study = plan.validate(plan.expand(path))
+    (cell,) = study.cells
+    assert cell.key == "0.5" and cell.rounds == 3
+    expected = resolved_config(str(SMOKE), ["algo.reg_weight=2.0", "data.subsample=0.03", "data.beta=0.5", "seed=0"])
+    assert cell.config_hash == expected.config_hash()
+    assert resolved_config(str(cell.config_file), list(cell.overrides)).to_dict() == expected.to_dict()
+
+
+def test_base_with_placeholders_and_a_config_axis(tmp_path):
+    path = tmp_path / "t10.yaml"
+    path.write_text(yaml.safe_dump({"base": str(REPO / "configs" / "fmnist_htcnn8_{algorithm}_{data.partition}.yaml"),
+                                    "grid": {"algorithm": ["fedproto", "fml"], "data.partition": ["pathological"]}}))
+    cells = plan.expand(path).cells
+    assert [c.config_file.name for c in cells] == ["fmnist_htcnn8_fedproto_pathological.yaml",
+                                                  "fmnist_htcnn8_fml_pathological.yaml"]
+    path.write_text(yaml.safe_dump({"grid": {"config": [os.path.relpath(SMOKE, tmp_path)]}}))  # from the study
+    (cell,) = plan.expand(path).cells
+    assert cell.key == "smoke" and cell.config_file == SMOKE
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"grid": {"algorithm": "fedproto"}}, "study key 'grid.algorithm' must be a non-empty list"),
+    ({"cells": {"fedtgp": {"algo.tau": 1}}}, "study key 'cells.fedtgp' matches no cell"),
+    ({"paper": {"fedtgp/dirichlet": 97.0}}, "study key 'paper.fedtgp/dirichlet' names no cell"),
+    ({"sets": {}}, "unknown study key 'sets'"),
+    ({"seeds": [0, 0]}, "study key 'seeds' must be a list of distinct integers"),
+])
+def test_study_file_mistakes_are_one_line(tmp_path, content, message):
+    with pytest.raises(plan.StudyError, match=message):
+        plan.expand(write_study(tmp_path, **content))
+
+
+def test_a_bad_cell_stops_the_study_before_any_starts_with_one_line(tmp_path, capsys):
+    path = write_study(tmp_path, grid={"algorithm": ["fedproto", "fedtgp"]}, seeds=[0, 1],
+                       cells={"fedtgp": {"algo.tau": -1}})
+    out = tmp_path / "out"
+    assert study_main([str(path), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("htfl_dist.study: error: cell fedtgp-seed0: ")
+    assert "algo.tau" in err
+    assert not out.exists()
+    path = write_study(tmp_path, grid={"train.batch_size": [10, 0]})
+    assert study_main([str(path), "--out", str(out), "--dry-run"]) == 2
+    assert "cell 0-seed0: config key 'train.batch_size' must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_dry_run_prints_each_cell_command(tmp_path, capsys):
+    path = write_study(tmp_path, grid={"algorithm": ["fedproto", "local"]})
+    assert study_main([str(path), "--out", str(tmp_path / "out"), "--dry-run", "--ranks", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("fedproto-seed0 [") and "torchrun --standalone --nproc_per_node=3" in lines[0]
+    assert lines[1].endswith(f"--out {tmp_path}/out/cells/local-seed0 --resume auto algorithm=local seed=0")
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------ the directory
+
+def test_a_directory_of_another_study_is_refused(tmp_path, capsys):
+    out = tmp_path / "out"
+    first = plan.validate(plan.expand(write_study(tmp_path, grid={"algorithm": ["fedproto", "local"]})))
+    plan.claim_directory(out, first)
+    plan.claim_directory(out, first)  # the same study again: its own directory
+    more_seeds = plan.validate(plan.expand(write_study(tmp_path, grid={"algorithm": ["fedproto", "local"]},
+                                                       seeds=[0, 1])))
+    plan.claim_directory(out, more_seeds)  # cells added: still this study
+    assert set(json.loads((out / "study.json").read_text())["cells"]) == {c.name for c in more_seeds.cells}
+    other = write_study(tmp_path, grid={"algorithm": ["fedproto", "local"]}, set={"data.beta": 0.5}, seeds=[0, 1])
+    assert study_main([str(other), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds cells of another study (cell fedproto-seed0: config hash" in err and len(err.splitlines()) == 1
+    fewer = plan.validate(plan.expand(write_study(tmp_path, grid={"algorithm": ["fedproto"]})))
+    with pytest.raises(plan.StudyError, match="cell fedproto-seed1: this study has no such cell"):
+        plan.claim_directory(out, fewer)
+    stranger = tmp_path / "stranger"
+    stranger.mkdir()
+    (stranger / "metrics.jsonl").write_text("")
+    with pytest.raises(plan.StudyError, match=r"not empty and holds no study\.json"):
+        plan.claim_directory(stranger, first)
+
+
+# ------------------------------------------------------------------------------------ packing
+
+def test_cpu_slots_share_the_cores():
+    assert schedule.assign_slots(2, 16) == [schedule.Slot((), 8)] * 2
+    assert schedule.assign_slots(3, 16, ranks_per_cell=2) == [schedule.Slot((), 2)] * 3  # 16 // 6
+    assert schedule.assign_slots(4, 2) == [schedule.Slot((), 1)] * 4  # never below one thread
+
+
+def test_gpu_slots_pack_k_cells_per_gpu_or_g_gpus_per_cell():
+    quarter = schedule.assign_slots(100, 16, gpus=[0, 1], gpus_per_cell=0.25)
+    assert [slot.gpus for slot in quarter] == [(0,), (1,)] * 4  # the count limit: 4 per GPU, 8 in all
+    assert {slot.threads for slot in quarter} == {2}
+    assert [s.gpus for s in schedule.assign_slots(3, 12, gpus=[4, 5, 6], gpus_per_cell=0.5)] == [(4,), (5,), (6,)]
+    pairs = schedule.assign_slots(8, 8, ranks_per_cell=2, gpus=[0, 1, 2, 3, 4], gpus_per_cell=2)
+    assert [slot.gpus for slot in pairs] == [(0, 1), (2, 3)] and pairs[0].threads == 2
+    with pytest.raises(plan.StudyError, match="needs 4 GPUs; 2 visible"):
+        schedule.assign_slots(1, 4, gpus=[0, 1], gpus_per_cell=4)
+    with pytest.raises(plan.StudyError, match="use 1/k"):
+        schedule.assign_slots(1, 4, gpus=[0], gpus_per_cell=0.3)
+
+
+def test_cell_command_gets_its_slot():
+    cell = plan.Cell("k", 0, SMOKE, ("seed=0",))
+    command, env = schedule.cell_command(cell, Path("/s"), schedule.Slot((2, 3), 4), ranks=2)
+    assert command[0].endswith("torchrun") and command[1:3] == ["--standalone", "--nproc_per_node=2"]
+    assert command[-2:] == ["seed=0", "runtime.threads=4"]
+    assert env["CUDA_VISIBLE_DEVICES"] == "2,3" and env["OMP_NUM_THREADS"] == "4"
+    mine = plan.Cell("k", 0, SMOKE, ("runtime.threads=1", "seed=0"), explicit_keys=frozenset({"runtime.threads"}))
+    command, _ = schedule.cell_command(mine, Path("/s"), schedule.Slot((), 4), ranks=1)
+    assert command[:3] == [sys.executable, "-m", "htfl_dist.main"] and command[-1] == "seed=0"
+
+
+# ------------------------------------------------------------------------------------ the table
+
+def _record(name: str, accuracies: list[float], seconds: float = 2.0, server: float = 0.5) -> RunRecord:
+    rows = [{"round": r + 1, "test_acc": acc, "test_acc_head": acc, "seconds": seconds, "server_s": server,
+             "bytes_up": 1000, "bytes_theory_up": 800} for r, acc in enumerate(accuracies)]
+    return RunRecord(Path(name), {"rounds": 4}, None, rows)
+
+
+def test_seeds_fold_into_mean_and_population_std():
+    records = [_record("a", [0.50, 0.90, 0.80]), _record("b", [0.60, 0.94, 0.86], seconds=4.0, server=1.5)]
+    row = table.fold("fedproto/dirichlet", records, 4, paper=91.5)
+    # best 90 and 94: mean 92, std sqrt(((90-92)^2 + (94-92)^2) / 2) = 2; last 80 and 86: 83 ± 3
+    assert row["best_mean"] == pytest.approx(92.0) and row["best_std"] == pytest.approx(2.0)
+    assert row["last_mean"] == pytest.approx(83.0) and row["last_std"] == pytest.approx(3.0)
+    assert row["difference"] == pytest.approx(0.5)
+    assert (row["rounds_done"], row["rounds_planned"], row["seeds"]) == (3, 4, 2)
+    assert row["seconds_per_round"] == pytest.approx(3.0) and row["server_share"] == pytest.approx(1.0 / 3.0)
+    assert row["up_over_theory"] == pytest.approx(1.25) and row["mb_up_per_round"] == pytest.approx(0.001)
+    text = table.markdown([row, table.fold("fml/dirichlet", [], 4, None)])
+    assert "| fedproto/dirichlet | 2 | 92.00 ± 2.00 | 83.00 ± 3.00 | 91.50 | +0.50 | 3/4 | 3.00 | 33.3 % |" in text
+    assert "| fml/dirichlet | 0 | - | - | - | - | 0/4 | - | - | - | - |" in text
+    assert table.csv_text([row]).splitlines()[1].startswith("fedproto/dirichlet,2,92.0,2.0,83.0,3.0,91.5,0.5,3,4,")
+    rounds, mean, low, high = table.band(records)
+    assert rounds == [1, 2, 3] and mean == pytest.approx([55.0, 92.0, 83.0])
+    assert low == pytest.approx([50.0, 90.0, 80.0]) and high == pytest.approx([60.0, 94.0, 86.0])
+
+
+# ------------------------------------------------------------------------------------ real runs
+
+def _launch_study(study: Path, out: Path, jobs: int = 2) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "htfl_dist.study", str(study), "--out", str(out),
+                             "--jobs", str(jobs), "--progress-every", "1"], cwd=REPO, env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.launch
+def test_a_killed_study_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path, cache_dir):
+    """SIGTERM to the study mid-run: its cells checkpoint (exit 75), the study exits 75; the same
+    command again reads finished cells back and resumes the others; every cell's metrics then
+    equal those of a study that ran straight through, and its summary carries main's config hash.
+    The straight study has a third cell that fails: it is named in one line, the others finish,
+    and the exit status counts it."""
+    common = {"rounds": 3, "num_clients": 4, "data.cache_dir": str(cache_dir), "data.subsample": 0.01}
+    straight_file = write_study(tmp_path, set=common, grid={"algorithm": ["fedproto", "local", "lgfedavg"]},
+                                cells={"lgfedavg": {"data.root": str(tmp_path / "no-such-data")}})
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    reference = _launch_study(straight_file, straight, jobs=3)
+    output = reference.communicate(timeout=120)[0]
+    assert reference.returncode == 101, output
+    failed = [line for line in output.splitlines() if "failed (exit status" in line]
+    assert len(failed) == 1 and "cell lgfedavg-seed0 failed" in failed[0] and "no-such-data" in failed[0], output
+    assert "study: 2/3 cells done, 0 running, 1 failed, 0 waiting" in output
+    path = write_study(tmp_path, set=common, grid={"algorithm": ["fedproto", "local"]})
+    first = _launch_study(path, killed)
+    metrics = killed / "cells" / "fedproto-seed0" / "metrics.jsonl"
+    deadline = time.monotonic() + 90
+    while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    first.send_signal(signal.SIGTERM)
+    output = first.communicate(timeout=120)[0]
+    assert first.returncode == 75, output
+    assert (killed / "cells" / "fedproto-seed0" / "PREEMPTED").exists(), output
+    assert len(read_metrics(killed / "cells" / "fedproto-seed0")) < 3
+    second = _launch_study(path, killed)
+    output = second.communicate(timeout=120)[0]
+    assert second.returncode == 0, output
+    for name in ("fedproto-seed0", "local-seed0"):
+        assert maths_only(read_metrics(killed / "cells" / name)) == maths_only(read_metrics(straight / "cells" / name))
+        summary = json.loads((killed / "cells" / name / "summary.json").read_text())
+        overrides = [f"{key}={value}" for key, value in common.items()]
+        expected = resolved_config(str(SMOKE), [*overrides, f"algorithm={name.split('-')[0]}", "seed=0"])
+        assert summary["config_hash"] == expected.config_hash()
+    table_md = (killed / "table.md").read_text()
+    assert "| fedproto | 1 |" in table_md and "| 3/3 |" in table_md
+    assert (killed / "table.csv").is_file() and (killed / "curves.png").stat().st_size > 0
+    third = _launch_study(path, killed)  # all finished: read back, nothing launched
+    output = third.communicate(timeout=60)[0]
+    assert third.returncode == 0 and "2 cells, 2 already finished" in output, output
