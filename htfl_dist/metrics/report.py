@@ -26,7 +26,7 @@ METRICS_FILE, CONFIG_FILE, SUMMARY_FILE = "metrics.jsonl", "config.yaml", "summa
 RUN_DIRECTORY = (f"a run directory is the --out of `python -m htfl_dist.main` and holds {METRICS_FILE}, "
                  f"{CONFIG_FILE} and, once finished, {SUMMARY_FILE}")
 CONFIG_HINT = f"{CONFIG_FILE} is the resolved config `python -m htfl_dist.main` writes; restore it or leave the run out"
-# Columns every metrics row has, in the order README's "Outputs" lists them; CSV files put them first.
+# Columns every metrics row has, in the order docs/running.md's "Outputs" lists them; CSV files put them first.
 CORE_COLUMNS = ("round", "test_acc", "test_acc_head", "test_acc_std", "train_loss", "bytes_up", "bytes_down",
                 "bytes_theory_up", "bytes_theory_down", "seconds", "client_s", "server_s", "comm_s")
 TABLE_COLUMNS = ("run", "algorithm", "dataset", "partition", "model", "seed", "rounds", "best acc % (round)",
