@@ -230,7 +230,7 @@ def test_g_buffers_restart_from_the_initial_g_every_round(monkeypatch):
         seed_global_torch(0, "train", client_id, 0)
         algorithm.train(make_client(context, client_id=client_id, samples=8, data_seed=client_id), knowledge, 0,
                         torch_generator(0, "batches", client_id, 0))
-        return {name: b.clone() for name, b in algorithm.scratch.named_buffers()}
+        return {name: b.clone() for name, b in algorithm.shared_copy.module.named_buffers()}
 
     reused = entry.client(context)
     after_first = train(reused, 0)
@@ -240,7 +240,7 @@ def test_g_buffers_restart_from_the_initial_g_every_round(monkeypatch):
     fresh = train(entry.client(context), 1)
     for name in initial:
         assert torch.equal(after_second[name], fresh[name]), name  # client 1 did not inherit client 0's
-    for name, buffer in reused.download_shared(knowledge, torch.device("cpu")).named_buffers():
+    for name, buffer in reused.shared_copy.load(knowledge, torch.device("cpu")).named_buffers():
         assert torch.equal(buffer, initial[name]), name
 
 

@@ -45,6 +45,7 @@ from htfl_dist.algorithms import parameters
 from htfl_dist.algorithms.blocks.model_part import (
     SAMPLE_COUNT,
     Average,
+    DownloadedCopy,
     ModelPart,
     PartAveragingServer,
     sample_count,
@@ -212,8 +213,7 @@ def build_projector(context: AlgorithmContext) -> nn.Linear:
 class FedMRLClient(ClientAlgorithm):
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
-        self.scratch: nn.Module | None = None  # G for eval_extractor=global, refilled from each download
-        self.initial_buffers: dict[str, torch.Tensor] = {}
+        self.downloaded = DownloadedCopy(SMALL_MODEL, context)  # G for eval_extractor=global
         self.small_floats = SMALL_MODEL.floats(context)
         self.evaluation_small: nn.Module | None = None  # the G^ex that predict fuses
 
@@ -236,15 +236,9 @@ class FedMRLClient(ClientAlgorithm):
     def small_model(self, client: ClientState, knowledge: Payload) -> nn.Module:
         """The downloaded G: its parameters loaded into the client's own G (local), or into a scratch
         G whose buffers are reset to the initial G's (global, as HtFLlib's server buffers never change)."""
-        if self.options.eval_extractor == "local":
-            small = client.modules["small_model"]
-        else:
-            if self.scratch is None:
-                self.scratch = SMALL_MODEL.initial(self.context)
-                self.initial_buffers = {name: b.detach().clone() for name, b in self.scratch.named_buffers()}
-            small = self.scratch.to(client.device)
-            for name, buffer in small.named_buffers():
-                buffer.copy_(self.initial_buffers[name])
+        if self.options.eval_extractor == "global":
+            return self.downloaded.load(knowledge, client.device)
+        small = client.modules["small_model"]
         parameters.load_parameter_row(small, knowledge[SMALL_MODEL.name].to(client.device))
         return small
 

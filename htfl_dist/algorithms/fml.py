@@ -25,10 +25,15 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import nn
 
 from htfl_dist.algorithms import parameters
-from htfl_dist.algorithms.blocks.model_part import SAMPLE_COUNT, Average, PartAveragingServer, sample_count
+from htfl_dist.algorithms.blocks.model_part import (
+    SAMPLE_COUNT,
+    Average,
+    DownloadedCopy,
+    PartAveragingServer,
+    sample_count,
+)
 from htfl_dist.algorithms.interface import (
     AlgorithmContext,
     ClientAlgorithm,
@@ -39,7 +44,6 @@ from htfl_dist.algorithms.losses import MutualKD, fml_losses
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.shared_model import (
     SHARED_MODEL,
-    build_shared_model,
     check_member_name,
     clip_gradients,
 )
@@ -74,8 +78,7 @@ class FMLOptions:
 class FMLClient(ClientAlgorithm):
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
-        self.scratch: nn.Module | None = None  # G_i, refilled from the download every round
-        self.initial_buffers: dict[str, torch.Tensor] = {}
+        self.shared_copy = DownloadedCopy(SHARED_MODEL, context)  # G_i, refilled from every download
         self.shared_floats = SHARED_MODEL.floats(context)
 
     @classmethod
@@ -87,22 +90,10 @@ class FMLClient(ClientAlgorithm):
         counts = (SAMPLE_COUNT,) if context.options.avg == "sample_weighted" else ()
         return (SHARED_MODEL.field(context), *counts)
 
-    @torch.no_grad()
-    def download_shared(self, knowledge: Payload, device: torch.device) -> nn.Module:
-        """G_i = the downloaded G: its parameters from the download, its buffers the initial G's."""
-        if self.scratch is None:
-            self.scratch = build_shared_model(self.context).to(device)
-            self.initial_buffers = {name: b.detach().clone() for name, b in self.scratch.named_buffers()}
-        scratch = self.scratch.to(device)
-        parameters.load_parameter_row(scratch, knowledge["shared"].to(device))
-        for name, buffer in scratch.named_buffers():
-            buffer.copy_(self.initial_buffers[name])
-        return scratch
-
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         options = self.options
-        shared = self.download_shared(knowledge, client.device)
+        shared = self.shared_copy.load(knowledge, client.device)
         shared.train()
         shared_optimizer = torch.optim.SGD(shared.parameters(), lr=self.context.train.lr)
 

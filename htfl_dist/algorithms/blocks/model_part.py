@@ -117,6 +117,29 @@ FEATURE_EXTRACTOR = ClientModelPart("feature_extractor")
 WHOLE_MODEL = ClientModelPart("model")
 
 
+class DownloadedCopy:
+    """A client-side working copy of a downloaded part: its parameters from the download, its
+    buffers (BatchNorm statistics) the initial part's, since only parameters travel. One module,
+    refilled at every download, so a round of many clients allocates it once (FML's G_i, FedMRL's
+    G under ``eval_extractor=global``)."""
+
+    def __init__(self, part: ModelPart, context: AlgorithmContext) -> None:
+        self.part, self.context = part, context
+        self.module: nn.Module | None = None
+        self.initial_buffers: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def load(self, knowledge: Payload, device: torch.device) -> nn.Module:
+        if self.module is None:
+            self.module = self.part.initial(self.context)
+            self.initial_buffers = {name: b.detach().clone() for name, b in self.module.named_buffers()}
+        module = self.module = self.module.to(device)
+        parameters.load_parameter_row(module, knowledge[self.part.name].to(device))
+        for name, buffer in module.named_buffers():
+            buffer.copy_(self.initial_buffers[name])
+        return module
+
+
 def sample_count(client: ClientState) -> torch.Tensor:
     """n_i = size of the client's full training split, as int64 [1] (not counted as floats)."""
     return torch.tensor([client.train_y.shape[0]], dtype=torch.int64)
