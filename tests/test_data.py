@@ -587,9 +587,18 @@ def test_pathological_rejects_too_many_classes():
 
 
 def test_pathological_class_smaller_than_its_holders():
-    labels = _synthetic_labels(3, 10)
+    labels = _synthetic_labels(3, 10)  # 30 samples; 25 clients x 2 classes: 5 holders a class
     with pytest.raises(DataError, match="class 0 has 3 samples"):
-        partition_pathological(labels, 50, 2, 10, np.random.default_rng(0))
+        partition_pathological(labels, 25, 2, 10, np.random.default_rng(0))
+
+
+def test_more_clients_than_samples_is_refused_before_allocating():
+    labels = _synthetic_labels(3, 10)  # 30 samples
+    for partition in (lambda: partition_pathological(labels, 31, 2, 10, np.random.default_rng(0)),
+                      lambda: partition_dirichlet(labels, 10**9, 0.1, 10, np.random.default_rng(0))):
+        with pytest.raises(ConfigError, match=r"config key 'num_clients' is .*, but the data has 30 samples"):
+            partition()
+    partition_pathological(labels, 10, 1, 10, np.random.default_rng(0))  # 10 clients, one class each: fine
 
 
 # --------------------------------------------------------------------------- dirichlet
@@ -622,7 +631,7 @@ def test_dirichlet_small_beta_is_non_iid():
 
 
 def test_dirichlet_impossible_request_fails_fast():
-    labels = _synthetic_labels(20, 10)  # 200 samples
+    labels = _synthetic_labels(60, 10)  # 600 samples: 500 clients x 10 cannot fit
     start = time.perf_counter()
     with pytest.raises(DataError) as exc:
         partition_dirichlet(labels, 500, 0.1, 10, np.random.default_rng(0))
