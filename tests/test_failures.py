@@ -53,7 +53,7 @@ def _worker_pids(agent_pid):
 @pytest.mark.launch
 def test_sigterm_checkpoints_at_the_round_boundary_then_resumes(uninterrupted, tmp_path, cache_dir):
     agent = _start_torchrun(tmp_path, cache_dir)
-    _wait_for_line(agent, f"round 2/{ROUNDS}")
+    _wait_for_line(agent, f"round 1/{ROUNDS}")  # the rest of the run is the slack for a loaded machine
     began = time.monotonic()
     agent.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank, as srun does
     stdout, stderr = agent.communicate(timeout=60)
@@ -62,7 +62,7 @@ def test_sigterm_checkpoints_at_the_round_boundary_then_resumes(uninterrupted, t
     print(f"SIGTERM -> all ranks checkpointed and exited in {ended_s:.1f} s")
     assert ended_s < 30
     stopped_at = len(read_metrics(tmp_path))
-    assert 2 <= stopped_at < ROUNDS
+    assert 1 <= stopped_at < ROUNDS
     assert (tmp_path / "checkpoints" / f"round_{stopped_at:05d}" / "MANIFEST.json").is_file()
     assert not (tmp_path / "summary.json").exists()
     result = launch("torchrun", 3, ["--config", str(SMOKE), "--out", str(tmp_path), "--resume", "auto",

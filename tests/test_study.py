@@ -203,7 +203,7 @@ def test_a_killed_study_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path,
     equal those of a study that ran straight through, and its summary carries main's config hash.
     The straight study has a third cell that fails: it is named in one line, the others finish,
     and the exit status counts it."""
-    common = {"rounds": 3, "num_clients": 4, "data.cache_dir": str(cache_dir), "data.subsample": 0.01}
+    common = {"rounds": 6, "num_clients": 4, "data.cache_dir": str(cache_dir), "data.subsample": 0.01}
     straight_file = write_study(tmp_path, set=common, grid={"algorithm": ["fedproto", "local", "lgfedavg"]},
                                 cells={"lgfedavg": {"data.root": str(tmp_path / "no-such-data")}})
     straight, killed = tmp_path / "straight", tmp_path / "killed"
@@ -223,7 +223,7 @@ def test_a_killed_study_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path,
     output = first.communicate(timeout=120)[0]
     assert first.returncode == 75, output
     assert (killed / "cells" / "fedproto-seed0" / "PREEMPTED").exists(), output
-    assert len(read_metrics(killed / "cells" / "fedproto-seed0")) < 3
+    assert len(read_metrics(killed / "cells" / "fedproto-seed0")) < 6  # the other rounds: slack under load
     second = _launch_study(path, killed)
     output = second.communicate(timeout=120)[0]
     assert second.returncode == 0, output
@@ -234,7 +234,7 @@ def test_a_killed_study_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path,
         expected = resolved_config(str(SMOKE), [*overrides, f"algorithm={name.split('-')[0]}", "seed=0"])
         assert summary["config_hash"] == expected.config_hash()
     table_md = (killed / "table.md").read_text()
-    assert "| fedproto | 1 |" in table_md and "| 3/3 |" in table_md
+    assert "| fedproto | 1 |" in table_md and "| 6/6 |" in table_md
     assert (killed / "table.csv").is_file() and (killed / "curves.png").stat().st_size > 0
     third = _launch_study(path, killed)  # all finished: read back, nothing launched
     output = third.communicate(timeout=60)[0]
