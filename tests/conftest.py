@@ -5,6 +5,7 @@ import copy
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,16 @@ def _remember_running_test(request):
     _RUNNING_TEST[0] = request.node
     yield
     _RUNNING_TEST[0] = None
+
+
+@pytest.fixture(autouse=True)
+def _sigterm_unblocked_after_each_test():
+    """``htfl_dist.main.main`` called in this process (the catalogue of bad inputs, the data-kind
+    runs) blocks SIGTERM in this thread for its preemption listener, and a blocked signal is
+    inherited by every process started later: torchrun or a study started by a later test would
+    never see the SIGTERM the test sends. Each test ends with SIGTERM unblocked again."""
+    yield
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
 def _require_launch_mark() -> None:
