@@ -43,12 +43,12 @@ from torch import nn
 
 from htfl_dist.algorithms import parameters
 from htfl_dist.algorithms.blocks.model_part import (
-    SAMPLE_COUNT,
     Average,
     DownloadedCopy,
     ModelPart,
     PartAveragingServer,
-    sample_count,
+    part_upload,
+    part_upload_fields,
 )
 from htfl_dist.algorithms.interface import (
     AlgorithmContext,
@@ -223,8 +223,7 @@ class FedMRLClient(ClientAlgorithm):
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        counts = (SAMPLE_COUNT,) if context.options.avg == "sample_weighted" else ()
-        return (SMALL_MODEL.field(context), *counts)
+        return part_upload_fields(SMALL_MODEL, context, context.options.avg)
 
     def init_client(self, client: ClientState) -> None:
         """P_k, and with eval_extractor=local the client's own G (the initial G until it trains)."""
@@ -260,10 +259,7 @@ class FedMRLClient(ClientAlgorithm):
                                    options.global_weight, options.local_weight)
 
         loss_sum, seen = run_local_training(client, self.context, loss_fn, generator, optimizers=optimizers)
-        upload = {SMALL_MODEL.name: parameters.parameter_row(small)}
-        if options.avg == "sample_weighted":
-            upload["num_samples"] = sample_count(client)
-        return TrainResult(upload, loss_sum, seen)
+        return TrainResult(part_upload(SMALL_MODEL, small, client, options.avg), loss_sum, seen)
 
     def theory_upload_floats(self, client: ClientState) -> int:
         """|G|: the small model's parameters (n_k is an integer and not counted)."""

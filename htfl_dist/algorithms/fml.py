@@ -26,13 +26,12 @@ from typing import Literal
 
 import torch
 
-from htfl_dist.algorithms import parameters
 from htfl_dist.algorithms.blocks.model_part import (
-    SAMPLE_COUNT,
     Average,
     DownloadedCopy,
     PartAveragingServer,
-    sample_count,
+    part_upload,
+    part_upload_fields,
 )
 from htfl_dist.algorithms.interface import (
     AlgorithmContext,
@@ -87,8 +86,7 @@ class FMLClient(ClientAlgorithm):
 
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        counts = (SAMPLE_COUNT,) if context.options.avg == "sample_weighted" else ()
-        return (SHARED_MODEL.field(context), *counts)
+        return part_upload_fields(SHARED_MODEL, context, context.options.avg)
 
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
@@ -108,10 +106,7 @@ class FMLClient(ClientAlgorithm):
 
         loss_sum, seen = run_local_training(client, self.context, loss_fn, generator,
                                             optimizers=[client.optimizer, shared_optimizer], before_step=before_step)
-        upload = {"shared": parameters.parameter_row(shared)}
-        if options.avg == "sample_weighted":
-            upload["num_samples"] = sample_count(client)
-        return TrainResult(upload, loss_sum, seen)
+        return TrainResult(part_upload(SHARED_MODEL, shared, client, options.avg), loss_sum, seen)
 
     def theory_upload_floats(self, client: ClientState) -> int:
         """|G|: the shared model's parameters (n_i is an integer and not counted)."""

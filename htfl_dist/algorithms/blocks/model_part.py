@@ -148,6 +148,20 @@ def sample_count(client: ClientState) -> torch.Tensor:
 SAMPLE_COUNT = Field("num_samples", torch.int64, max_rows=1)
 
 
+def part_upload_fields(part: ModelPart, context: AlgorithmContext, average: Average) -> PayloadSpec:
+    """A trained part's row, plus n_i only when the server weights by it (``counts_on_wire=False``
+    on the server: FML's and FedMRL's shared model)."""
+    return (part.field(context), *((SAMPLE_COUNT,) if average == "sample_weighted" else ()))
+
+
+def part_upload(part: ModelPart, module: nn.Module, client: ClientState, average: Average) -> Payload:
+    """The upload ``part_upload_fields`` declares, for ``module`` trained by ``client``."""
+    upload = {part.name: parameters.parameter_row(module)}
+    if average == "sample_weighted":
+        upload["num_samples"] = sample_count(client)
+    return upload
+
+
 @dataclass
 class HeadSharingOptions:
     """Options every head-sharing method has."""
