@@ -7,7 +7,7 @@ For each number of clients (``--num-clients``, default 20 and 100: 2-3 and 12-13
 HtCNN8 architecture), it prints per architecture and in total the seconds of both and the
 speed-up. The two alternate ``--repeats`` times and the fastest of each counts, so background
 load hurts both the same way. Both run on the same models (timing only: the batched path's
-equality is tests/test_client_batching.py's business).
+equality is tests/algorithms/test_client_batching.py's business).
 
     python bench/batched_clients.py
     python bench/batched_clients.py --num-clients 20 --algorithm fedproto --device cuda

@@ -96,7 +96,7 @@ class DataConfig:
     """A dataset registered in ``htfl_dist.data.sources`` (one module per source). The names are
     spelled out here, not built from the registry, because building them would be an import
     cycle: the source modules and the data package import this module (``DEFAULT_FMNIST_ROOT``,
-    ``DataConfig``). tests/test_data.py checks that this list equals the registry's names, in
+    ``DataConfig``). tests/data/test_data.py checks that this list equals the registry's names, in
     registration order, so a dataset added there fails that test until it is named here too."""
     root: str | None = None
     """Directory holding the dataset files (fmnist default: the OS package's directory). The

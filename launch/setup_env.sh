@@ -16,11 +16,11 @@ if [ ! -f /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq dataset-fashion-mnist >/dev/null
 fi
 
-# SLURM and munge for tests/test_slurm.py (a throw-away two-node cluster in network namespaces).
+# SLURM and munge for tests/e2e/test_slurm.py (a throw-away two-node cluster in network namespaces).
 # Only as root with apt-get; elsewhere that test skips.
 have() { PATH="$PATH:/usr/sbin:/sbin" command -v "$1" >/dev/null; }
 if [ "$(id -u)" -eq 0 ] && have apt-get && ! { have slurmctld && have munged && have ip; }; then
-  echo "setup: installing slurm-wlm, munge and iproute2 (Debian packages, for tests/test_slurm.py)"
+  echo "setup: installing slurm-wlm, munge and iproute2 (Debian packages, for tests/e2e/test_slurm.py)"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge iproute2 >/dev/null
 fi

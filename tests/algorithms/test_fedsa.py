@@ -387,7 +387,7 @@ def test_partial_participation_real_run(reference, cache_dir):
 @pytest.mark.launch
 def test_three_ranks_give_the_metrics_of_one_process(reference, tmp_path, cache_dir):
     """The reference code's options with partial participation on mpirun -n 3 (torchrun -n 3
-    gets the same comparison, with the paper's options, in tests/test_conformance.py)."""
+    gets the same comparison, with the paper's options, in tests/e2e/test_conformance.py)."""
     rows = _run("mpirun", 3, tmp_path, cache_dir)
     for key in ("test_acc", "test_acc_head", "train_loss", "bytes_theory_up", "bytes_theory_down", "global_margin",
                 "local_margin_mean", "anchor_drift", "upload_to_anchor", "proto_drift"):

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import REPO
 from htfl_dist.config import DEFAULT_FMNIST_ROOT, DataConfig, load_config
 from htfl_dist.data.cache import _build_indices, _partition_key, prepare_partition
 from htfl_dist.data.datasets import fmnist_files, parse_idx
@@ -35,7 +36,7 @@ needs_fmnist = pytest.mark.skipif(
     not os.path.isdir(DEFAULT_FMNIST_ROOT), reason="apt-get install dataset-fashion-mnist to run this test"
 )
 
-SMOKE_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "smoke.yaml"
+SMOKE_CONFIG = REPO / "configs" / "smoke.yaml"
 
 
 def _digest(positions: np.ndarray) -> str:

@@ -40,7 +40,7 @@ MORE_ARCHS = (
     + ["amazon_mlp", "amazon_mlp_200", "amazon_mlp_500", "amazon_mlp_1000_500", "amazon_mlp_1000_500_200"]
 )
 """ViTs (image sides divisible by their patch) and the sensor, text and tabular members
-(tests/test_models_more_kinds.py)."""
+(tests/data/test_models_more_kinds.py)."""
 
 INPUTS = [(1, 28), (3, 32)]  # (in_channels, image_size): Fashion-MNIST and CIFAR shapes
 

@@ -1,5 +1,5 @@
 """FML: options, the shared-model rule and its setup check, the server mean by hand, the client's
-scratch copy of G, and one real run. The shared-model helpers here serve tests/test_fedkd.py too."""
+scratch copy of G, and one real run. The shared-model helpers here serve tests/algorithms/test_fedkd.py too."""
 from __future__ import annotations
 
 import math

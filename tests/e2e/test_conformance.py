@@ -137,9 +137,9 @@ RUN_OVERRIDES = {
 that needs another model group, e.g. homogeneous feature extractors, names it here).
 FedKD: the smallest HtCNN8 member as the mentee (the default, htcnn1, spends 18 of each round's
 25 s in float64 SVDs of its 512x4608 layer; htcnn2's is 512x1024), still compressed per layer
-and sent both ways. FedOC: 3 of 6 clients a round, the run ``tests/test_fedoc.py`` also checks
+and sent both ways. FedOC: 3 of 6 clients a round, the run ``tests/algorithms/test_fedoc.py`` also checks
 (and resumes on mpirun), so the one-process run is shared. FedTGP: 3 of 6 clients a round and
-20 server epochs instead of 100, the run ``tests/test_runs.py`` also spreads over 4 ranks."""
+20 server epochs instead of 100, the run ``tests/e2e/test_runs.py`` also spreads over 4 ranks."""
 
 
 @pytest.mark.launch

@@ -1,6 +1,6 @@
 """Bad input through a real launch: the few cases only a process shows (argparse in a fresh
 interpreter, torchrun's failure summary, mpirun's world). The catalogue of every bad input, run
-in-process, is tests/test_bad_inputs.py."""
+in-process, is tests/e2e/test_bad_inputs.py."""
 from __future__ import annotations
 
 import pytest

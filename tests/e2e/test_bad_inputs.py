@@ -1,7 +1,7 @@
 """The catalogue of bad input: every mistake the project knows a user makes, each ending in one
 line on stderr (our format, no traceback), its exit status, and no changed file in the run
 directory. In-process through ``htfl_dist.main.main`` (the same code a launch runs, minus the
-interpreter start); tests/test_cli_errors.py launches the few that need a real process."""
+interpreter start); tests/e2e/test_cli_errors.py launches the few that need a real process."""
 from __future__ import annotations
 
 import shutil
@@ -28,7 +28,7 @@ def _stderr_line(capsys) -> str:
 def _snapshot(directory: Path) -> dict[str, bytes] | None:
     """Every file under ``directory`` with its bytes (None: no directory), the lock file aside: it
     is the run directory's lock, not the run's data, and rank 0 makes it when it takes the
-    directory (tests/test_nothing_lost.py checks what happens to it)."""
+    directory (tests/e2e/test_nothing_lost.py checks what happens to it)."""
     if not directory.exists():
         return None
     return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
