@@ -2,13 +2,17 @@
 
 The runtime uses ``prepare_partition`` once (any rank; concurrent calls are safe), then each
 rank calls ``load_client_split`` for its own logical clients only.
+
+Where things are: ``datasets`` and ``sources/`` read datasets; ``partition`` holds the legacy
+partition rules and the checks both rule sets share, ``partition_pfllib`` PFLlib's rules;
+``pfllib`` reads a directory PFLlib wrote; ``prepare`` turns a config into a partition cache and
+``cache`` is that file (layout, atomic write, readers).
 """
 from .cache import (
     FORMAT_VERSION,
     ClientSplit,
     PartitionInfo,
     load_client_split,
-    prepare_partition,
     read_partition_info,
 )
 from .datasets import DatasetArrays, load_dataset, parse_idx
@@ -20,6 +24,7 @@ from .partition import (
     train_count,
 )
 from .pfllib import read_pfllib_config, read_pfllib_file
+from .prepare import prepare_partition
 
 __all__ = [
     "FORMAT_VERSION",

@@ -17,9 +17,8 @@ import pytest
 
 from conftest import REPO
 from htfl_dist.config import DEFAULT_FMNIST_ROOT, DataConfig, load_config
-from htfl_dist.data.cache import _build_indices, _partition_key, prepare_partition
 from htfl_dist.data.datasets import fmnist_files, parse_idx
-from htfl_dist.data.partition import (
+from htfl_dist.data.partition_pfllib import (
     partition_dirichlet_pfllib,
     partition_pathological_pfllib,
     pfllib_client_splits,
@@ -28,6 +27,7 @@ from htfl_dist.data.partition import (
     pfllib_shares,
     split_train_test_pfllib,
 )
+from htfl_dist.data.prepare import _build_indices, _partition_key, prepare_partition
 from htfl_dist.errors import ConfigError, DataError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "pfllib_partition_seed1.json").read_text())

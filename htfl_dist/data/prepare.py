@@ -1,0 +1,330 @@
+"""From a config to a partition cache: which file the config needs, and what goes into it.
+
+:func:`prepare_partition` is the one entry point. It names the cache by a hash of every input
+that changes the split (format version, dataset, a fingerprint of the source files, partition
+parameters, subsample, train_ratio, seed, num_clients: :func:`_partition_key`), reuses the file
+when it exists and is complete, and otherwise builds it: for a split drawn here, it reads the
+dataset and draws every client's (train, test) indices (:func:`_build_indices`, by the legacy or
+PFLlib's rules); for ``data.partition=pfllib`` it converts a directory PFLlib already wrote.
+
+The file itself (layout, atomic write, reading) is :mod:`htfl_dist.data.cache`; the draws are
+:mod:`htfl_dist.data.partition` and :mod:`htfl_dist.data.partition_pfllib`. This module is the
+glue that decides, and the only place that knows which config keys enter a cache's name.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+from htfl_dist.config import DataConfig, partition_cache_dir
+from htfl_dist.errors import ConfigError, DataError
+from htfl_dist.seeding import numpy_rng
+
+from .cache import (
+    FORMAT_VERSION,
+    ClientArrays,
+    PartitionInfo,
+    is_complete,
+    read_partition_info,
+    write_cache,
+)
+from .datasets import dataset_fingerprint, dataset_root, dataset_source, load_dataset
+from .partition import (
+    LEGACY_MIN_SAMPLES,
+    partition_dirichlet,
+    partition_pathological,
+    split_train_test,
+    subsample_indices,
+)
+from .partition_pfllib import PFLLIB_BATCH_SIZE, pfllib_client_splits, pfllib_least_samples
+from .pfllib import (
+    input_kind_of,
+    pfllib_fingerprint,
+    pickle_refusal,
+    read_pfllib_config,
+    read_pfllib_file,
+)
+
+Report = Callable[[str], None]
+"""Receives one progress line per step (rank 0 prints them)."""
+
+
+# --------------------------------------------------------------------------- keys and names
+
+
+def _safe_label(text: str) -> str:
+    """A directory's name made safe for a file name (a PFLlib cache is named after it)."""
+    return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("._") or "dataset"
+
+
+def _key_json(key: dict) -> str:
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
+
+
+def _cache_path(data: DataConfig, label: str, partition: str, key_json: str) -> str:
+    """``<cache_dir>/<label>-<partition>-<hash>.h5``, the hash over everything that shapes the split."""
+    digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
+    return os.path.join(partition_cache_dir(data), f"{label}-{partition}-{digest}.h5")
+
+
+def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | None,
+                   batch_size: int) -> dict:
+    """Every input that changes a split drawn here. Its JSON is hashed into the file name and
+    stored in the file, so any change means another cache; a new key must leave the JSON of
+    configs that do not use it unchanged, or every existing cache would be rebuilt."""
+    key = {
+        "format_version": FORMAT_VERSION,
+        "dataset": data.dataset,
+        "source": dataset_fingerprint(data.dataset, root),
+        "partition": data.partition,
+        "subsample": float(data.subsample),
+        "train_ratio": float(data.train_ratio),
+        "seed": int(seed),
+        "num_clients": int(num_clients),
+    }
+    if data.partition == "pathological":
+        key["classes_per_client"] = int(data.classes_per_client)
+    elif data.partition == "dirichlet":
+        key["beta"] = float(data.beta)
+    if data.partition_rules == "legacy":  # the key as before the option existed: caches stay valid
+        if data.partition == "dirichlet":
+            key["min_samples_per_client"] = _legacy_min_samples(data)
+    else:
+        key["partition_rules"] = data.partition_rules
+        key["min_samples_per_client"] = data.min_samples_per_client
+        if data.min_samples_per_client is None:  # PFLlib's guard depends on the batch size
+            key["batch_size"] = int(batch_size)
+    return key
+
+
+def _legacy_min_samples(data: DataConfig) -> int:
+    if data.min_samples_per_client is None:
+        return LEGACY_MIN_SAMPLES
+    return int(data.min_samples_per_client)
+
+
+def _pfllib_guard(data: DataConfig, n_samples: int, num_clients: int, batch_size: int) -> int:
+    """The user's data.min_samples_per_client, else PFLlib's least_samples for this data."""
+    if data.min_samples_per_client is not None:
+        return int(data.min_samples_per_client)
+    return pfllib_least_samples(n_samples, num_clients, batch_size, data.train_ratio)
+
+
+# --------------------------------------------------------------------------- a split drawn here
+
+
+def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_clients: int,
+                   seed: int, batch_size: int = PFLLIB_BATCH_SIZE) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per client (train indices, test indices) into the full dataset."""
+    subset = subsample_indices(labels, data.subsample, numpy_rng(seed, "subsample"))
+    sub_labels = labels[subset]
+    if data.partition_rules == "pfllib":
+        splits = pfllib_client_splits(
+            sub_labels, num_clients, num_classes, partition=data.partition, seed=seed,
+            least_samples=_pfllib_guard(data, sub_labels.size, num_clients, batch_size),
+            train_ratio=data.train_ratio, beta=data.beta,
+            classes_per_client=data.classes_per_client, max_tries=data.max_partition_tries,
+        )
+        return [(subset[train], subset[test]) for train, test in splits]
+    rng = numpy_rng(seed, "partition")
+    if data.partition == "pathological":
+        parts = partition_pathological(
+            sub_labels, num_clients, data.classes_per_client, num_classes, rng
+        )
+    else:
+        parts = partition_dirichlet(
+            sub_labels, num_clients, data.beta, num_classes, rng,
+            min_samples=_legacy_min_samples(data), max_tries=data.max_partition_tries,
+        )
+    out = []
+    for cid, part in enumerate(parts):
+        train, test = split_train_test(subset[part], data.train_ratio, numpy_rng(seed, "split", cid))
+        out.append((train, test))
+    return out
+
+
+def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Report,
+                       batch_size: int) -> PartitionInfo:
+    known_classes = dataset_source(data.dataset).num_classes
+    if data.partition == "pathological" and known_classes and data.classes_per_client > known_classes:
+        # Fail before the dataset is read.
+        raise ConfigError(
+            f"config key 'data.classes_per_client' is {data.classes_per_client} but the dataset "
+            f"has only {known_classes} classes; use a value in 1..{known_classes}"
+        )
+    root = dataset_root(data)
+    key = _partition_key(data, num_clients, seed, root, batch_size)
+    key_json = _key_json(key)
+    path = _cache_path(data, data.dataset, data.partition, key_json)
+    if is_complete(path, key_json):
+        report(f"data: partition cache found ({path})")
+        return read_partition_info(path)
+
+    report(f"data: no partition cache for this config yet; reading {data.dataset} "
+           f"from {root or 'its default location'}")
+    arrays = load_dataset(data.dataset, root)
+    report(f"data: {arrays.labels.shape[0]} samples, {arrays.num_classes} classes; partitioning "
+           f"({data.partition}, {data.partition_rules} rules) into {num_clients} clients")
+    splits = _build_indices(data, arrays.labels, arrays.num_classes, num_clients, seed, batch_size)
+    images, labels = arrays.images, arrays.labels
+
+    def client_arrays(cid: int) -> ClientArrays:
+        train, test = splits[cid]
+        return images[train], labels[train], images[test], labels[test]
+
+    attrs = {
+        "format_version": FORMAT_VERSION,
+        "dataset": data.dataset,
+        "partition": data.partition,
+        "num_classes": int(arrays.num_classes),
+        "in_channels": int(images.shape[1]),
+        "image_size": int(images.shape[2]),
+        "num_clients": int(num_clients),
+        "x_format": "uint8",
+        "key_json": key_json,
+    }
+    report(f"data: writing the partition cache {path}")
+    write_cache(path, attrs, num_clients, arrays.num_classes, client_arrays)
+    return read_partition_info(path)
+
+
+# --------------------------------------------------------------------------- a PFLlib directory
+
+
+def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> PartitionInfo:
+    directory = os.path.abspath(data.pfllib_dir or "")
+    if not data.pfllib_dir:
+        raise ConfigError("data.partition=pfllib needs data.pfllib_dir=DIR (a PFLlib dataset directory)")
+    if data.subsample != 1.0:
+        raise ConfigError(
+            f"config key 'data.subsample' is {data.subsample} but data.partition=pfllib reads a "
+            f"finished PFLlib split; leave data.subsample at 1"
+        )
+    config = read_pfllib_config(directory, num_clients)
+    if not data.allow_pickle:
+        # Refuse before anything is read, whether or not a converted cache already exists.
+        raise pickle_refusal(directory)
+    num_classes = int(config["num_classes"])
+    label = _safe_label(os.path.basename(directory))
+    key = {
+        "format_version": FORMAT_VERSION,
+        "partition": "pfllib",
+        "directory": directory,
+        "source": pfllib_fingerprint(directory, num_clients),
+        "num_clients": int(num_clients),
+    }
+    key_json = _key_json(key)
+    path = _cache_path(data, label, "pfllib", key_json)
+    if is_complete(path, key_json):
+        report(f"data: partition cache found ({path})")
+        return read_partition_info(path)
+
+    report(f"data: converting the PFLlib split {directory} into the partition cache {path}")
+    shape, x_dtype = _pfllib_sample_format(directory, num_clients)
+    kind = input_kind_of(np.zeros((0, *shape), dtype=x_dtype))
+    largest_id = [-1]
+
+    def client_arrays(cid: int) -> ClientArrays:
+        out = []
+        for part in ("train", "test"):
+            path_ = os.path.join(directory, part, f"{cid}.npz")
+            x, y = read_pfllib_file(path_, True, directory)
+            if x.shape[0] == 0:
+                x = np.zeros((0, *shape), dtype=x_dtype)
+            if x.shape[1:] != shape or x.dtype != x_dtype:
+                raise DataError(
+                    f"{path_}: x is {_describe_format(x.shape[1:], x.dtype)} but the first client's is "
+                    f"{_describe_format(shape, x_dtype)}; all clients must hold the same data format"
+                )
+            if y.size and (y.min() < 0 or y.max() >= num_classes):
+                raise DataError(
+                    f"{path_}: label {int(y.max())} outside 0..{num_classes - 1} "
+                    f"(config.json says num_classes={num_classes})"
+                )
+            if kind == "text" and x.size:
+                largest_id[0] = max(largest_id[0], int(x[:, :-1].max()))
+                attrs["vocab_size"] = largest_id[0] + 1
+            out.extend([x, y])
+        return out[0], out[1], out[2], out[3]
+
+    square = kind == "image" and shape[1] == shape[2]
+    attrs = {
+        "format_version": FORMAT_VERSION,
+        "dataset": label,
+        "partition": "pfllib",
+        "num_classes": num_classes,
+        "in_channels": int(shape[0]) if square else 0,
+        "image_size": int(shape[1]) if square else 0,
+        "num_clients": int(num_clients),
+        "x_format": {"text": "tokens", "tabular": "float32"}.get(kind, "uint8" if x_dtype == np.uint8 else "float32"),
+        "key_json": key_json,
+    }
+    write_cache(path, attrs, num_clients, num_classes, client_arrays)
+    return read_partition_info(path)
+
+
+def _pfllib_sample_format(directory: str, num_clients: int) -> tuple[tuple[int, ...], np.dtype]:
+    """Shape and dtype of one sample, from the first client whose train file is not empty."""
+    for cid in range(num_clients):
+        x, _ = read_pfllib_file(os.path.join(directory, "train", f"{cid}.npz"), True, directory)
+        if x.shape[0]:
+            return x.shape[1:], x.dtype
+    raise DataError(f"PFLlib dataset directory {directory}: every client's train file is empty")
+
+
+def _describe_format(shape: tuple[int, ...], dtype: np.dtype) -> str:
+    kind = input_kind_of(np.zeros((0, *shape), dtype=dtype))
+    if kind == "text":
+        return f"text padded to {shape[0] - 1}"
+    return f"{dtype} {' x '.join(str(size) for size in shape)}"
+
+
+# --------------------------------------------------------------------------- the entry point
+
+
+def _apply_vocab_size(info: PartitionInfo, data: DataConfig) -> PartitionInfo:
+    """``data.vocab_size``: a larger vocabulary than the data's largest id + 1 (HtFLlib's
+    ``-vs 32000``, the tokenizer's size); smaller would leave ids without an embedding."""
+    if data.vocab_size is None:
+        return info
+    if info.input_kind != "text":
+        raise ConfigError(f"config key 'data.vocab_size' is {data.vocab_size} but the data is "
+                          f"{info.inputs().describe()}, not text; leave data.vocab_size unset")
+    if data.vocab_size < info.vocab_size:
+        raise ConfigError(f"config key 'data.vocab_size' is {data.vocab_size} but the data holds token id "
+                          f"{info.vocab_size - 1}; use at least {info.vocab_size} or leave it unset")
+    info.vocab_size = data.vocab_size
+    return info
+
+
+def _silent(line: str) -> None:
+    pass
+
+
+def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Report = _silent, *,
+                      batch_size: int = PFLLIB_BATCH_SIZE) -> PartitionInfo:
+    """Build the partition cache for this config if it is missing; return its summary.
+
+    Safe to call from every rank at once: the cache is written atomically and reused
+    when it already exists with the same key. ``report`` receives one line per step (rank 0
+    prints them: building a cache from a large dataset takes minutes). ``batch_size`` is
+    ``train.batch_size``: with data.partition_rules=pfllib and no data.min_samples_per_client
+    it enters PFLlib's size guard (10, PFLlib's generator constant, when not given). The split
+    is drawn from ``data.partition_seed`` when set, else from the run's ``seed``.
+    """
+    if num_clients < 1:
+        raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
+    if data.partition == "pfllib":
+        return _apply_vocab_size(_prepare_pfllib(data, num_clients, report), data)
+    if data.partition not in ("pathological", "dirichlet"):
+        raise ConfigError(
+            f"config key 'data.partition' is {data.partition!r}; allowed: pathological, "
+            f"dirichlet, pfllib"
+        )
+    split_seed = seed if data.partition_seed is None else data.partition_seed
+    return _apply_vocab_size(_prepare_generated(data, num_clients, split_seed, report, batch_size), data)
