@@ -101,4 +101,4 @@ class FedGHServer(PartServer):
 
 register_algorithm("fedgh", server=FedGHServer, client=FedGHClient, options=FedGHOptions,
                    summary="server trains a global head on client prototypes (Yi et al. 2023)",
-                   shares_parameters=True, private_release=True)
+                   shares_parameters=True, private_release=True, evaluation_installs_knowledge=True)

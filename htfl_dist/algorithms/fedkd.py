@@ -269,4 +269,4 @@ class FedKDServer(ServerAlgorithm):
 
 register_algorithm("fedkd", server=FedKDServer, client=FedKDClient, options=FedKDOptions,
                    summary="mentor/mentee distillation with an SVD-compressed shared mentee (Wu et al. 2022)",
-                   shares_parameters=True)
+                   shares_parameters=True, evaluation_installs_knowledge=True)

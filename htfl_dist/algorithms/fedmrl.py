@@ -294,4 +294,4 @@ class FedMRLServer(PartAveragingServer):
 register_algorithm("fedmrl", server=FedMRLServer, client=FedMRLClient, options=FedMRLOptions,
                    summary="a shared small model fused with each local model through a personal projector, "
                            "Matryoshka representations with two heads (Yi et al. 2024)",
-                   shares_parameters=True)
+                   shares_parameters=True, evaluation_installs_knowledge=True)

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 
 from htfl_dist.algorithms.class_rows import class_prototypes, dense_prototypes
 from htfl_dist.algorithms.fedproto import PrototypeClient
-from htfl_dist.algorithms.fedtgp import TrainablePrototypeServer, check_server_options
+from htfl_dist.algorithms.fedtgp import TrainablePrototypeServer
 from htfl_dist.algorithms.interface import ClientAlgorithm, ClientState, TrainResult
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
-from htfl_dist.errors import ConfigError
+from htfl_dist.config import bounded
 from htfl_dist.payload import Payload
 
 InterNorm = Literal["all_classes", "other_classes"]
@@ -42,25 +42,25 @@ class FedOCOptions:
     """htfllib: every knob left unset takes the reference code's value (FedORGP 85ae3b6, built on
     HtFLlib): reg_weight = 10, inter_norm = other_classes, server batch = the client batch size,
     first_round = ce_only."""
-    reg_weight: float | None = None
+    reg_weight: float | None = bounded(None, at_least=0, optional=True)
     """λ_c, the weight of the client's 1 − cos alignment: 100 (paper: Table 6's best cell, 61.15, the
     one next to Table 1's 61.12); htfllib: 10 (every run script of the reference code; Table 6 gives
     it 57.35)."""
-    intra_weight: float = 1.0
+    intra_weight: float = bounded(1.0, at_least=0)
     """λ_s, the server's intra-class weight (paper and code: 1)."""
-    inter_weight: float = 10.0
+    inter_weight: float = bounded(10.0, at_least=0)
     """γ, the server's inter-class (orthogonality) weight (paper and code: 10)."""
     inter_norm: InterNorm | None = None
     """Normaliser of d: all_classes = |B|·|C| (paper Eq. 6); other_classes = |B|·(C − 1), the
     number of terms summed (htfllib)."""
-    server_batch_size: int | None = None
+    server_batch_size: int | None = bounded(None, at_least=1, optional=True)
     """Pairs per server step: 32 (paper); htfllib: unset = the client batch size (the code's
     ``args.batch_size``, 32 in its runs)."""
-    server_epochs: int = 1
+    server_epochs: int = bounded(1, at_least=1)
     """Epochs over the round's pairs (paper and code: 1)."""
-    server_lr: float = 0.01
+    server_lr: float = bounded(0.01, above=0)
     """SGD learning rate of the prototype generator (paper and code: 0.01)."""
-    hidden_dim: int | None = None
+    hidden_dim: int | None = bounded(None, at_least=1, optional=True)
     """Width of F's hidden layer (default K, as the code's server_hidden_dim = feature_dim)."""
     first_round: FirstRound | None = None
     """What round 1's clients align to. initial_prototypes: the server sends P̂ = F(P̃) of its
@@ -79,10 +79,6 @@ class FedOCOptions:
             self.inter_norm = "other_classes" if reference else "all_classes"
         if self.server_batch_size is None and not reference:
             self.server_batch_size = PAPER_SERVER_BATCH
-        for key in ("reg_weight", "intra_weight", "inter_weight"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"config key 'algo.{key}' must be >= 0, got {getattr(self, key)}")
-        check_server_options(self)
 
 
 def cosine_table(rows: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:

@@ -220,4 +220,5 @@ class FedProtoServer(ClassMeanServer):
 
 
 register_algorithm("fedproto", server=FedProtoServer, client=FedProtoClient, options=FedProtoOptions,
-                   summary="per-class mean of client prototypes (Tan et al. 2022)", private_release=True)
+                   summary="per-class mean of client prototypes (Tan et al. 2022)", private_release=True,
+                   batched_clients=True)

@@ -67,19 +67,6 @@ class FedTGPOptions(PrototypeOptions):
             raise ConfigError("algo.margin=fixed needs algo.fixed_margin=VALUE (>= 0); the paper gives no default")
 
 
-def check_server_options(options: object) -> None:
-    """The trainable-prototype server's knobs (FedTGP, FedOC): server_epochs >= 1, server_lr > 0,
-    hidden_dim and server_batch_size >= 1 when set."""
-    if options.server_epochs < 1:
-        raise ConfigError(f"config key 'algo.server_epochs' must be >= 1, got {options.server_epochs}")
-    if options.server_lr <= 0:
-        raise ConfigError(f"config key 'algo.server_lr' must be > 0, got {options.server_lr}")
-    for key in ("hidden_dim", "server_batch_size"):
-        value = getattr(options, key)
-        if value is not None and value < 1:
-            raise ConfigError(f"config key 'algo.{key}' must be >= 1, got {value}")
-
-
 class TrainableGlobalPrototypes(nn.Module):
     """P̂^c = F(vector_c) with F = Linear(K, H) → ReLU → Linear(H, K), or the vectors alone."""
 
@@ -292,4 +279,4 @@ class FedTGPServer(TrainablePrototypeServer):
 
 register_algorithm("fedtgp", server=FedTGPServer, client=PrototypeClient, options=FedTGPOptions,
                    summary="trainable global prototypes, adaptive-margin contrastive learning (Zhang et al. 2024)",
-                   private_release=True)
+                   private_release=True, batched_clients=True)

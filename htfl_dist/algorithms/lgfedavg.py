@@ -26,4 +26,4 @@ class LGFedAvgClient(PartSharingClient):
 
 register_algorithm("lgfedavg", server=PartAveragingServer, client=LGFedAvgClient, options=LGFedAvgOptions,
                    summary="sample-weighted average of client heads, local bases (Liang et al. 2020)",
-                   shares_parameters=True)
+                   shares_parameters=True, evaluation_installs_knowledge=True)

@@ -29,4 +29,4 @@ class LocalClient(ClientAlgorithm):
 
 
 register_algorithm("local", server=ServerAlgorithm, client=LocalClient, options=LocalOptions,
-                   summary="no federation: CE on local data only")
+                   summary="no federation: CE on local data only", batched_clients=True)

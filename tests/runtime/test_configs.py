@@ -21,8 +21,8 @@ def test_configs_are_shipped():
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_loads_and_names_registered_things(path):
-    config = load_config(path)  # schema and range checks
-    parse_options(get_algorithm(config.algorithm), config.algo)  # the algorithm's own options
+    config = load_config(path)  # schema, range checks and the algorithm's own options
+    assert isinstance(config.algo_options, get_algorithm(config.algorithm).options)
     members = {architecture_for_client(config.model.group, i) for i in range(config.num_clients)}
     assert members, path
 
@@ -112,7 +112,7 @@ def test_paper_table_headers_state_the_rule_and_list_each_departure_from_the_pap
     assert 'docs/algorithms.md, "Paper-table configs"' in header and "runs what" in header
     config = load_config(path)
     entry = get_algorithm(config.algorithm)
-    options = parse_options(entry, config.algo)
+    options = config.algo_options
     fields = {f.name for f in dataclasses.fields(options)}
     listed = set()
     for section, key, text in listed_departures(header):
@@ -149,7 +149,7 @@ def test_paper_table_configs_run_what_produced_the_table(path):
         assert (config.data.partition_rules, config.data.partition_seed) == ("pfllib", 1)
     if config.train.batch_size != 10:
         assert config.data.min_samples_per_client == 40  # PFLlib's generator sized its guard for batch 10
-    options = parse_options(get_algorithm(config.algorithm), config.algo)
+    options = config.algo_options
     for key, value in REFERENCE_OPTIONS[config.algorithm].items():
         assert getattr(options, key) == value, (path.stem, key)
     if "HtC4" in config.model.group:

@@ -1,27 +1,20 @@
-"""Typed run configuration: YAML file + dotted ``key=value`` overrides, validated once.
+"""The config schema: one dataclass per section, each field with its type, default and rule.
 
-The schema is a tree of dataclasses. Every field has a type, a default and (where the
-set of values is closed) an allowed list, so a mistake is reported as one line naming
-the dotted key and what it accepts. Algorithm-specific options live under ``algo`` and
-are validated by the chosen algorithm's own options dataclass (see ``algorithms``).
+A field's rule is declared where the field is: ``Literal[...]`` for a closed choice (checked
+while the value is parsed, ``loading``) and ``bounded(...)`` for a numeric range (checked by
+``check_bounds`` with one wording everywhere, algorithm options included). Checks that relate
+two fields are a section's ``check()`` (or an options class's ``validate()``). Reading files and
+overrides is ``loading``; what makes two configs the same experiment is ``identity``.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
-import hashlib
-import json
-import math
 import os
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
-from htfl_dist.errors import ConfigError, clipped, shown
+from htfl_dist.config.identity import experiment_hash, experiment_view
+from htfl_dist.errors import ConfigError, shown
 from htfl_dist.generators.base import GeneratorConfig
 
 DEFAULT_FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
@@ -31,6 +24,11 @@ def default_cache_dir() -> str:
     """Partition caches live outside the run directory so runs share them."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "htfl_dist", "partitions")
+
+
+def partition_cache_dir(data: DataConfig) -> str:
+    """Where ``data``'s partition cache lives: ``data.cache_dir``, else ``default_cache_dir()``."""
+    return data.cache_dir or default_cache_dir()
 
 
 @dataclass(frozen=True)
@@ -315,6 +313,10 @@ class PrivacyConfig:
     (privacy random variables, a tighter numerical estimate)."""
 
 
+NUMPY_SEED_MAX = 2**32 - 1
+"""The largest seed numpy's ``RandomState`` accepts."""
+
+
 @dataclass
 class Config:
     """One federated run."""
@@ -341,7 +343,29 @@ class Config:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     """Differential privacy of what leaves a client (docs/privacy.md); off by default."""
     algo: dict[str, Any] = field(default_factory=dict)
-    """Options of the chosen algorithm (validated by the algorithm)."""
+    """Options of the chosen algorithm as written: the form that is stored (config.yaml, the
+    checkpoints) and hashed. Loading checks it against the algorithm's options dataclass;
+    ``algo_options`` is that typed view."""
+
+    @property
+    def algo_options(self) -> Any:
+        """``algo`` as the chosen algorithm's options dataclass, every default and ``compat``
+        choice resolved (``resolve_algo_options``). Built on each access from ``algorithm`` and
+        ``algo``, so it always agrees with them (``algo`` may be replaced by its spelled-out
+        form after loading); a caller that reads it often keeps the result."""
+        return resolve_algo_options(self.algorithm, self.algo)
+
+    def check(self) -> None:
+        """PFLlib's rules draw the split from numpy's ``RandomState``, which takes a seed in
+        0..2**32 - 1; the key named is the one that seeds the split (``data.partition_seed`` when
+        set, else ``seed``), so the line points at what to change."""
+        if self.data.partition_rules != "pfllib" or self.data.partition == "pfllib":
+            return
+        key, value = (("data.partition_seed", self.data.partition_seed) if self.data.partition_seed is not None
+                      else ("seed", self.seed))
+        if not 0 <= value <= NUMPY_SEED_MAX:
+            raise ConfigError(f"config key '{key}' is {value}; data.partition_rules=pfllib seeds numpy's "
+                              f"RandomState, which takes 0..{NUMPY_SEED_MAX}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -353,352 +377,20 @@ class Config:
     def config_hash(self) -> str:
         """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal
         hashes compute the same rounds (runtime plumbing and the run length are excluded)."""
-        text = json.dumps(self.experiment(), sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return experiment_hash(self.experiment())
 
 
-# --------------------------------------------------------------------------- parsing
+def resolve_algo_options(algorithm: str, raw: dict[str, Any]) -> Any:
+    """``algo.*`` checked against algorithm ``algorithm``'s options dataclass (names, types,
+    declared ranges, its own ``validate``) and returned as an instance of it; an unknown
+    algorithm or a bad option is one ConfigError line.
 
+    The registry is imported here, when called, not at the top of the module: the algorithms
+    package imports this package (``bounded``, ``TrainConfig``, ``build_section``), so a
+    module-level import would be a circle. A resolver that the algorithms package registers
+    into the config package would avoid the local import but would leave loading unchecked
+    whenever nothing had imported the algorithms yet (a tool that only loads configs); the
+    import here always checks, and after the first call it is a look-up in ``sys.modules``."""
+    from htfl_dist.algorithms.registry import get_algorithm, parse_options
 
-YAML_SWITCH = {False: "off", True: "on"}
-"""YAML 1.1 (PyYAML) reads a bare ``off``/``on`` (and no/yes, false/true) as a boolean, so a choice
-named ``off`` (``train.client_batching``) is taken back from the boolean it became."""
-
-
-FLOAT32_MAX = 3.4028234663852886e38
-"""Every number reaches the tensors as float32: a larger one is infinite there (SGD refuses an
-lr of 1e308; a threshold of 1e39 compares as inf)."""
-INT64_MAX = (1 << 63) - 1
-"""Counts and seeds travel and are stored as int64."""
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Convert a YAML/CLI value to the field's type, or raise a one-line ConfigError."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        if value is None and type(None) in args:
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _coerce(value, inner[0], key)
-    if origin is typing.Literal:
-        allowed = [str(choice) for choice in args]
-        if isinstance(value, bool) and YAML_SWITCH[value] in allowed:
-            value = YAML_SWITCH[value]  # YAML reads a bare off/on as a boolean
-        if str(value) not in allowed or isinstance(value, (dict, list)):
-            raise ConfigError(f"config key '{key}' is {shown(value)}; allowed: {', '.join(allowed)}")
-        return str(value)
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"config key '{key}' must be true or false, got {shown(value)}")
-    if annotation is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"config key '{key}' must be an integer, got {shown(value)}")
-        try:
-            as_float = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"config key '{key}' must be an integer, got {shown(value)}") from None
-        if not as_float.is_integer():
-            raise ConfigError(f"config key '{key}' must be an integer, got {shown(value)}")
-        if abs(as_float) > INT64_MAX:
-            raise ConfigError(f"config key '{key}' must fit in 64 bits (at most {INT64_MAX}), got {shown(value)}")
-        return int(as_float)
-    if annotation is float:
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"config key '{key}' must be a number, got {shown(value)}") from None
-        if not math.isfinite(number):  # .inf would overflow a timedelta, nan passes every comparison
-            raise ConfigError(f"config key '{key}' must be a finite number, got {shown(value)}")
-        if abs(number) > FLOAT32_MAX:
-            raise ConfigError(f"config key '{key}' must be at most {FLOAT32_MAX:.4g} in size (the largest "
-                              f"float32, which the arithmetic uses), got {shown(value)}")
-        return number
-    if annotation is str:
-        if value is None or isinstance(value, (dict, list)):
-            raise ConfigError(f"config key '{key}' must be a string, got {shown(value)}")
-        return str(value)
-    return value
-
-
-def _comma_joined(items: list[Any], key: str) -> str:
-    """A YAML list of names as one comma-separated string (the canonical form of list keys)."""
-    if not items or not all(isinstance(item, str) and item.strip() and "," not in item for item in items):
-        raise ConfigError(f"config key '{key}' must be a name or a non-empty list of names, got {shown(items)}")
-    return ",".join(item.strip() for item in items)
-
-
-def _resolved_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
-    """Build dataclass ``cls`` from a nested dict, rejecting unknown keys."""
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config key '{prefix.rstrip('.')}' must be a mapping, got {shown(raw)}")
-    hints = _resolved_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        dotted = clipped(f"{prefix}{key}")
-        if key not in names:
-            close = difflib.get_close_matches(clipped(str(key)), names, n=1)
-            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
-            raise ConfigError(
-                f"unknown config key '{dotted}'; {hint}allowed keys here: {', '.join(names)}"
-            )
-        annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
-            kwargs[key] = build_section(annotation, value or {}, f"{dotted}.")
-        elif key == "algo":
-            if value is None:
-                value = {}
-            if not isinstance(value, dict):
-                raise ConfigError("config key 'algo' must be a mapping of algorithm options")
-            kwargs[key] = dict(value)
-        elif key in getattr(cls, "LIST_KEYS", ()) and isinstance(value, list):
-            kwargs[key] = _comma_joined(value, dotted)
-        else:
-            kwargs[key] = _coerce(value, annotation, dotted)
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
-    parts = dotted.split(".")
-    node = tree
-    for part in parts[:-1]:
-        child = node.get(part)
-        if child is None:
-            child = node[part] = {}
-        if not isinstance(child, dict):
-            raise ConfigError(f"override '{clipped(dotted)}': '{clipped(part)}' is not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-class RefusedYaml(Exception):
-    """YAML that parses but is refused: a duplicated key, aliases that expand too far, nesting too
-    deep. The caller says where it came from (a file, an override)."""
-
-
-MAX_EXPANDED_NODES = 10_000
-"""A config's node count with every alias expanded (the largest config in configs/ has about 60).
-Aliases share one object when loaded, but anything that walks the value (a repr for an error
-line, a deep copy, the config hash) walks the expansion: ten levels of ten aliases ("billion
-laughs") are 10^10 nodes from a few hundred bytes."""
-
-
-class _BoundedLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (the later value would win
-    silently) and documents whose alias expansion exceeds ``MAX_EXPANDED_NODES``."""
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        _expanded_size(node, {}, set())
-        return super().construct_document(node)
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        first_line: dict[Any, int] = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *base' then a key: a deliberate override
-                continue
-            key = self.construct_object(key_node, deep=True)
-            line = key_node.start_mark.line + 1
-            try:
-                seen_at = first_line.get(key)
-            except TypeError:  # an unhashable key: the base class names it
-                continue
-            if seen_at is not None:
-                raise RefusedYaml(f"key {shown(key)} appears twice in one mapping, at lines {seen_at} and {line}; "
-                                  f"keep one")
-            first_line[key] = line
-        return super().construct_mapping(node, deep)
-
-
-def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
-    """Nodes under ``node`` with aliases expanded (each shared node counted once per use, by
-    memo, so the walk itself stays linear); raises RefusedYaml past the bound or on a cycle."""
-    if id(node) in sizes:
-        return sizes[id(node)]
-    if id(node) in open_nodes:
-        raise RefusedYaml("an alias refers to a node that contains it (a recursive structure)")
-    open_nodes.add(id(node))
-    size = 1
-    if isinstance(node, yaml.SequenceNode):
-        size += sum(_expanded_size(child, sizes, open_nodes) for child in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size += sum(_expanded_size(key, sizes, open_nodes) + _expanded_size(value, sizes, open_nodes)
-                    for key, value in node.value)
-    open_nodes.discard(id(node))
-    if size > MAX_EXPANDED_NODES:
-        raise RefusedYaml(f"its aliases expand to more than {MAX_EXPANDED_NODES} values; write the values out")
-    sizes[id(node)] = size
-    return size
-
-
-def load_yaml(text: str) -> Any:
-    """One YAML document through ``_BoundedLoader``. Raises yaml.YAMLError (invalid YAML) or
-    RefusedYaml (valid, but refused)."""
-    try:
-        return yaml.load(text, Loader=_BoundedLoader)  # a SafeLoader subclass
-    except RecursionError:
-        raise RefusedYaml("it is nested too deeply") from None
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """``key=value`` strings to (key, YAML-parsed value) pairs."""
-    pairs = []
-    for item in overrides:
-        if "=" not in item or item.startswith("="):
-            raise ConfigError(f"override {shown(item)} must look like key=value, e.g. rounds=3")
-        key, text = item.split("=", 1)
-        try:
-            value = load_yaml(text) if text != "" else ""
-        except yaml.YAMLError:
-            value = text
-        except RefusedYaml as exc:
-            raise ConfigError(f"override {clipped(key)}: {exc}") from None
-        pairs.append((key.strip(), value))
-    return pairs
-
-
-def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:
-    """Read a YAML config (or defaults when ``path`` is None), apply overrides, validate."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        file = Path(path)
-        if not file.is_file():
-            raise ConfigError(f"config file {shown(str(file))} does not exist; pass --config PATH")
-        try:
-            loaded = load_yaml(file.read_bytes().decode("utf-8"))
-        except RefusedYaml as exc:
-            raise ConfigError(f"config file {shown(str(file))} is refused: {exc}") from None
-        except UnicodeDecodeError as exc:
-            raise ConfigError(f"config file {shown(str(file))} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
-                              f"at offset {exc.start}); save it as UTF-8") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise ConfigError(f"config file {shown(str(file))} is not valid YAML{where}") from None
-        if loaded is None:  # a run of every default is never what an empty file meant
-            raise ConfigError(f"config file {shown(str(file))} is empty; write at least 'algorithm: NAME', "
-                              f"or leave out --config to run the defaults")
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config file {shown(str(file))} must hold a mapping of keys")
-        raw = loaded
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(raw, key, value)
-    config = build_section(Config, raw, "")
-    validate(config)
-    return config
-
-
-def config_from_dict(raw: dict[str, Any]) -> Config:
-    """Build and validate a config from a nested dict (used for resolved configs and tests)."""
-    config = build_section(Config, raw, "")
-    validate(config)
-    return config
-
-
-def validate(config: Config) -> None:
-    """Range checks that do not need the dataset or the registries: every field's declared bound
-    and each section's own cross-field check (and ``~`` in path keys expanded, which the shell
-    does on a command line but YAML does not). Closed choices are ``Literal`` fields, checked
-    while parsing."""
-    for key in ("root", "cache_dir", "pfllib_dir"):
-        value = getattr(config.data, key)
-        if value:
-            setattr(config.data, key, os.path.expanduser(value))
-    if config.generator.path:
-        config.generator.path = os.path.expanduser(config.generator.path)
-    check_bounds(config)
-    config.data.check()
-    config.runtime.check()
-
-
-PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")
-"""Not part of the experiment: plumbing, and the run length (a resumed run may extend `rounds`)."""
-DATA_LOCATION_KEYS = ("root", "cache_dir")
-"""Where the data lives: moving it (another node, a new cache) is the same run."""
-TRAIN_STOPPING_KEYS = ("max_diverged_rounds",)
-"""When a run gives up, not what its rounds compute."""
-
-
-def _legacy_partition_view(data: dict[str, Any]) -> None:
-    """Under the legacy partition rules, write the data section as it was before
-    ``data.partition_rules`` and ``data.partition_seed`` existed (no such keys; the guard unset
-    means 10), so the runs and checkpoints made then keep their config hash and stay resumable."""
-    if data.get("partition_seed") is None:
-        data.pop("partition_seed", None)
-    if data.get("partition_rules", "legacy") != "legacy":
-        return
-    data.pop("partition_rules", None)
-    if data.get("min_samples_per_client", 10) is None:
-        data["min_samples_per_client"] = 10
-
-
-KEYS_ADDED_LATER = {
-    "model": {"init": "per_client"},
-    "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off"},
-    "data": {"vocab_size": None},
-}
-"""Keys added after runs existed, per section, with the default that was the only behaviour
-before them: at that default a key is left out of the experiment, so earlier runs and their
-checkpoints keep their hash."""
-
-
-def _drop_defaults_added_later(view: dict[str, Any]) -> None:
-    for section, defaults in KEYS_ADDED_LATER.items():
-        values = view.get(section, {})
-        for key, default in defaults.items():
-            if values.get(key, default) == default:
-                values.pop(key, None)
-
-
-def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
-    """The experiment part of a config dict (a copy). Tolerates keys that are absent, so it also
-    reads the experiments stored by older versions in checkpoint manifests."""
-    view = copy.deepcopy(tree)
-    if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
-        view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
-    if not view.get("privacy", {}).get("enabled", False):
-        view.pop("privacy", None)  # off, the section changes nothing: runs without it keep their hash
-    _legacy_partition_view(view.get("data", {}))
-    _drop_defaults_added_later(view)
-    for key in PLUMBING_KEYS:
-        view.pop(key, None)
-    for key in DATA_LOCATION_KEYS:
-        view.get("data", {}).pop(key, None)
-    for key in TRAIN_STOPPING_KEYS:
-        view.get("train", {}).pop(key, None)
-    return view
-
-
-def spelled_out_partition_rules(view: dict[str, Any]) -> dict[str, Any]:
-    """``view`` with ``data.partition_rules`` written out (a copy): the legacy view drops the key to
-    keep old hashes, so a missing key means legacy. Comparisons use this, so resuming a run made
-    before the default changed names the difference ('legacy' -> 'pfllib') instead of None."""
-    view = copy.deepcopy(view)
-    if isinstance(view.get("data"), dict):
-        view["data"].setdefault("partition_rules", "legacy")
-    return view
-
-
-def experiment_differences(before: dict[str, Any], after: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two ``Config.experiment()`` dicts, as 'key: a -> b'."""
-    if not prefix:
-        before, after = spelled_out_partition_rules(before), spelled_out_partition_rules(after)
-    changes = []
-    for key in sorted(set(before) | set(after)):
-        old, new = before.get(key), after.get(key)
-        if isinstance(old, dict) and isinstance(new, dict):
-            changes += experiment_differences(old, new, f"{prefix}{key}.")
-        elif old != new:
-            changes.append(f"{prefix}{key}: {shown(old)} -> {shown(new)}")
-    return changes
-
-
-def partition_cache_dir(data: DataConfig) -> str:
-    return data.cache_dir or default_cache_dir()
+    return parse_options(get_algorithm(algorithm), raw)

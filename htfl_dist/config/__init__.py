@@ -1,0 +1,93 @@
+"""Typed run configuration: YAML file + dotted ``key=value`` overrides, validated once.
+
+Three parts, each importable alone:
+
+- ``schema``: the sections as dataclasses, every field with its type, default and rule
+  (``Literal`` choices, ``bounded`` ranges), and ``Config.algo_options``, the chosen algorithm's
+  typed options;
+- ``loading``: files, overrides, the bounded YAML loader, coercion to the schema's types and
+  ``validate`` (the bounds, the cross-field checks and the algorithm's options), every mistake
+  one ConfigError line;
+- ``identity``: the experiment part of a config, its hash, and what a resumed run may change
+  (plumbing, and keys added after old run directories were written).
+
+The names below are the package's public interface; ``from htfl_dist.config import X`` keeps
+working for each of them.
+"""
+from htfl_dist.config.identity import (
+    DATA_LOCATION_KEYS,
+    KEYS_ADDED_LATER,
+    PLUMBING_KEYS,
+    TRAIN_STOPPING_KEYS,
+    experiment_differences,
+    experiment_hash,
+    experiment_view,
+    spelled_out_partition_rules,
+)
+from htfl_dist.config.loading import (
+    FLOAT32_MAX,
+    INT64_MAX,
+    MAX_EXPANDED_NODES,
+    YAML_SWITCH,
+    RefusedYaml,
+    build_section,
+    config_from_dict,
+    load_config,
+    load_yaml,
+    parse_overrides,
+    validate,
+)
+from htfl_dist.config.schema import (
+    DEFAULT_FMNIST_ROOT,
+    HEARTBEAT_FLOOR_S,
+    Bound,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    PrivacyConfig,
+    RuntimeConfig,
+    TrainConfig,
+    bounded,
+    check_bounds,
+    default_cache_dir,
+    partition_cache_dir,
+    resolve_algo_options,
+)
+
+__all__ = [
+    "DATA_LOCATION_KEYS",
+    "DEFAULT_FMNIST_ROOT",
+    "FLOAT32_MAX",
+    "HEARTBEAT_FLOOR_S",
+    "INT64_MAX",
+    "KEYS_ADDED_LATER",
+    "MAX_EXPANDED_NODES",
+    "PLUMBING_KEYS",
+    "TRAIN_STOPPING_KEYS",
+    "YAML_SWITCH",
+    "Bound",
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "PrivacyConfig",
+    "RefusedYaml",
+    "RuntimeConfig",
+    "TrainConfig",
+    "bounded",
+    "build_section",
+    "check_bounds",
+    "config_from_dict",
+    "default_cache_dir",
+    "experiment_differences",
+    "experiment_hash",
+    "experiment_view",
+    "load_config",
+    "load_yaml",
+    "parse_overrides",
+    "partition_cache_dir",
+    "resolve_algo_options",
+    "spelled_out_partition_rules",
+    "validate",
+]
