@@ -132,7 +132,8 @@ class ClientAlgorithm:
                     generators: list[torch.Generator]) -> list[TrainResult]:
         """Train several participants of one architecture at once (``train.client_batching=vmap``);
         one result per client, in order, each ``generators[i]`` ordering client i's batches as in
-        ``train``. An override is the algorithm's batched path: its results must equal ``train``'s
+        ``train``. An override is the algorithm's batched path, declared to the registry
+        (``batched_clients=True``): its results must equal ``train``'s
         within float tolerance and must not depend on which other clients share the group (a
         group is what one rank hosts, so it changes with the world size). This default trains them
         one by one, seeded as the runtime seeds ``train``, so every algorithm accepts the call."""
@@ -142,24 +143,15 @@ class ClientAlgorithm:
             results.append(self.train(client, knowledge, round_index, generator))
         return results
 
-    @classmethod
-    def has_batched_path(cls) -> bool:
-        """Whether ``train_group`` batches this class's ``train``: both must come from one class
-        below ``ClientAlgorithm``. A subclass that changes ``train`` (its loss) but inherits a
-        batched ``train_group`` would batch the parent's loss, so it has no batched path until it
-        overrides ``train_group`` as well."""
-        def owner(name: str) -> type:
-            return next(klass for klass in cls.__mro__ if name in vars(klass))
-
-        return owner("train_group") is owner("train") and owner("train") is not ClientAlgorithm
-
     def theory_upload_floats(self, client: ClientState) -> int:
         """The paper's count of floats this client uploads per round (for bytes_theory_up)."""
         return 0
 
     def prepare_evaluation(self, client: ClientState, knowledge: Payload) -> None:
         """Install downloaded knowledge before the client is evaluated (the head-sharing methods
-        evaluate the global head on the local base)."""
+        evaluate the global head on the local base). An override that changes the client is
+        declared to the registry (``evaluation_installs_knowledge=True``), so the runtime keeps
+        the change."""
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
                 logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:

@@ -29,6 +29,15 @@ class AlgorithmEntry:
     its local training is ``training.run_local_training`` with its own optimizer: ``privacy.*``
     then noises the rows and runs DP-SGD (docs/privacy.md). Any other algorithm is refused at
     start-up when privacy is on."""
+    batched_clients: bool = False
+    """True where the client's ``train_group`` is a batched path of its ``train`` (the same loss,
+    equal results within float tolerance, whoever shares the group): ``train.client_batching=vmap``
+    is accepted only then. A subclass that changes ``train`` but inherits a batched
+    ``train_group`` would batch the parent's loss, so the declaration is per registered client."""
+    evaluation_installs_knowledge: bool = False
+    """True where the client's ``prepare_evaluation`` changes the client (installs a downloaded
+    head or shared model): the runtime then hands it a client it keeps, rather than a read-only
+    look at a parked one."""
 
 
 _REGISTRY: dict[str, AlgorithmEntry] = {}
@@ -36,11 +45,14 @@ _REGISTRY: dict[str, AlgorithmEntry] = {}
 
 def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type[ClientAlgorithm],
                        options: type, summary: str, shares_parameters: bool = False,
-                       uses_generator: bool = False, private_release: bool = False) -> None:
+                       uses_generator: bool = False, private_release: bool = False, batched_clients: bool = False,
+                       evaluation_installs_knowledge: bool = False) -> None:
+    """Register an algorithm under ``name``, with what it declares it can do (AlgorithmEntry's
+    flags); the runtime reads the declarations and never inspects the classes."""
     if name in _REGISTRY:
         raise ValueError(f"algorithm {name!r} registered twice")
     _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator,
-                                     private_release)
+                                     private_release, batched_clients, evaluation_installs_knowledge)
 
 
 def algorithm_names() -> list[str]:

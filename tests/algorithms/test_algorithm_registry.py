@@ -60,6 +60,20 @@ def test_register_stores_every_field_and_defaults_to_sharing_nothing(scratch_reg
     other = get_algorithm("toy2")
     assert other.shares_parameters is True and other.uses_generator is True
     assert (other.name, other.summary) == ("toy2", "another")
+    assert not (entry.private_release or entry.batched_clients or entry.evaluation_installs_knowledge)
+    register_algorithm("toy3", server=_ToyServer, client=_ToyClient, options=_ToyOptions, summary="declared",
+                       private_release=True, batched_clients=True, evaluation_installs_knowledge=True)
+    declared = get_algorithm("toy3")
+    assert declared.private_release and declared.batched_clients and declared.evaluation_installs_knowledge
+
+
+def test_evaluation_installs_knowledge_is_declared_exactly_where_prepare_evaluation_is_overridden():
+    """The runtime hands ``prepare_evaluation`` a read-only look at a parked client unless the
+    registry says the algorithm installs knowledge: an undeclared override would lose what it installs."""
+    for name in algorithm_names():
+        entry = get_algorithm(name)
+        overrides = entry.client.prepare_evaluation is not ClientAlgorithm.prepare_evaluation
+        assert entry.evaluation_installs_knowledge == overrides, name
 
 
 def test_registering_a_name_twice_is_refused(scratch_registry):

@@ -11,7 +11,14 @@ import torch
 from torch import nn
 
 from conftest import SMOKE, launch, maths_only, run_smoke
-from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
+from htfl_dist.algorithms import (
+    AlgorithmContext,
+    ClientAlgorithm,
+    ClientState,
+    algorithm_names,
+    get_algorithm,
+    parse_options,
+)
 from htfl_dist.algorithms.class_rows import ClassMeans, GroupClassMeans
 from htfl_dist.algorithms.training import (
     Batch,
@@ -23,7 +30,7 @@ from htfl_dist.algorithms.training import (
 from htfl_dist.config import TrainConfig, load_config
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import SplitModel, initial_client_model
-from htfl_dist.runtime.loop import check_client_batching
+from htfl_dist.runtime.startup import check_client_batching
 from htfl_dist.seeding import torch_generator
 
 SIZES = (23, 37, 8, 21)
@@ -178,19 +185,27 @@ def test_group_class_means_are_each_clients_class_means():
 # ----------------------------------------------------------------------------- refusals
 
 
-def test_only_classes_whose_batched_path_is_their_own_have_one():
-    names = {name: get_algorithm(name).client.has_batched_path() for name in ("local", "fedproto", "fedtgp",
-                                                                                "fedoc", "fedsa", "feddistill")}
-    # FedOC and FedSA inherit the prototype client's train_group but train with their own loss
-    assert names == {"local": True, "fedproto": True, "fedtgp": True, "fedoc": False, "fedsa": False,
-                     "feddistill": False}
+def _defined_by(client: type, name: str) -> type:
+    return next(klass for klass in client.__mro__ if name in vars(klass))
+
+
+def test_a_batched_path_is_declared_exactly_where_train_and_train_group_come_from_one_class():
+    """The registry's ``batched_clients`` is a declaration; this holds it to the classes: FedOC
+    and FedSA inherit the prototype client's train_group but train with their own loss, so
+    batching them would train the parent's loss."""
+    for name in algorithm_names():
+        client = get_algorithm(name).client
+        own = _defined_by(client, "train_group") is _defined_by(client, "train") is not ClientAlgorithm
+        assert get_algorithm(name).batched_clients == own, name
+    declared = {name for name in algorithm_names() if get_algorithm(name).batched_clients}
+    assert declared == {"local", "fedproto", "fedtgp"}
 
 
 def _check(algorithm: str, group: str) -> None:
     context = AlgorithmContext(num_classes=CLASSES, feature_dim=K, seed=0, num_clients=8, model_group=group,
                                options=parse_options(get_algorithm(algorithm), {}),
                                train=TrainConfig(client_batching="vmap"))
-    check_client_batching(get_algorithm(algorithm).client, context, algorithm)
+    check_client_batching(get_algorithm(algorithm), context)
 
 
 def test_start_up_check_accepts_the_batched_algorithms_on_htcnn8_and_refuses_the_rest():

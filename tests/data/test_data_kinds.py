@@ -26,7 +26,7 @@ from htfl_dist.data import load_client_split, prepare_partition
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.main import main
 from htfl_dist.models import InputSpec
-from htfl_dist.runtime.loop import check_inputs
+from htfl_dist.runtime.startup import check_inputs
 
 MAX_LEN = 16
 

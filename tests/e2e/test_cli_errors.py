@@ -66,8 +66,8 @@ def test_feature_width_mismatch_is_refused():
 
     from htfl_dist.errors import HtflError
     from htfl_dist.models import build_model
-    from htfl_dist.runtime.loop import _check_feature_width
+    from htfl_dist.runtime.startup import check_feature_width
 
     model = build_model("htcnn1", num_classes=10, feature_dim=256, in_channels=1, image_size=28)
     with pytest.raises(HtflError, match=r"client 3's htcnn1 gives features of shape \(256,\).*model.feature_dim=512"):
-        _check_feature_width(model, "htcnn1", 3, torch.zeros(2, 1, 28, 28), 512)
+        check_feature_width(model, "htcnn1", 3, torch.zeros(2, 1, 28, 28), 512)

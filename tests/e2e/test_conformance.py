@@ -18,7 +18,8 @@ from conftest import SMOKE, launch, maths_only, read_metrics
 from htfl_dist.algorithms import algorithm_names, get_algorithm
 from htfl_dist.config import load_config
 from htfl_dist.payload import max_message_bytes
-from htfl_dist.runtime.loop import Federation, RoundTraffic, RunContext
+from htfl_dist.runtime.exchange import RoundTraffic
+from htfl_dist.runtime.loop import Federation, RunContext
 from htfl_dist.runtime.transport import LocalTransport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
 from htfl_dist.seeding import seed_global_torch, torch_generator
@@ -62,7 +63,7 @@ def one_round(request, tmp_path_factory, cache_dir):
     their uploads through the wire, the server update."""
     algorithm = request.param
     federation = _federation(algorithm, tmp_path_factory.mktemp(algorithm), cache_dir)
-    federation._setup_exchange(RoundTraffic())  # what run() does first in a fresh run
+    federation.play_setup(RoundTraffic())  # what run() does first in a fresh run
     knowledge = federation.knowledge()
     uploads = {}
     for client_id in (0, 1):

@@ -94,7 +94,7 @@ import sys
 from htfl_dist.main import main
 from htfl_dist.runtime.loop import Federation
 
-honest = Federation._evaluate_clients
+honest = Federation.evaluate_clients
 
 
 def inflated(self, knowledge):
@@ -104,7 +104,7 @@ def inflated(self, knowledge):
 
 
 if os.environ.get("RANK") == "1":
-    Federation._evaluate_clients = inflated
+    Federation.evaluate_clients = inflated
 sys.exit(main(sys.argv[1:]))
 '''
 

@@ -277,7 +277,7 @@ def test_divergence_after_good_rounds_keeps_the_last_good_checkpoint(tmp_path, c
 def test_the_divergence_rule_needs_every_trained_client_non_finite():
     import torch
 
-    from htfl_dist.runtime.loop import _every_loss_diverged
+    from htfl_dist.runtime.exchange import every_loss_diverged as _every_loss_diverged
 
     def report(loss, samples):
         return {"train": torch.tensor([[loss, samples]], dtype=torch.float64)}

@@ -19,8 +19,10 @@ from conftest import SMOKE, read_metrics
 from htfl_dist.algorithms import ClientState
 from htfl_dist.config import load_config
 from htfl_dist.models import InputSpec, SplitModel
+from htfl_dist.runtime import loop
 from htfl_dist.runtime.loop import Federation, RunContext
 from htfl_dist.runtime.placement import sample_participants
+from htfl_dist.runtime.startup import ClientFactory
 from htfl_dist.runtime.transport import LocalTransport
 
 NUM_CLIENTS = 4
@@ -59,11 +61,11 @@ def _client(client_id: int) -> ClientState:
 
 def _federation(monkeypatch, out, *overrides: str) -> Federation:
     """FedProto, 4 clients, half of them training in each round."""
-    monkeypatch.setattr(Federation, "_prepare_data",
-                        lambda self: SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None,
-                                                     inputs=lambda: InputSpec.image(1, 1),
-                                                     class_counts=np.ones((NUM_CLIENTS, 2), dtype=np.int64)))
-    monkeypatch.setattr(Federation, "_build_client", lambda self, client_id, shell=False: _client(client_id))
+    partition = SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None,
+                                inputs=lambda: InputSpec.image(1, 1),
+                                class_counts=np.ones((NUM_CLIENTS, 2), dtype=np.int64))
+    monkeypatch.setattr(loop, "prepare_data", lambda config, transport: partition)
+    monkeypatch.setattr(ClientFactory, "build", lambda self, client_id, shell=False: _client(client_id))
     config = load_config(SMOKE, ["algorithm=fedproto", "rounds=1", f"num_clients={NUM_CLIENTS}",
                                  "join_ratio=0.5", "model.feature_dim=2", *overrides])
     return Federation(RunContext(config, LocalTransport(), torch.device("cpu"), out))
@@ -92,7 +94,7 @@ def test_accuracy_is_pooled_over_all_clients_with_the_updated_knowledge(federati
 def test_every_client_is_evaluated_in_eval_mode_with_the_download(federation):
     """What each client reports: [correct by nearest prototype, correct by the head, samples]."""
     federation.run()
-    rows = federation._evaluate_clients(federation.knowledge())
+    rows = federation.evaluate_clients(federation.knowledge())
     assert rows == {0: [3.0, 3.0, 4.0], 1: [1.0, 5.0, 6.0], 2: [2.0, 1.0, 2.0], 3: [0.0, 2.0, 4.0]}
 
 
@@ -123,7 +125,7 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
     def forge_uploads(federation: Federation) -> None:
         """The uploads' gather returns the forged message; other gathers (reports) pass through."""
         forged = encode(federation.upload_spec, {999: {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, 2)}})
-        gather, gather_uploads, uploading = federation.transport.gather, federation._gather_uploads, []
+        gather, gather_uploads, uploading = federation.transport.gather, federation.exchange.gather_uploads, []
 
         def uploads_then_flag(*args):
             uploading.append(True)
@@ -134,7 +136,7 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
 
         monkeypatch.setattr(federation.transport, "gather",
                             lambda message, bounds=None: [forged] if uploading else gather(message, bounds))
-        monkeypatch.setattr(federation, "_gather_uploads", uploads_then_flag)
+        monkeypatch.setattr(federation.exchange, "gather_uploads", uploads_then_flag)
 
     federation = _federation(monkeypatch, tmp_path)
     assert [field.name for field in federation.upload_spec] == ["class_ids", "protos"]

@@ -212,19 +212,18 @@ def test_step_times_from_rank_0_that_are_not_positive_and_finite_are_refused(sen
 
     from htfl_dist.errors import ProtocolError
     from htfl_dist.payload import Field
-    from htfl_dist.runtime.loop import Federation
+    from htfl_dist.runtime.startup import timed_step_costs
     from htfl_dist.runtime.wire import BROADCAST_ENTRY, encode
 
     config, _ = _two_member_run("timed")
     spec = (Field("seconds", torch.float64, (2,), max_rows=1),)
     message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([sent], dtype=torch.float64)}})
-    client_rank = SimpleNamespace(config=config, world_size=3, is_server=False,
-                                  transport=SimpleNamespace(broadcast=lambda _: message))
+    client_rank = SimpleNamespace(rank=1, world_size=3, broadcast=lambda _: message)
     with pytest.raises(ProtocolError, match=r"^rank 0 sent step times that are not positive and finite"):
-        Federation._timed_step_costs(client_rank)
+        timed_step_costs(config, None, client_rank, torch.device("cpu"))
     good = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([[0.01, 0.02]], dtype=torch.float64)}})
-    client_rank.transport = SimpleNamespace(broadcast=lambda _: good)
-    assert Federation._timed_step_costs(client_rank) == {"cnn": 0.01, "htcnn1": 0.02}
+    client_rank.broadcast = lambda _: good
+    assert timed_step_costs(config, None, client_rank, torch.device("cpu")) == {"cnn": 0.01, "htcnn1": 0.02}
 
 
 @pytest.mark.parametrize("budget_s,steps_per_member", [(1e9, 1 + 7), (0.0, 1 + 3)])

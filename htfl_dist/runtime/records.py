@@ -1,0 +1,138 @@
+"""Rank 0's records of a run: the metrics rows, the sinks that mirror them, the progress line,
+config.yaml and summary.json.
+
+The round loop hands each finished round over as a ``RoundOutcome``; the records turn it into a
+row (evaluation rounds) and a progress line (every round). They hold the one piece of state that
+spans rounds: the clients left out of rounds since the last row, which that row reports, so a
+round without evaluation does not lose who it skipped. Nothing here talks to other ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from htfl_dist.config import Config
+from htfl_dist.metrics.report import accuracy_summary
+from htfl_dist.metrics.sinks import MetricsSink, open_sinks
+from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
+from htfl_dist.privacy.startup import epsilon_columns, privacy_summary
+from htfl_dist.runtime.exchange import RoundReports, RoundTraffic
+from htfl_dist.runtime.placement import idle_shares
+
+
+@dataclass
+class RoundOutcome:
+    """What one round produced, filled in phase by phase by the round loop; on rank 0 the
+    records turn it into the metrics row."""
+
+    round_index: int
+    participants: list[int]
+    evaluated: bool
+    traffic: RoundTraffic = field(default_factory=RoundTraffic)
+    client_seconds: float = 0.0
+    """This rank's training (and evaluation) time."""
+    server_seconds: float = 0.0
+    diagnostics: dict[str, Any] = field(default_factory=dict)
+    """The server step's own figures (rank 0)."""
+    skipped: list[int] = field(default_factory=list)
+    """Rank 0: clients whose uploads were left out this round (a bad message or upload)."""
+    reports: RoundReports | None = None
+    """Rank 0: every client's and rank's report rows; None on the other ranks."""
+
+
+def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, skipped: list[int]) -> dict[str, Any]:
+    """The row of an evaluation round: pooled accuracy (Σ correct / Σ samples over every client),
+    the std of the per-client accuracies, the training loss over the participants, bytes, times,
+    ε columns (privacy) and the server's diagnostics."""
+    reports, traffic = outcome.reports.clients, outcome.traffic
+    evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])
+    trains = np.array([r["train"][0].tolist() for r in reports.values() if r["train"].shape[0]])
+    per_client = evals[:, 0] / np.maximum(evals[:, 2], 1)
+    samples = evals[:, 2].sum()
+    row = {
+        "round": outcome.round_index + 1,
+        "test_acc": float(evals[:, 0].sum() / samples),
+        "test_acc_head": float(evals[:, 1].sum() / samples),
+        "test_acc_std": float(per_client.std()),
+        "train_loss": float(trains[:, 0].sum() / max(trains[:, 1].sum(), 1)) if len(trains) else None,
+        "bytes_up": traffic.up,
+        "bytes_down": traffic.down,
+        "bytes_theory_up": traffic.theory_up,
+        "bytes_theory_down": traffic.theory_down,
+        "seconds": seconds,
+        "client_s": client_seconds,
+        "server_s": outcome.server_seconds,
+        "comm_s": max(0.0, seconds - client_seconds - outcome.server_seconds),
+        "skipped_clients": list(skipped),  # bad uploads left out since the last row
+    }
+    row.update(epsilon_columns([float(r["privacy"][0, 0]) for r in reports.values() if r["privacy"].shape[0]]))
+    row.update(outcome.diagnostics)
+    return row
+
+
+class RoundRecords:
+    """Rank 0's metrics log, sinks, progress line and summary for one run directory."""
+
+    def __init__(self, config: Config, out_dir: Path, world_size: int) -> None:
+        self.config = config
+        self.out_dir = out_dir
+        self.world_size = world_size
+        self.metrics = MetricsLog(out_dir / "metrics.jsonl")
+        self.sinks: list[MetricsSink] = []
+        self._skipped_since_row: list[int] = []
+        self._setup_bytes_up = 0
+
+    def begin(self, first_round: int) -> None:
+        """The run goes ahead (after a resume was accepted): write config.yaml, remove a
+        summary.json left by an earlier end of this run (it no longer describes it), open the sinks."""
+        write_atomic(self.out_dir / "config.yaml", yaml.safe_dump(self.config.to_dict(), sort_keys=False))
+        (self.out_dir / "summary.json").unlink(missing_ok=True)
+        self.sinks = open_sinks(self.config, self.out_dir, first_round)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+    def count_setup_upload(self, traffic: RoundTraffic) -> None:
+        """The one-off setup upload of a fresh run, reported with the first row."""
+        self._setup_bytes_up += traffic.up
+
+    def record(self, outcome: RoundOutcome, round_seconds: list[float]) -> None:
+        """The row of an evaluation round (and its sinks) and every round's progress line."""
+        ranks = outcome.reports.ranks
+        outcome.traffic.theory_up = int(sum(r.theory_up_bytes for r in ranks))
+        self._skipped_since_row.extend(outcome.skipped)
+        rank_seconds = [r.compute_seconds for r in ranks]
+        seconds = round_seconds[-1]
+        row = None
+        if outcome.evaluated:
+            row = metrics_row(outcome, seconds, max(rank_seconds), self._skipped_since_row)
+            row["rank_idle_share"] = idle_shares(rank_seconds[1:] if self.world_size > 1 else rank_seconds)
+            if self._setup_bytes_up:
+                row["bytes_setup_up"], self._setup_bytes_up = self._setup_bytes_up, 0
+            self.metrics.append(row)
+            for sink in self.sinks:
+                sink.write(self.metrics.rows)
+            self._skipped_since_row = []
+        eta = float(np.mean(round_seconds)) * (self.config.rounds - outcome.round_index - 1)
+        progress(format_progress(outcome.round_index + 1, self.config.rounds, row, seconds, eta))
+
+    def finish(self, round_seconds: list[float], facts: dict[str, Any], extra: dict[str, Any],
+               privacy_plan: Any) -> dict[str, Any]:
+        """summary.json: the accuracy summary, the run's ``facts`` (world size, transport,
+        device), what start-up added (``extra``: the generator's provenance) and the privacy block."""
+        summary = {
+            **accuracy_summary(self.metrics.rows),
+            "rounds": self.config.rounds,
+            "config_hash": self.config.config_hash(),
+            **facts,
+            "seconds_per_round": float(np.mean(round_seconds)) if round_seconds else None,
+            **extra,
+            **privacy_summary(self.metrics.rows, privacy_plan),
+        }
+        write_json(self.out_dir / "summary.json", summary)
+        return summary

@@ -1,0 +1,287 @@
+"""Start-up of one rank, before the first round: the data, the ranks' agreement on the maths,
+the placement of clients on ranks, the server half, and the factory of this rank's clients.
+
+Every check that can fail on the config alone runs here on every rank, so a mistake stops all
+ranks before any trains or talks; each is one line naming the key or the client.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from htfl_dist.algorithms import (
+    AlgorithmContext,
+    AlgorithmEntry,
+    ClientAlgorithm,
+    ClientState,
+    algorithm_names,
+    get_algorithm,
+)
+from htfl_dist.algorithms.training import batching_obstacle
+from htfl_dist.config import Config
+from htfl_dist.data import load_client_split, prepare_partition
+from htfl_dist.errors import ConfigError, HtflError, ProtocolError
+from htfl_dist.generators import build_generator
+from htfl_dist.metrics.writer import progress
+from htfl_dist.models import (
+    InputSpec,
+    architecture_for_client,
+    build_model,
+    check_group_inputs,
+    initial_client_model,
+    members_in_use,
+)
+from htfl_dist.models.cost import timed_step_seconds
+from htfl_dist.payload import Field
+from htfl_dist.privacy.startup import attach_ledger
+from htfl_dist.runtime.client_store import ClientStore
+from htfl_dist.runtime.exchange import message_bounds
+from htfl_dist.runtime.placement import Placement, estimated_client_work, plan_placement
+from htfl_dist.runtime.transport import Transport
+from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
+from htfl_dist.seeding import seed_global_torch
+
+HANDSHAKE_SPEC = (Field("facts", torch.int64, (5,), max_rows=1),)  # [config hash, C, K, num_clients, software]
+
+
+def software_fingerprint() -> int:
+    """The versions that decide the numbers (htfl_dist, torch, numpy), as one int64: ranks built
+    from different installs would break bitwise world-size invariance without an error."""
+    from htfl_dist import __version__
+
+    text = f"htfl_dist {__version__} torch {torch.__version__} numpy {np.__version__}"
+    return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+
+def check_inputs(config: Config, inputs: InputSpec, uses_generator: bool) -> None:
+    """One ConfigError line, before any model is built, unless every member of the model group
+    takes the data's inputs, and the algorithm's server generator (FedKTL's) makes them."""
+    check_group_inputs(config.model.group, config.num_clients, inputs)
+    if uses_generator and not inputs.square:
+        raise ConfigError(f"{config.algorithm} trains clients on images its generator makes, but the data is "
+                          f"{inputs.describe()}; use it on square pictures")
+
+
+def check_client_batching(entry: AlgorithmEntry, context: AlgorithmContext) -> None:
+    """With ``train.client_batching=vmap``, one ConfigError line unless every client can train
+    batched: the algorithm's registry entry declares a batched path (``batched_clients``) and no
+    member of the model group has a layer ``batching_obstacle`` names. Checked at start-up on
+    every rank (the same answer everywhere, from the config alone), so nothing trains first."""
+    if context.train.client_batching != "vmap":
+        return
+    if not entry.batched_clients:
+        batched = [name for name in algorithm_names() if get_algorithm(name).batched_clients]
+        raise ConfigError(f"train.client_batching=vmap: {entry.name} has no batched client path (these have: "
+                          f"{', '.join(batched)}); use train.client_batching=off")
+    for member in members_in_use(context.model_group, context.num_clients):
+        with torch.device("meta"):
+            model = build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
+                                inputs=context.inputs)
+        obstacle = batching_obstacle(model)
+        if obstacle is not None:
+            raise ConfigError(f"train.client_batching=vmap cannot batch {member}: it has {obstacle}, whose "
+                              f"training output depends on the batch or on random draws; use "
+                              f"train.client_batching=off")
+
+
+def prepare_data(config: Config, transport: Transport):
+    """Rank 0 builds the partition cache while the others wait; they then find it (or, on a
+    node that does not share the cache directory, build the identical file themselves)."""
+    if transport.rank != 0:
+        transport.barrier()
+        return prepare_partition(config.data, config.num_clients, config.seed, batch_size=config.train.batch_size)
+    began = time.perf_counter()
+    info = prepare_partition(config.data, config.num_clients, config.seed, report=progress,
+                             batch_size=config.train.batch_size)
+    progress(f"data: {info.describe()}, {config.num_clients} clients, {info.num_classes} classes, "
+             f"{info.inputs().describe()} ({time.perf_counter() - began:.1f}s)")
+    transport.barrier()
+    return info
+
+
+def handshake(config: Config, num_classes: int, transport: Transport) -> None:
+    """Every rank runs the same maths (config, classes, feature width, clients, install), or the
+    job ends naming the rank that differs, before anything else travels."""
+    facts = torch.tensor([[int(config.config_hash()[:15], 16), num_classes, config.model.feature_dim,
+                           config.num_clients, software_fingerprint()]], dtype=torch.int64)
+    gathered = transport.gather(encode(HANDSHAKE_SPEC, {transport.rank: {"facts": facts}}),
+                                message_bounds(transport, HANDSHAKE_SPEC, lambda rank: 1))
+    if gathered is None:
+        return
+    mine = facts[0].tolist()
+    for message in gathered:
+        for rank, payload in decode(HANDSHAKE_SPEC, message).items():
+            theirs = payload["facts"][0].tolist()
+            if theirs != mine:
+                raise HtflError(
+                    f"rank {rank} disagrees with rank 0 on (config hash, classes, K, clients, software): "
+                    f"{theirs} vs {mine}; start every rank with the same config, data and install "
+                    f"(htfl_dist, torch, numpy versions)"
+                )
+
+
+def timed_step_costs(config: Config, partition: Any, transport: Transport, device: torch.device
+                     ) -> dict[str, float]:
+    """``placement_work=timed``: rank 0 times one SGD step of every member of the model group
+    on its device and broadcasts the figures (a declared float64 row, one entry per member),
+    so every rank plans the same placement. Nothing is timed where placement cannot matter
+    (at most one client rank, or round_robin)."""
+    members = members_in_use(config.model.group, config.num_clients)
+    if transport.world_size <= 2 or config.runtime.placement == "round_robin":
+        return dict.fromkeys(members, 1.0)
+    spec = (Field("seconds", torch.float64, (len(members),), max_rows=1),)
+    message = None
+    if transport.rank == 0:
+        timed = timed_step_seconds(members, num_classes=partition.num_classes, feature_dim=config.model.feature_dim,
+                                   inputs=partition.inputs(), batch_size=config.train.batch_size, device=device)
+        progress("placement: one training step takes " + ", ".join(
+            f"{member} {seconds * 1000:.1f} ms" for member, seconds in timed.items()))
+        message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([list(timed.values())],
+                                                                           dtype=torch.float64)}})
+    received = decode(spec, transport.broadcast(message))[BROADCAST_ENTRY]["seconds"][0]
+    if not bool(torch.isfinite(received).all() and (received > 0).all()):
+        raise ProtocolError(f"rank 0 sent step times that are not positive and finite: {received.tolist()}")
+    return dict(zip(members, received.tolist(), strict=True))
+
+
+def place_clients(config: Config, partition: Any, transport: Transport, device: torch.device) -> Placement:
+    """Which rank hosts which client, by ``runtime.placement`` and ``runtime.placement_work``;
+    every rank computes the same plan from the partition and the model group (and, for
+    ``timed``, rank 0's step times, which every rank receives)."""
+    step_seconds = timed_step_costs(config, partition, transport, device) \
+        if config.runtime.placement_work == "timed" else None
+    work, unit = estimated_client_work(config, partition, step_seconds)
+    return plan_placement(config.runtime.placement, transport.world_size, work, unit)
+
+
+def build_server(entry: AlgorithmEntry, context: AlgorithmContext, config: Config, extra_summary: dict[str, Any]):
+    """The server half (rank 0); FedKTL's gets the pre-trained generator, loaded here, and its
+    provenance goes into summary.json."""
+    resources = {}
+    if entry.uses_generator:
+        began = time.perf_counter()
+        generator = build_generator(config.generator, config.seed)
+        provenance = generator.provenance()
+        extra_summary["generator"] = provenance
+        progress(f"generator: {provenance['name']}, latents R^{generator.latent_dim} -> "
+                 f"{generator.image_channels}x{generator.image_resolution}x{generator.image_resolution} "
+                 f"({time.perf_counter() - began:.1f}s)")
+        resources["generator"] = generator
+    seed_global_torch(config.seed, "server-init")  # server parameters, if any
+    return entry.server(context, **resources)
+
+
+@torch.no_grad()
+def check_feature_width(model, architecture: str, client_id: int, sample: torch.Tensor, width: int) -> None:
+    """Prototypes of all clients must live in one R^K: refuse a model whose features differ."""
+    was_training = model.training
+    model.eval()
+    got = tuple(model.features(sample).shape[1:])
+    model.train(was_training)
+    if got != (width,):
+        raise HtflError(f"client {client_id}'s {architecture} gives features of shape {got}, but "
+                        f"model.feature_dim={width}: every client must produce K-wide features")
+
+
+class ClientFactory:
+    """Builds this rank's clients on demand (the client store calls ``build``): data, initial
+    model, optimizer, the algorithm's per-client state and, with privacy, the ledger."""
+
+    def __init__(self, config: Config, partition: Any, device: torch.device, algorithm: ClientAlgorithm,
+                 privacy_plan: Any) -> None:
+        self.config = config
+        self.partition = partition
+        self.device = device
+        self.algorithm = algorithm
+        self.privacy_plan = privacy_plan
+        self._splits: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._shared_initial_states: dict[str, dict[str, torch.Tensor]] = {}
+        self._widths_checked: set[str] = set()
+
+    def split(self, client_id: int) -> tuple[torch.Tensor, ...]:
+        """The client's data on this rank's device, loaded once (data stays resident: its total is
+        the dataset's size, however many clients share it)."""
+        split = self._splits.get(client_id)
+        if split is None:
+            raw = load_client_split(self.partition.path, client_id)
+            split = self._splits[client_id] = tuple(tensor.to(self.device) for tensor in
+                                                    (raw.train_x, raw.train_y, raw.test_x, raw.test_y))
+        return split
+
+    def initial_model(self, client_id: int, shell: bool) -> torch.nn.Module:
+        """Client ``client_id``'s initial model. A ``shell`` (about to receive a parked state) is
+        built on the meta device and only allocated. With ``model.init=htfllib`` every client of
+        a member starts from the same weights (seeded by ``seed`` alone), so they are drawn once
+        per member and copied into a shell after that: drawing HtCNN8's weights costs about 10 ms
+        a client, which start-up and evaluation with parked clients pay per client otherwise.
+        Either shortcut needs every parameter and buffer in the state dict; a model keeping
+        buffers outside it is always built in full."""
+        config, info = self.config, self.partition
+
+        def build() -> torch.nn.Module:
+            return initial_client_model(
+                config.model.group, client_id, config.seed, num_classes=info.num_classes,
+                feature_dim=config.model.feature_dim, inputs=info.inputs(), init=config.model.init,
+            )
+
+        member = architecture_for_client(config.model.group, client_id)
+        shared = self._shared_initial_states.get(member)  # only ever filled with model.init=htfllib
+        if shell or shared is not None:
+            with torch.device("meta"):
+                model = build()
+            held = set(model.state_dict())
+            if all(name in held for name, _ in (*model.named_parameters(), *model.named_buffers())):
+                model = model.to_empty(device=self.device)
+                if not shell:
+                    model.load_state_dict(shared)
+                return model
+        model = build().to(self.device)
+        if config.model.init == "htfllib" and shared is None:
+            self._shared_initial_states[member] = {name: value.detach().clone()
+                                                   for name, value in model.state_dict().items()}
+        return model
+
+    def build(self, client_id: int, shell: bool = False) -> ClientState:
+        """A client with its data and model (``shell``: weights to be overwritten, see ClientStore).
+        The feature width is checked on the first client of each architecture (it is a property
+        of the architecture and the input shape)."""
+        config = self.config
+        train_x, train_y, test_x, test_y = self.split(client_id)
+        architecture = architecture_for_client(config.model.group, client_id)
+        model = self.initial_model(client_id, shell)
+        if not shell and architecture not in self._widths_checked:
+            check_feature_width(model, architecture, client_id, train_x[:2], config.model.feature_dim)
+            self._widths_checked.add(architecture)
+        optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
+        client = ClientState(
+            client_id=client_id, architecture=architecture, model=model, optimizer=optimizer,
+            train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y, device=self.device,
+        )
+        seed_global_torch(config.seed, "algorithm-init", client_id)
+        self.algorithm.init_client(client)
+        if self.privacy_plan is not None:
+            attach_ledger(client, self.privacy_plan)
+        return client
+
+
+def client_store(config: Config, factory: ClientFactory, client_ids: list[int], device: torch.device,
+                 rank: int) -> ClientStore:
+    """This rank's clients: all resident, or (``runtime.resident_clients``) an LRU of them.
+    A bounded store builds one client of each architecture now, so a model that does not fit
+    the data fails at start-up rather than in the round that first needs it."""
+    runtime = config.runtime
+    scratch = Path(runtime.client_scratch_dir) if runtime.client_scratch_dir else None
+    store = ClientStore(client_ids, factory.build, resident=runtime.resident_clients, device=device, rank=rank,
+                        scratch_dir=scratch)
+    if store.bounded:
+        first_of_architecture: dict[str, int] = {}
+        for client_id in client_ids:
+            first_of_architecture.setdefault(architecture_for_client(config.model.group, client_id), client_id)
+        for client_id in sorted(first_of_architecture.values()):
+            store.peek(client_id)
+    return store
