@@ -30,7 +30,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from htfl_dist.algorithms.class_rows import (
-    ClassMeans,
     dense_prototypes,
     euclidean_distances,
     global_prototype_diagnostics,
@@ -40,7 +39,7 @@ from htfl_dist.algorithms.fedtgp import class_margins, margin_contrastive_loss
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState, ServerAlgorithm, TrainResult
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch
-from htfl_dist.errors import ConfigError
+from htfl_dist.config import bounded
 from htfl_dist.payload import Field, Payload, PayloadSpec
 from htfl_dist.seeding import derive_seed, torch_generator
 
@@ -63,11 +62,11 @@ class FedSAOptions:
     reg_distance: RegDistance | None = None
     """L_R: euclid = Σ over the batch's classes of ‖P^c − Ā^c‖₂ (Eq. 5; default); mse =
     MSE(f(x), Ā^y) per sample, over B·K (code)."""
-    reg_weight: float | None = None
+    reg_weight: float | None = bounded(None, at_least=0, optional=True)
     """λ1; default 0.1 with reg_distance=euclid (paper), 10 with mse (code's scripts)."""
-    mcl_weight: float = 1.0
+    mcl_weight: float = bounded(1.0, at_least=0)
     """λ2 (paper: 1 under model heterogeneity, Tables 2-5; 0.01 for the homogeneous Table 1; code 1)."""
-    cc_weight: float = 1.0
+    cc_weight: float = bounded(1.0, at_least=0)
     """λ3 (paper and code: 1)."""
     contrast_on: ContrastOn | None = None
     """L_MCL on prototypes = the batch's class means, averaged over its classes (Eq. 7; default),
@@ -83,7 +82,7 @@ class FedSAOptions:
     weighted: bool | None = None
     """P̄^c weighted by class counts (the paper's "weighted-averaging", Eq. 3 without its extra
     1/|N_c|; counts travel; default) or the plain mean over uploaders (code)."""
-    ema_decay: float = 0.9999
+    ema_decay: float = bounded(0.9999, at_least=0, at_most=1)
     """α of Ā ← α·Ā + (1 − α)·P̄ (paper and code)."""
     anchor_projection: Literal["mlp", "none"] = "mlp"
     """mlp: Ā⁰ = h_ψ(A) (paper and code; h_ψ is fixed, as in the code: the paper gives it no
@@ -106,11 +105,6 @@ class FedSAOptions:
             self.proto_from = "during_training" if reference else "post_update"
         if self.weighted is None:
             self.weighted = not reference
-        for key in ("reg_weight", "mcl_weight", "cc_weight"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"config key 'algo.{key}' must be >= 0, got {getattr(self, key)}")
-        if not 0.0 <= self.ema_decay <= 1.0:
-            raise ConfigError(f"config key 'algo.ema_decay' must be in [0, 1], got {self.ema_decay}")
 
 
 # --------------------------------------------------------------------------- anchors
@@ -173,10 +167,13 @@ def client_margin(global_margin: float, local_margin: float | None) -> float:
 
 def batch_class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the batch's class means [C, K], differentiable; present mask [C]); absent rows are 0."""
-    means = ClassMeans(num_classes, features.shape[1], features.device, features.dtype)
-    means.add(features, labels, torch.ones_like(labels, dtype=features.dtype))  # weights: no bincount sync
-    return means.dense(), means.present()
+    """(the batch's class means [C, K], differentiable; present mask [C]); absent rows are 0.
+
+    A one-hot product, out of place and without data-dependent shapes: no host sync per step,
+    and it runs under ``vmap`` (DP-SGD evaluates the loss one sample at a time)."""
+    onehot = (labels.unsqueeze(1) == torch.arange(num_classes, device=labels.device)).to(features.dtype)
+    counts = onehot.sum(dim=0)
+    return (onehot.t() @ features) / counts.clamp(min=1).unsqueeze(1), counts > 0
 
 
 def anchor_regulariser(features: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
@@ -189,16 +186,26 @@ def anchor_regulariser(features: torch.Tensor, labels: torch.Tensor, anchors: to
     return (torch.linalg.vector_norm(means - anchors, dim=1) * present).sum()
 
 
+def own_class_offsets(labels: torch.Tensor, num_classes: int, margin: float) -> torch.Tensor:
+    """d*·[k = c], [N, C]: FedTGP's margin offsets by a comparison rather than ``one_hot``, whose
+    range check reads the labels' values and so cannot run under ``vmap`` (DP-SGD)."""
+    return margin * (labels.unsqueeze(1) == torch.arange(num_classes, device=labels.device)).float()
+
+
 def anchor_contrastive_loss(features: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
                             margin: float, on: ContrastOn) -> torch.Tensor:
     """L_MCL (Eq. 7): CE over −(‖p − Ā^k‖₂ + d*·[k = c]), FedTGP's margin loss against the
     anchors. ``samples``: p = each feature, c its label, mean over the batch (code);
     ``prototypes``: p = the batch's class means, mean over the classes in the batch."""
+    num_classes = anchors.shape[0]
     if on == "samples":
-        return margin_contrastive_loss(features, labels, anchors, margin)
-    means, present = batch_class_means(features, labels, anchors.shape[0])
-    classes = torch.nonzero(present).flatten()
-    return margin_contrastive_loss(means[classes], classes, anchors, margin)
+        return margin_contrastive_loss(features, labels, anchors, own_class_offsets(labels, num_classes, margin))
+    means, present = batch_class_means(features, labels, num_classes)
+    classes = torch.arange(num_classes, device=labels.device)  # every row, the absent ones weighted 0
+    distances = euclidean_distances(means, anchors) + own_class_offsets(classes, num_classes, margin)
+    losses = F.cross_entropy(-distances, classes, reduction="none")
+    weights = present.to(losses.dtype)
+    return (losses * weights).sum() / weights.sum()
 
 
 def calibration_loss(head: nn.Module, anchors: torch.Tensor) -> torch.Tensor:
@@ -361,4 +368,4 @@ class FedSAServer(ServerAlgorithm):
 
 register_algorithm("fedsa", server=FedSAServer, client=FedSAClient, options=FedSAOptions,
                    summary="semantic anchors moved by EMA; anchor regulariser, margin contrastive loss and "
-                           "classifier calibration (Zhou et al. 2025)")
+                           "classifier calibration (Zhou et al. 2025)", private_release=True)

@@ -26,9 +26,11 @@ class AlgorithmEntry:
     ``server(context, generator=...)``; every rank learns its latent width (``context.latent_dim``)."""
     private_release: bool = False
     """True where everything a client uploads is class rows from ``class_rows.class_means`` and
-    its local training is ``training.run_local_training`` with its own optimizer: ``privacy.*``
-    then noises the rows and runs DP-SGD (docs/privacy.md). Any other algorithm is refused at
-    start-up when privacy is on."""
+    every gradient its local training takes from the client's samples goes through DP-SGD
+    (``training.run_local_training``, or ``privacy.dpsgd.train_privately`` with a public term
+    computed from downloads only, FedKTL's): ``privacy.*`` then noises the rows and clips and
+    noises those gradients (docs/privacy.md). Any other algorithm is refused at start-up when
+    privacy is on."""
     batched_clients: bool = False
     """True where the client's ``train_group`` is a batched path of its ``train`` (the same loss,
     equal results within float tolerance, whoever shares the group): ``train.client_batching=vmap``

@@ -11,6 +11,18 @@ construction; the step then minimises the mean of the per-sample losses. Opacus'
 ``DPOptimizer`` clips, sums, adds the noise (from the ledger's (seed, client, round) stream) and
 scales; the wrapped optimizer steps as usual.
 
+The whole loss runs inside the ``functional_call``: a loss that calls the client's model itself
+(FedSA's calibration term sends the anchors through the head, FedKTL's transfer term sends the
+downloaded images through the feature extractor) differentiates the same weights as the batch's
+forward pass, instead of constants that would silently drop its gradient.
+
+A *public* term (``public_loss``) is one computed from no training sample: downloaded data and
+the current model only (FedKTL's image–latent pairs). Given the model, which is itself the
+output of the earlier private steps, its gradient reveals nothing more about the samples, so it
+is added after the noise, unclipped, as post-processing; it may also train modules of its own
+(``public_optimizers``, FedKTL's h′), and ``before_step`` may edit the summed gradient (the
+post-processing argument again).
+
 Noise: under the neighbouring relation of docs/privacy.md (one sample's input replaced) the sum
 of clipped gradients moves by at most 2·C, so the noise standard deviation is σ·2·C, i.e.
 Opacus's ``noise_multiplier`` (std / C) is 2σ. Each local epoch visits each sample in exactly
@@ -19,14 +31,15 @@ steps, only one of which sees the replaced sample); no amplification by subsampl
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from opacus.optimizers import DPOptimizer
+from torch import nn
 from torch.func import functional_call, grad, vmap
 
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
-from htfl_dist.algorithms.training import Batch, _FeaturesAndLogits, epoch_order, samples_per_epoch
+from htfl_dist.algorithms.training import Batch, epoch_order, samples_per_epoch
 from htfl_dist.errors import ConfigError
 from htfl_dist.privacy.accounting import PrivacyLedger
 
@@ -42,12 +55,33 @@ def check_private_optimizer(client: ClientState) -> None:
                           f"model's parameters, which DP-SGD needs")
 
 
+class _SampleObjective(nn.Module):
+    """The model's forward pass and the algorithm's loss as one module's forward, so that
+    ``functional_call`` swaps the model's weights for the differentiated ones during the loss
+    too (a loss may call the model's parts itself)."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable[[Batch], torch.Tensor]) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        features, logits = self.model.forward_with_features(x)
+        return self.loss_fn(Batch(x, y, features, logits)), features, logits
+
+
 def train_privately(client: ClientState, context: AlgorithmContext, loss_fn: Callable[[Batch], torch.Tensor],
                     generator: torch.Generator, ledger: PrivacyLedger, *,
-                    on_batch: Callable[[Batch], None] | None = None) -> tuple[float, int]:
+                    on_batch: Callable[[Batch], None] | None = None,
+                    public_loss: Callable[[], torch.Tensor] | None = None,
+                    public_optimizers: Sequence[torch.optim.Optimizer] = (),
+                    before_step: Callable[[], None] | None = None) -> tuple[float, int]:
     """``train.local_epochs`` epochs of DP-SGD over the client's training split; returns (sum of
-    the per-sample losses, samples) as ``run_local_training`` does. A client the ledger has
-    stopped does not train (0, 0)."""
+    the per-sample losses, plus ``public_loss`` × batch size, samples) as ``run_local_training``
+    does. A client the ledger has stopped does not train (0, 0).
+
+    ``public_loss()`` (once per step, after ``loss_fn``) must not read the training split: its
+    gradient is added to the noised one, and ``public_optimizers`` step the other modules it
+    trains; ``before_step`` runs on the finished gradients (module docstring)."""
     if not ledger.active:
         return 0.0, 0
     check_private_optimizer(client)
@@ -60,12 +94,11 @@ def train_privately(client: ClientState, context: AlgorithmContext, loss_fn: Cal
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     parameters = [p for _, p in model.named_parameters() if p.requires_grad]
     buffers = {f"model.{name}": b for name, b in model.named_buffers()}
-    wrapper = _FeaturesAndLogits(model)
+    objective = _SampleObjective(model, loss_fn)
 
     def sample_loss(weights: tuple[torch.Tensor, ...], x: torch.Tensor, y: torch.Tensor):
         state = {f"model.{name}": w for name, w in zip(names, weights, strict=True)}
-        features, logits = functional_call(wrapper, (state, buffers), (x.unsqueeze(0),))
-        loss = loss_fn(Batch(x.unsqueeze(0), y.unsqueeze(0), features, logits))
+        loss, features, logits = functional_call(objective, (state, buffers), (x.unsqueeze(0), y.unsqueeze(0)))
         return loss, (loss, features.squeeze(0), logits.squeeze(0))
 
     per_sample = vmap(grad(sample_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
@@ -84,8 +117,9 @@ def train_privately(client: ClientState, context: AlgorithmContext, loss_fn: Cal
                 for parameter, sample_grads in zip(parameters, grads, strict=True):
                     parameter.grad_sample = sample_grads
                 optimizer.expected_batch_size = y.shape[0]  # the mean over this batch's samples
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                public = _private_step(optimizer, public_loss, public_optimizers, before_step)
+                if public is not None:
+                    loss_total += public * y.shape[0]
                 if on_batch is not None:
                     on_batch(Batch(x, y, features.detach(), logits.detach()))
                 loss_total += losses.detach().sum()
@@ -96,3 +130,25 @@ def train_privately(client: ClientState, context: AlgorithmContext, loss_fn: Cal
                 if hasattr(parameter, attribute):
                     delattr(parameter, attribute)
     return float(loss_total), seen
+
+
+def _private_step(optimizer: DPOptimizer, public_loss: Callable[[], torch.Tensor] | None,
+                  public_optimizers: Sequence[torch.optim.Optimizer],
+                  before_step: Callable[[], None] | None) -> torch.Tensor | None:
+    """One step: the clipped, noised, averaged per-sample gradient (``pre_step``), plus the public
+    term's gradient, then every optimizer. Returns the public loss (detached) if there is one."""
+    for other in public_optimizers:
+        other.zero_grad(set_to_none=True)
+    optimizer.pre_step()  # p.grad = (Σ clipped + noise) / B for every model parameter
+    value = None
+    if public_loss is not None:
+        loss = public_loss()
+        loss.backward()  # adds into p.grad: post-processing of the private model
+        value = loss.detach()
+    if before_step is not None:
+        before_step()
+    optimizer.original_optimizer.step()
+    for other in public_optimizers:
+        other.step()
+    optimizer.zero_grad(set_to_none=True)
+    return value

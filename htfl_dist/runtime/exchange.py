@@ -115,11 +115,13 @@ class Exchange:
     """The round's messages for one rank: broadcasts down, gathers up (decoded on rank 0)."""
 
     def __init__(self, transport: Transport, placement: Placement, device: torch.device,
-                 on_bad_upload: Literal["skip", "fail"]) -> None:
+                 on_bad_upload: Literal["skip", "fail"], epsilon_budget: float | None = None) -> None:
         self.transport = transport
         self.placement = placement
         self.device = device
         self.on_bad_upload = on_bad_upload
+        self.epsilon_budget = epsilon_budget
+        """privacy.target_epsilon with privacy on: no client can truthfully report more ε spent."""
 
     def broadcast_knowledge(self, spec, download: Payload | None, traffic: RoundTraffic) -> Payload:
         """The server's ``download`` (rank 0; None elsewhere) to every rank, decoded on each."""
@@ -200,7 +202,7 @@ class Exchange:
                     raise ProtocolError("sent a report without its rank row")
                 check_rank_row(own["rank"][0].tolist())
                 check_rank_report(decoded, [cid for cid in participants if cid in hosted],
-                                  hosted if evaluated else [])
+                                  hosted if evaluated else [], epsilon_budget=self.epsilon_budget)
             except ProtocolError as exc:
                 raise ProtocolError(f"{self.placement.describe_rank(rank)} {exc}") from None
             rank_rows.append(RankReport(*own["rank"][0].tolist()))

@@ -131,7 +131,8 @@ class Federation:
             check_prototype_payloads(config.algorithm, self.upload_spec, self.download_spec)
         self.snapshots = PrototypeSnapshots(run.out_dir, config.output.prototypes_every)
         self.image_grids = GeneratedImageGrids(run.out_dir, self.download_spec)
-        self.exchange = Exchange(transport, self.placement, self.device, config.on_bad_upload)
+        self.exchange = Exchange(transport, self.placement, self.device, config.on_bad_upload,
+                                 epsilon_budget=config.privacy.target_epsilon if config.privacy.enabled else None)
         self.my_client_ids = self.placement.clients_of(self.rank)
         factory = ClientFactory(config, self.partition, self.device, self.client_algorithm, self.privacy_plan)
         self.clients = client_store(config, factory, self.my_client_ids, self.device, self.rank)

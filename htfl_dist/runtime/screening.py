@@ -58,13 +58,19 @@ def unpack_rank_message(spec: PayloadSpec, message: Encoded, expected_ids: list[
     return entries
 
 
-def check_rank_report(entries: dict[int, Payload], train_ids: list[int], eval_ids: list[int]) -> None:
+def check_rank_report(entries: dict[int, Payload], train_ids: list[int], eval_ids: list[int], *,
+                      epsilon_budget: float | None = None) -> None:
     """A rank's end-of-round report (decoded, its rank row already taken out): training rows for
     exactly the participants it hosts, evaluation rows for exactly the clients it hosts (or none
     in a round without evaluation), and numbers that can be true: whole sample counts and
     0 <= correct <= samples (a loss may be NaN: training that diverged is real, and its upload is
     screened separately). Rank 0 pools these into the accuracy everybody reads; the error reads
-    after the sender's name."""
+    after the sender's name.
+
+    A client's ε row (``privacy``: the ε it has spent, reported with privacy on) must be finite
+    and >= 0, and, given ``epsilon_budget`` (``privacy.target_epsilon``), at most the budget: a
+    ledger refuses any mechanism past it, so a larger ε is a lie or a broken ledger, and rank 0
+    must not print it into metrics.jsonl as a private run's ε."""
     trained = sorted(cid for cid, entry in entries.items() if entry["train"].shape[0])
     evaluated = sorted(cid for cid, entry in entries.items() if entry["eval"].shape[0])
     if trained != sorted(train_ids) or evaluated != sorted(eval_ids):
@@ -81,6 +87,22 @@ def check_rank_report(entries: dict[int, Payload], train_ids: list[int], eval_id
                     and correct <= samples and correct_head <= samples):
                 raise ProtocolError(f"reported an impossible evaluation row for client {cid}: {row.tolist()} "
                                     f"(correct, correct by the head, samples)")
+        for row in entry.get("privacy", ()):
+            _check_epsilon(cid, float(row[0]), epsilon_budget)
+
+
+EPSILON_TOLERANCE = 1e-6
+"""Relative slack on the budget: ε is computed by Opacus on every rank from the same history,
+so an honest report is at most the target; the slack only absorbs float formatting."""
+
+
+def _check_epsilon(client_id: int, epsilon: float, budget: float | None) -> None:
+    if not (math.isfinite(epsilon) and epsilon >= 0):
+        raise ProtocolError(f"reported an impossible privacy ε for client {client_id}: {epsilon} "
+                            f"(finite and >= 0)")
+    if budget is not None and epsilon > budget * (1 + EPSILON_TOLERANCE):
+        raise ProtocolError(f"reported privacy ε={epsilon:g} for client {client_id}, past "
+                            f"privacy.target_epsilon={budget:g}, which its ledger never spends")
 
 
 def check_rank_row(values: list[float]) -> None:

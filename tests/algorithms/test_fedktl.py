@@ -22,18 +22,15 @@ from torch import nn
 from conftest import REPO, SMOKE, _env, launch, maths_only, read_metrics, run_smoke
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.algorithms import fedktl as fedktl_module
-from htfl_dist.algorithms.fedktl import (
+from htfl_dist.algorithms import fedktl_server as fedktl_server_module
+from htfl_dist.algorithms.fedktl import FedKTLClient, PairBatches, arcface_loss, auxiliary_projection, simplex_etf
+from htfl_dist.algorithms.fedktl_server import (
     KERNEL_SIGMA2,
-    FedKTLClient,
     FedKTLServer,
-    PairBatches,
-    arcface_loss,
-    auxiliary_projection,
     in_graph_mse,
     kernel_bandwidths,
     kernel_saturation,
     mmd_loss,
-    simplex_etf,
     squared_distances,
 )
 from htfl_dist.config import TrainConfig, load_config
@@ -1026,13 +1023,13 @@ def test_adam_trains_f_and_only_in_table_mode_the_centroid_table(monkeypatch, co
 
 def test_server_clips_f_and_the_table_to_norm_100_each(monkeypatch):
     calls = []
-    real = fedktl_module.train_on_pairs
+    real = fedktl_server_module.train_on_pairs
 
     def spy(*args, **kwargs):
         calls.append((args, kwargs))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fedktl_module, "train_on_pairs", spy)
+    monkeypatch.setattr(fedktl_server_module, "train_on_pairs", spy)
     server = _server(compat="htfllib", server_epochs=1)
     server.update(_uploads(), 0, torch_generator(0, "server", 0))
     ((args, kwargs),) = calls
@@ -1052,13 +1049,13 @@ def test_each_server_batch_is_matched_with_as_many_latents_at_the_right_bandwidt
     """12 prototypes in batches of 5: the MMD compares 5, 5 and 2 queries with as many fresh latents
     (then all 12 in the diagnostics); fixed: σ² = (10, 15, 20, 50); median: those × median(d²)/40."""
     calls = []
-    real = fedktl_module.mmd_loss
+    real = fedktl_server_module.mmd_loss
 
     def spy(queries, latents, bandwidths):
         calls.append((queries.detach().clone(), latents.clone(), bandwidths))
         return real(queries, latents, bandwidths)
 
-    monkeypatch.setattr(fedktl_module, "mmd_loss", spy)
+    monkeypatch.setattr(fedktl_server_module, "mmd_loss", spy)
     server = _server(server_epochs=1, server_batch_size=5, mmd_bandwidth=mode)
     server.update(_uploads(), 0, torch_generator(0, "server", 0))
     assert [(q.shape[0], w.shape[0]) for q, w, _ in calls] == [(5, 5), (5, 5), (2, 2), (12, 12)]

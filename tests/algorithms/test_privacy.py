@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import numpy as np
 import pytest
@@ -276,7 +277,8 @@ def test_batchnorm_model_is_refused_with_one_line():
 
 @pytest.mark.parametrize("algorithm, options", [
     ("fedproto", {}), ("fedproto", {"client_reg": "htfllib"}), ("fedtgp", {}), ("fedoc", {}), ("fedgh", {}),
-    ("feddistill", {"logits_from": "post_update"}),
+    ("feddistill", {"logits_from": "post_update"}), ("fedsa", {"weighted": False}),
+    ("fedsa", {"weighted": False, "reg_distance": "mse", "contrast_on": "samples", "margin_rule": "nearest"}),
 ])
 def test_accepted_algorithms_train_privately_through_their_own_code(algorithm, options):
     """Two rounds of each accepted algorithm's own client and server with a ledger: every loss
@@ -298,6 +300,155 @@ def test_accepted_algorithms_train_privately_through_their_own_code(algorithm, o
         server.update({0: result.upload}, round_index, torch_generator(0, "s", round_index))
     assert client.modules[LEDGER_KEY].history == ((1.0, 1.0, 4),)
     assert float((_parameters(client) - before).norm()) > 0
+
+
+def test_a_loss_that_calls_the_model_itself_gets_that_gradient_through_dpsgd():
+    """FedSA's L_CC sends the anchors through the head, not the batch: under DP-SGD that term must
+    differentiate the same weights as the forward pass. Two clients, same noise stream, one with
+    the extra term head(a).sum() for a constant a: one step apart they differ by exactly
+    −lr·∂/∂θ (bias: −lr per entry; weight: −lr·a in every row; nothing else), the term's
+    per-sample gradient norm √(C·(‖a‖² + 1)) ≈ 1.94 being below the clipping norm 5."""
+    lr, B = 0.1, 4
+    anchor = torch.full((1, 8), 0.5 / math.sqrt(8))  # ‖a‖ = 0.5
+    steps = []
+    for extra in (False, True):
+        context, client = _private_client(_plan(0.5, grad_norm=5.0, target=1e4), samples=B, batch_size=B, lr=lr)
+        head = client.model.head
+
+        def loss_fn(batch, head=head, extra=extra):
+            loss = 0.0 * batch.logits.sum()
+            return loss + head(anchor).sum() if extra else loss
+
+        before = {name: p.detach().clone() for name, p in client.model.named_parameters()}
+        run_local_training(client, context, loss_fn, torch_generator(0, "b"))
+        steps.append({name: p.detach() - before[name] for name, p in client.model.named_parameters()})
+    for name, step in steps[1].items():
+        difference = step - steps[0][name]
+        if name.endswith("head.bias"):
+            expected = torch.full_like(difference, -lr)
+        elif name.endswith("head.weight"):
+            expected = -lr * anchor.expand_as(difference)
+        else:
+            expected = torch.zeros_like(difference)
+        torch.testing.assert_close(difference, expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_public_term_is_added_after_the_noise_and_trains_its_own_modules():
+    """A public loss (no training sample in it) adds its plain gradient to the noised one and steps
+    its own optimizers: with L = ½‖b‖² + ½‖w‖² (b the head's bias, w a module of its own), one
+    step differs from the same step without it by exactly −lr·b on b and nothing elsewhere; w
+    moves to (1 − lr_w)·w; the reported loss grows by L × batch size."""
+    from htfl_dist.privacy.dpsgd import train_privately
+
+    lr, lr_w, B = 0.1, 0.3, 4
+    outcomes = []
+    for public in (False, True):
+        context, client = _private_client(_plan(0.5, grad_norm=1.0, target=1e4), samples=B, batch_size=B, lr=lr)
+        bias = client.model.head.bias
+        own = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
+        start_bias, start_own = bias.detach().clone(), own.detach().clone()
+        public_loss = (lambda b=bias, w=own: 0.5 * b.pow(2).sum() + 0.5 * w.pow(2).sum()) if public else None
+        loss, seen = train_privately(client, context, batch_cross_entropy, torch_generator(0, "b"),
+                                     client.modules[LEDGER_KEY], public_loss=public_loss,
+                                     public_optimizers=(torch.optim.SGD([own], lr=lr_w),))
+        outcomes.append((loss, {name: p.detach().clone() for name, p in client.model.named_parameters()},
+                         own.detach().clone()))
+        assert seen == B
+    (plain_loss, plain, _), (loss, with_public, own_after) = outcomes
+    for name, value in with_public.items():
+        expected = plain[name] - lr * start_bias if name.endswith("head.bias") else plain[name]
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-6, msg=name)
+    torch.testing.assert_close(own_after, (1 - lr_w) * start_own)
+    public_value = 0.5 * float(start_bias.pow(2).sum()) + 0.5 * 5.0
+    assert loss == pytest.approx(plain_loss + B * public_value, rel=1e-5)
+
+
+def _ktl_generator(latent_dim: int):
+    """z → ConvTranspose(latent→1, 28×28) on a 1×1 map → tanh: 1×28×28 images, seeded weights."""
+    from htfl_dist.generators.dcgan import PriorLatentGenerator
+
+    module = torch.nn.Sequential(torch.nn.Unflatten(1, (latent_dim, 1, 1)),
+                                 torch.nn.ConvTranspose2d(latent_dim, 1, 28), torch.nn.Tanh())
+    with torch.no_grad():
+        module[1].weight.copy_(torch.randn(module[1].weight.shape, generator=torch.Generator().manual_seed(5)) * 0.3)
+    return PriorLatentGenerator("tiny", module, latent_dim, channels=1, resolution=28, provenance={})
+
+
+def _ktl_context(**options):
+    from htfl_dist.algorithms import AlgorithmContext
+    from htfl_dist.config import TrainConfig
+
+    entry = get_algorithm("fedktl")
+    return entry, AlgorithmContext(num_classes=3, feature_dim=8, seed=0, train=TrainConfig(batch_size=4, lr=0.05),
+                                   options=parse_options(entry, {"server_epochs": 2, **options}), in_channels=1,
+                                   image_size=28, latent_dim=6, model_group="HtCNN8", num_clients=2)
+
+
+@pytest.mark.parametrize("options", [{}, {"compat": "htfllib"}])
+def test_fedktl_trains_privately_with_its_transfer_loss_as_a_public_term(options, monkeypatch):
+    """FedKTL's own client and server over three rounds with a ledger: ArcFace goes through DP-SGD,
+    the transfer loss on the downloaded pairs (from round 2 on) through the public term, and
+    every upload is the noised release of the classes with enough samples (h′ and the 100-norm
+    clipping included, nothing is refused)."""
+    from htfl_dist.privacy import dpsgd
+
+    entry, context = _ktl_context(**options)
+    server, algorithm = entry.server(context, _ktl_generator(6)), entry.client(context)
+    client = make_client(context, samples=8)  # classes 0, 1 hold 3 samples each, class 2 holds 2
+    algorithm.init_client(client)
+    attach_ledger(client, _plan(1.0, target=1e3, min_count=3))
+    public_calls = []
+    real = dpsgd.train_privately
+
+    def spy(*args, **kwargs):
+        public_calls.append(kwargs["public_loss"] is not None)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dpsgd, "train_privately", spy)
+    before = _parameters(client)
+    for round_index in range(3):
+        client.modules[LEDGER_KEY].begin_round(round_index)
+        result = algorithm.train(client, server.download(), round_index, torch_generator(0, "b", round_index))
+        assert result.samples == 8 and math.isfinite(result.loss_sum)
+        assert result.upload["class_ids"].tolist() == [0, 1] and result.upload["protos"].shape == (2, 3)
+        server.validate_upload(0, result.upload)
+        server.update({0: result.upload}, round_index, torch_generator(0, "s", round_index))
+    assert public_calls == [False, True, True]  # no pairs before the first update
+    assert client.modules[LEDGER_KEY].history == ((1.0, 1.0, 6),)
+    assert float((_parameters(client) - before).norm()) > 0
+
+
+@pytest.mark.parametrize("algorithm", ["fedsa", "fedktl"])
+def test_a_private_clients_upload_depends_on_seed_client_and_round_only(algorithm):
+    """World-size invariance, in process: client 1's round-2 upload is the same whether its rank
+    trained client 0 before it or not (no stream keyed by the rank or by what ran before)."""
+    def upload_of_client_1(train_client_0_first: bool) -> dict:
+        if algorithm == "fedktl":
+            entry, context = _ktl_context()
+            server = entry.server(context, _ktl_generator(6))
+        else:
+            entry, context = make_context(algorithm, num_classes=3, feature_dim=8, weighted=False)
+            server = entry.server(context)
+        algorithm_client = entry.client(context)
+        clients = [make_client(context, client_id=cid, samples=12, data_seed=cid) for cid in (0, 1)]
+        for client in clients:
+            algorithm_client.init_client(client)
+            attach_ledger(client, _plan(1.0, target=1e3, min_count=3))
+        order = clients if train_client_0_first else clients[1:]
+        for round_index in range(2):
+            uploads = {}
+            for client in order:
+                client.modules[LEDGER_KEY].begin_round(round_index)
+                generator = torch_generator(0, "batches", client.client_id, round_index)
+                uploads[client.client_id] = algorithm_client.train(client, server.download(), round_index,
+                                                                   generator).upload
+            server.update({1: uploads[1]}, round_index, torch_generator(0, "s", round_index))
+        return uploads[1]
+
+    alone, after_another = upload_of_client_1(False), upload_of_client_1(True)
+    assert alone.keys() == after_another.keys()
+    for key in alone:
+        assert torch.equal(alone[key], after_another[key]), key
 
 
 # --------------------------------------------------------------------------- budget and resume
@@ -329,6 +480,28 @@ def test_a_spent_budget_stops_training_and_uploads(capsys, accountant):
     assert spent[0] < spent[1] <= 2.0 and spent[1] == spent[2] == spent[3]
     lines = [line for line in capsys.readouterr().err.splitlines() if "privacy" in line]
     assert len(lines) == 1 and "client 3" in lines[0] and "round 3" in lines[0]
+
+
+@pytest.mark.parametrize("epsilon, budget, message", [
+    (3.99, 4.0, None), (0.0, 4.0, None), (4.0, 4.0, None), (7.5, None, None),
+    (4.2, 4.0, "privacy ε=4.2 for client 5, past privacy.target_epsilon=4"),
+    (-0.1, 4.0, "impossible privacy ε for client 5"), (float("nan"), None, "impossible privacy ε for client 5"),
+    (float("inf"), 4.0, "impossible privacy ε for client 5"),
+])
+def test_a_ranks_epsilon_rows_are_screened(epsilon, budget, message):
+    """Rank 0 checks every reported ε before it reaches metrics.jsonl: finite, >= 0 and at most
+    the target (when known), one line naming the client."""
+    from htfl_dist.errors import ProtocolError
+    from htfl_dist.runtime.screening import check_rank_report
+
+    entry = {"train": torch.tensor([[1.0, 10.0]], dtype=torch.float64), "eval": torch.zeros(0, 3),
+             "privacy": torch.tensor([[epsilon]], dtype=torch.float64)}
+    if message is None:
+        check_rank_report({5: entry}, [5], [], epsilon_budget=budget)
+        return
+    with pytest.raises(ProtocolError, match=re.escape(message)) as caught:
+        check_rank_report({5: entry}, [5], [], epsilon_budget=budget)
+    assert "\n" not in str(caught.value)
 
 
 def test_reported_epsilon_columns_are_the_max_and_median():
@@ -403,9 +576,13 @@ def _check(algorithm, **extra):
     check_private_run(config, entry, options, [field.name for field in entry.client.upload_fields(context)])
 
 
-@pytest.mark.parametrize("algorithm", ["fedproto", "fedtgp", "fedoc", "fedgh"])
+@pytest.mark.parametrize("algorithm", ["fedproto", "fedtgp", "fedoc", "fedgh", "fedktl"])
 def test_class_row_algorithms_are_accepted(algorithm):
     _check(algorithm)
+
+
+def test_fedsa_without_counts_on_the_wire_is_accepted():
+    _check("fedsa", algo={"weighted": False})
 
 
 @pytest.mark.parametrize("algorithm, extra, message", [
@@ -416,6 +593,9 @@ def test_class_row_algorithms_are_accepted(algorithm):
     ("fedproto", {"algo": {"proto_from": "during_training"}}, "algo.proto_from=during_training"),
     ("fedproto", {"algo": {"weighted": True}}, "class counts"),
     ("fedproto", {"train": {"client_batching": "vmap"}}, "client_batching=vmap"),
+    ("fedsa", {}, "class counts"),  # the paper's weighted mean
+    ("fedsa", {"algo": {"compat": "htfllib"}}, "algo.proto_from=during_training"),
+    ("fedl2g", {}, "uploads what privacy.* does not noise"),
 ])
 def test_uncovered_runs_are_refused_with_one_line(algorithm, extra, message):
     with pytest.raises(ConfigError) as caught:
@@ -450,6 +630,21 @@ def test_private_run_is_world_size_invariant(tmp_path, cache_dir):
     assert maths_only(single) == maths_only(ranks)
     assert [row["round"] for row in single] == [1, 2]
     assert 3.9 <= single[-1]["epsilon_max"] <= 4.0 and single[0]["epsilon_max"] < single[-1]["epsilon_max"]
+
+
+@pytest.mark.launch
+def test_private_fedktl_on_three_ranks_matches_the_in_process_run(tmp_path, cache_dir):
+    """FedKTL with privacy on (DP-SGD with its public transfer term, the server's generator): three
+    torchrun ranks give the metrics of the in-process run (``simulate``, which plays the rows of
+    any launch), ε included. One launch: FedSA's placement independence is checked in process
+    (test_a_private_clients_upload_depends_on_seed_client_and_round_only)."""
+    from htfl_dist.runtime.simulate import simulate
+
+    overrides = ("algorithm=fedktl", *PRIVATE)
+    single = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *overrides], out=tmp_path / "single")
+    ranks = _private_smoke("torchrun", 3, tmp_path / "torchrun", cache_dir, *overrides)
+    assert maths_only(single) == maths_only(ranks)
+    assert 3.9 <= single[-1]["epsilon_max"] <= 4.0
 
 
 @pytest.mark.launch

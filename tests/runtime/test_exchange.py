@@ -1,0 +1,50 @@
+"""The round's messages in one process (the local transport, world size 1): what rank 0 gets back
+from a gather, and what it refuses, by hand."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from htfl_dist.errors import ProtocolError
+from htfl_dist.payload import Field
+from htfl_dist.runtime.exchange import ClientReport, Exchange, RankReport, RoundTraffic
+from htfl_dist.runtime.placement import Placement
+from htfl_dist.runtime.transport import LocalTransport
+
+SPEC = (Field("class_ids", torch.int64), Field("protos", torch.float32, (2,)))
+
+
+def _exchange(on_bad_upload="skip", epsilon_budget=None) -> Exchange:
+    return Exchange(LocalTransport(), Placement.round_robin(1, 3), torch.device("cpu"), on_bad_upload,
+                    epsilon_budget=epsilon_budget)
+
+
+def _upload(rows: int) -> dict[str, torch.Tensor]:
+    return {"class_ids": torch.arange(rows), "protos": torch.ones(rows, 2)}
+
+
+def test_uploads_come_back_in_client_order_and_count_their_bytes():
+    traffic = RoundTraffic()
+    gathered, skipped = _exchange().gather_uploads(SPEC, {2: _upload(1), 0: _upload(2)}, [0, 2], 1, traffic)
+    assert list(gathered) == [0, 2] and skipped == []
+    assert torch.equal(gathered[0]["protos"], torch.ones(2, 2))
+    assert traffic.up > (2 + 1) * (8 + 2 * 4)  # the rows, plus the message's header
+
+
+def test_a_message_for_clients_its_rank_does_not_host_leaves_them_out_of_the_round(capsys):
+    """Rank 0 hosts participants 0 and 2 but speaks for 1: with skip the round goes on without
+    them, and the outcome says who was left out; with fail it ends naming the rank."""
+    gathered, skipped = _exchange().gather_uploads(SPEC, {1: _upload(1)}, [0, 2], 3, RoundTraffic())
+    assert gathered == {} and skipped == [0, 2]
+    assert "round 3: left out rank 0" in capsys.readouterr().err
+    with pytest.raises(ProtocolError, match=r"^rank 0"):
+        _exchange("fail").gather_uploads(SPEC, {1: _upload(1)}, [0, 2], 3, RoundTraffic())
+
+
+def test_a_report_of_more_epsilon_than_the_budget_is_refused():
+    reports = {0: ClientReport([1.0, 10.0], None, [4.5]), 1: ClientReport(None, None, [1.0])}
+    mine = RankReport(1.0, 0.0, 0.0)
+    honest = _exchange(epsilon_budget=5.0).gather_reports(reports, mine, [0], evaluated=False)
+    assert honest.clients[0]["privacy"].tolist() == [[4.5]] and honest.ranks == [mine]
+    with pytest.raises(ProtocolError, match=r"client 0"):
+        _exchange(epsilon_budget=4.0).gather_reports(reports, mine, [0], evaluated=False)
