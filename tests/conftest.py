@@ -92,7 +92,11 @@ def read_metrics(out: Path) -> list[dict]:
 
 
 def run_smoke(launcher: str, nproc: int, out: Path, cache_dir: Path, *overrides: str) -> list[dict]:
-    """The smoke config under ``launcher`` with ``overrides``; must succeed; its metrics rows."""
+    """The smoke config under ``launcher`` with ``overrides``; must succeed; its metrics rows.
+    ``single`` plays it in this process (``runtime.simulate``, the program's own loop without a
+    process start, which the conformance launches hold equal to torchrun); the others launch."""
+    if launcher == "single":
+        return simulate(SMOKE, [f"data.cache_dir={cache_dir}", *overrides], out=out)
     result = launch(launcher, nproc, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
                                       *overrides])
     assert result.returncode == 0, result.stdout + result.stderr

@@ -294,7 +294,6 @@ def batched(tmp_path_factory, cache_dir):
     return run_smoke("single", 1, tmp_path_factory.mktemp("vmap"), cache_dir, *GROUPED, "train.client_batching=vmap")
 
 
-@pytest.mark.launch
 def test_a_batched_run_gives_the_per_client_runs_metrics(one_by_one, batched):
     _close(batched, one_by_one)
 
@@ -305,7 +304,6 @@ def test_a_batched_run_is_world_size_invariant(batched, tmp_path, cache_dir):
     _close(rows, batched)
 
 
-@pytest.mark.launch
 def test_groups_larger_than_the_resident_clients_train_in_chunks(one_by_one, tmp_path, cache_dir):
     """Groups of three with at most two clients resident: trained as a group of two and one."""
     rows = run_smoke("single", 1, tmp_path, cache_dir, *GROUPED, "train.client_batching=vmap",
