@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_intermixed_args(argv)  # overrides may come before and after options
 
 
-def _versions() -> dict[str, str]:
+def software_versions() -> dict[str, str]:
+    """The installed versions that decide a run's numbers, for summary.json."""
     import h5py
     import numpy
     import torch
@@ -208,7 +209,8 @@ def _run_federation(config, launch, transport, device, out: Path, resume_from: P
                  f"({transport.name}, {device}); "
                  f"run directory {out}")
     context = RunContext(config, transport, device, out, resume_from,
-                         extra_summary={"versions": _versions(), "launcher": launch.launcher}, liveness=liveness)
+                         extra_summary={"versions": software_versions(), "launcher": launch.launcher},
+                         liveness=liveness)
     code = 0
     try:
         federation = Federation(context)

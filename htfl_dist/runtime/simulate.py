@@ -21,7 +21,7 @@ def simulate(config_file: str | Path | None, overrides: Sequence[str] = (), *, o
     """Run the config with ``overrides`` (dotted ``key=value`` strings) to its end in this process,
     writing its outputs under ``out``; return its metrics rows. Raises the program's errors
     (``ConfigError`` for a user mistake) instead of exiting."""
-    from htfl_dist.main import resolved_config
+    from htfl_dist.main import resolved_config, software_versions
     from htfl_dist.metrics.writer import read_rows
     from htfl_dist.runtime.loop import Federation, RunContext
     from htfl_dist.runtime.transport import LocalTransport
@@ -33,7 +33,8 @@ def simulate(config_file: str | Path | None, overrides: Sequence[str] = (), *, o
     if config.runtime.threads:  # as a launched rank does: the thread count changes float sums
         torch.set_num_threads(config.runtime.threads)
     try:
-        Federation(RunContext(config, LocalTransport(), torch.device(device), run_dir)).run()
+        facts = {"versions": software_versions(), "launcher": "simulate"}  # summary.json, as a launch writes it
+        Federation(RunContext(config, LocalTransport(), torch.device(device), run_dir, extra_summary=facts)).run()
     finally:
         torch.set_num_threads(threads)
     return read_rows(run_dir / "metrics.jsonl")

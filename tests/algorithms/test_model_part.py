@@ -42,7 +42,8 @@ class FedPerServer(PartAveragingServer):
 def fedper(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_algorithm("fedper", server=FedPerServer, client=FedPerClient, options=FedPerOptions,
-                       summary="FedAvg over the feature extractor, local heads", shares_parameters=True)
+                       summary="FedAvg over the feature extractor, local heads", shares_parameters=True,
+                       evaluation_installs_knowledge=True)
 
 
 def context(group: str, num_clients: int = 3, **options) -> AlgorithmContext:

@@ -623,10 +623,13 @@ def _private_smoke(launcher: str, nproc: int, out, cache_dir, *overrides: str) -
 
 @pytest.mark.launch
 def test_private_run_is_world_size_invariant(tmp_path, cache_dir):
-    """The same private run on one process and on three torchrun ranks: identical metrics, ε
-    included (every noise stream is keyed by seed, client and round, never by rank)."""
-    single = _private_smoke("single", 1, tmp_path / "single", cache_dir, *PRIVATE)
-    ranks = _private_smoke("torchrun", 3, tmp_path / "torchrun", cache_dir, *PRIVATE)
+    """The same private FedProto run in one process and on three mpirun ranks: identical metrics,
+    ε included (every noise stream is keyed by seed, client and round, never by rank); FedKTL's
+    below takes torchrun."""
+    from htfl_dist.runtime.simulate import simulate
+
+    single = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *PRIVATE], out=tmp_path / "single")
+    ranks = _private_smoke("mpirun", 3, tmp_path / "mpirun", cache_dir, *PRIVATE)
     assert maths_only(single) == maths_only(ranks)
     assert [row["round"] for row in single] == [1, 2]
     assert 3.9 <= single[-1]["epsilon_max"] <= 4.0 and single[0]["epsilon_max"] < single[-1]["epsilon_max"]
@@ -652,12 +655,14 @@ def test_resume_continues_epsilon_exactly_and_stops_clients_at_the_budget(tmp_pa
     """Calibrated for 2 rounds, run for 3: the third round is past every client's budget, so each
     client says so once and uploads nothing, and ε stays where round 2 left it. Resumed from the
     round-2 checkpoint (ledgers in the client files), the run reproduces the uninterrupted one."""
+    from htfl_dist.runtime.simulate import simulate
+
     planned = (*PRIVATE[:2], "privacy.planned_rounds=2")
-    whole = _private_smoke("single", 1, tmp_path / "whole", cache_dir, *planned, "rounds=3")
+    whole = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *planned, "rounds=3"], out=tmp_path / "whole")
     assert whole[2]["epsilon_max"] == whole[1]["epsilon_max"] <= 4.0
     assert whole[2]["global_classes"] == 0.0  # nobody uploaded a row in round 3
     part = tmp_path / "part"
-    _private_smoke("single", 1, part, cache_dir, *planned, "rounds=2", "checkpoint_every=1")
+    simulate(SMOKE, [f"data.cache_dir={cache_dir}", *planned, "rounds=2", "checkpoint_every=1"], out=part)
     resumed = launch("single", 1, ["--config", str(SMOKE), "--out", str(part), f"data.cache_dir={cache_dir}",
                                    *planned, "rounds=3", "checkpoint_every=1", "--resume", "auto"], timeout=1200)
     assert resumed.returncode == 0, resumed.stderr

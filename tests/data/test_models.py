@@ -546,7 +546,7 @@ def test_torchvision_is_imported_only_when_a_torchvision_architecture_is_built()
         "from htfl_dist.models import build_model\n"
         "shape = dict(num_classes=10, feature_dim=16, in_channels=1, image_size=28)\n"
         "build_model('htcnn8', **shape)\n"
-        "htfl_dist.main._versions()\n"
+        "htfl_dist.main.software_versions()\n"
         "before = 'torchvision' in sys.modules\n"
         "build_model('resnet4', **shape)\n"
         "print(before, 'torchvision' in sys.modules)\n"
