@@ -63,6 +63,25 @@ class ClassMeans:
         return _present_means(self.sums, self.weights)
 
 
+def batch_class_means(rows: torch.Tensor, labels: torch.Tensor, num_classes: int, *,
+                      row_weights: torch.Tensor | None = None, kept_classes: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch's per-class means inside a loss: (means [C, D], differentiable, 0 for absent
+    classes; the weight each class received [C]). ``row_weights`` weigh the rows (``Batch.weights``:
+    0 for padding), ``kept_classes`` ([C] bool) leaves classes out. A one-hot product rather than
+    ``ClassMeans``' in-place accumulation: out of place and without data-dependent shapes, so it
+    needs no host sync per training step and runs under ``vmap`` (batched clients, DP-SGD's
+    per-sample losses)."""
+    onehot = labels.unsqueeze(1) == torch.arange(num_classes, device=labels.device)
+    if kept_classes is not None:
+        onehot = onehot & kept_classes
+    onehot = onehot.to(rows.dtype)
+    if row_weights is not None:
+        onehot = onehot * row_weights.unsqueeze(1)
+    counts = onehot.sum(dim=0)
+    return (onehot.t() @ rows) / counts.clamp(min=1).unsqueeze(1), counts
+
+
 def _present_means(sums: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     present = torch.nonzero(weights > 0).flatten()
     return present.cpu(), (sums[present] / weights[present].unsqueeze(1)).cpu()

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from htfl_dist.algorithms.class_rows import (
     ClassMeanServer,
     GroupClassMeans,
+    batch_class_means,
     class_prototypes,
     class_row_fields,
     dense_prototypes,
@@ -83,15 +84,9 @@ def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, lab
         if weights is None:
             return options.reg_weight * F.mse_loss(features, target)
         return options.reg_weight * weighted_mean((features - target).pow(2).mean(dim=1), weights)
-    # Batch class means via a one-hot product: no data-dependent shapes, so no host syncs
-    # in the training step (this runs once per batch on every client).
-    classes = torch.arange(table.shape[0], device=labels.device)
-    onehot = ((labels.unsqueeze(1) == classes) & available).to(features.dtype)
-    if weights is not None:
-        onehot = onehot * weights.unsqueeze(1)
-    counts = onehot.sum(dim=0)
+    batch_protos, counts = batch_class_means(features, labels, table.shape[0], row_weights=weights,
+                                             kept_classes=available)
     present = counts > 0
-    batch_protos = (onehot.t() @ features) / counts.clamp(min=1).unsqueeze(1)
     distances = torch.linalg.vector_norm(batch_protos - table, dim=1) * present  # gradient 0 at 0
     return options.reg_weight * distances.sum() / present.sum().clamp(min=1)
 

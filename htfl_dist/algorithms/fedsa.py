@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from htfl_dist.algorithms.class_rows import (
+    batch_class_means,
     dense_prototypes,
     euclidean_distances,
     global_prototype_diagnostics,
@@ -165,25 +166,14 @@ def client_margin(global_margin: float, local_margin: float | None) -> float:
 # --------------------------------------------------------------------------- client losses
 
 
-def batch_class_means(features: torch.Tensor, labels: torch.Tensor, num_classes: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the batch's class means [C, K], differentiable; present mask [C]); absent rows are 0.
-
-    A one-hot product, out of place and without data-dependent shapes: no host sync per step,
-    and it runs under ``vmap`` (DP-SGD evaluates the loss one sample at a time)."""
-    onehot = (labels.unsqueeze(1) == torch.arange(num_classes, device=labels.device)).to(features.dtype)
-    counts = onehot.sum(dim=0)
-    return (onehot.t() @ features) / counts.clamp(min=1).unsqueeze(1), counts > 0
-
-
 def anchor_regulariser(features: torch.Tensor, labels: torch.Tensor, anchors: torch.Tensor,
                        distance: RegDistance) -> torch.Tensor:
     """L_R (unweighted). ``euclid``: Σ_{c in the batch} ‖P^c − Ā^c‖₂ with P^c the batch's mean
     feature of class c (Eq. 5); ``mse``: (1/(B·K)) Σ_b ‖f_b − Ā^{y_b}‖² (code)."""
     if distance == "mse":
         return F.mse_loss(features, anchors[labels])
-    means, present = batch_class_means(features, labels, anchors.shape[0])
-    return (torch.linalg.vector_norm(means - anchors, dim=1) * present).sum()
+    means, counts = batch_class_means(features, labels, anchors.shape[0])
+    return (torch.linalg.vector_norm(means - anchors, dim=1) * (counts > 0)).sum()
 
 
 def own_class_offsets(labels: torch.Tensor, num_classes: int, margin: float) -> torch.Tensor:
@@ -200,11 +190,11 @@ def anchor_contrastive_loss(features: torch.Tensor, labels: torch.Tensor, anchor
     num_classes = anchors.shape[0]
     if on == "samples":
         return margin_contrastive_loss(features, labels, anchors, own_class_offsets(labels, num_classes, margin))
-    means, present = batch_class_means(features, labels, num_classes)
+    means, counts = batch_class_means(features, labels, num_classes)
     classes = torch.arange(num_classes, device=labels.device)  # every row, the absent ones weighted 0
     distances = euclidean_distances(means, anchors) + own_class_offsets(classes, num_classes, margin)
     losses = F.cross_entropy(-distances, classes, reduction="none")
-    weights = present.to(losses.dtype)
+    weights = (counts > 0).to(losses.dtype)
     return (losses * weights).sum() / weights.sum()
 
 

@@ -439,13 +439,19 @@ def test_anchors_come_from_the_documented_streams():
 
 
 def test_batch_class_means_keep_the_feature_dtype():
-    from htfl_dist.algorithms.fedsa import batch_class_means
+    from htfl_dist.algorithms.class_rows import batch_class_means
 
     features = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=torch.float64)
-    means, present = batch_class_means(features, torch.tensor([0, 0, 2]), 3)
+    means, counts = batch_class_means(features, torch.tensor([0, 0, 2]), 3)
     assert means.dtype == torch.float64
     torch.testing.assert_close(means, torch.tensor([[2.0, 3.0], [0.0, 0.0], [5.0, 6.0]], dtype=torch.float64))
-    assert present.tolist() == [True, False, True]
+    assert counts.tolist() == [2.0, 0.0, 1.0]
+    # padding rows weigh 0, a class left out is absent: (3·1 + 5·0) / 1 for class 0, class 2 dropped
+    means, counts = batch_class_means(features, torch.tensor([0, 0, 2]), 3,
+                                      row_weights=torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64),
+                                      kept_classes=torch.tensor([True, True, False]))
+    torch.testing.assert_close(means, torch.tensor([[3.0, 4.0], [0.0, 0.0], [0.0, 0.0]], dtype=torch.float64))
+    assert counts.tolist() == [1.0, 0.0, 0.0]
 
 
 def test_losses_with_more_classes_than_feature_dimensions():
