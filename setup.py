@@ -12,7 +12,7 @@ setup(
     # tensorboard: optional event files (output.tensorboard); the tests read them back.
     # opacus: privacy.* (docs/privacy.md) takes its accountants (RDP, PRV), noise calibration and
     # per-sample clipping-and-noise optimizer from it rather than from code of our own
-    extras_require={"test": ["pytest", "tensorboard"], "mpi": ["mpich"], "tensorboard": ["tensorboard"],
+    extras_require={"test": ["pytest", "pytest-xdist", "tensorboard"], "mpi": ["mpich"], "tensorboard": ["tensorboard"],
                     "privacy": ["opacus>=1.5"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
 )

@@ -1,7 +1,11 @@
 """Helpers to launch the real program the way users do: python -m, torchrun, mpirun."""
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -87,6 +91,27 @@ def launch(launcher: str, nproc: int, args: list[str], timeout: float = 300) -> 
     return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def run_program(args: list[str]) -> subprocess.CompletedProcess:
+    """``htfl_dist.main`` with ``args`` called in this process, as ``python -m htfl_dist.main``
+    runs it without a launcher: its exit status and what it printed. For what one process shows
+    (run directories, checkpoints, resumes, refusals) without a Python and torch start per run;
+    :func:`launch` keeps what only separate processes show. The program blocks SIGTERM for its
+    preemption listener; the mask is put back, so a process the test starts next still sees it."""
+    from htfl_dist.main import main
+
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = main(list(args))
+            except SystemExit as exit_request:  # what the interpreter would turn into a status
+                code = exit_request.code if isinstance(exit_request.code, int) else int(exit_request.code is not None)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    return subprocess.CompletedProcess(["htfl_dist.main", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -114,8 +139,11 @@ def maths_only(rows: list[dict]) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> Path:
-    """One partition cache for the whole session (the first run builds it)."""
-    return tmp_path_factory.mktemp("partition-cache")
+    """One partition cache for the whole session, shared by pytest-xdist's workers (the first run
+    builds each file; the cache writes atomically, so two builders of one file cannot clash)."""
+    path = _shared_between_workers(tmp_path_factory) / "partition-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture(scope="session")
@@ -128,14 +156,28 @@ def single_run(tmp_path_factory, cache_dir):
     tests often need the very same reference run; it is played once. The run directory is shared:
     read it, never write into it (resume into a directory of your own)."""
     runs: dict[tuple[str, ...], tuple[Path, list[dict]]] = {}
+    shared = _shared_between_workers(tmp_path_factory) / "single-runs"
+    shared.mkdir(exist_ok=True)
 
     def run(*overrides: str) -> tuple[Path, list[dict]]:
         keys = [override.split("=", 1)[0] for override in overrides]
         key = tuple(sorted(overrides)) if len(set(keys)) == len(keys) else overrides  # order matters on repeats
         if key not in runs:
-            out = tmp_path_factory.mktemp("single-run")
-            runs[key] = (out, simulate(SMOKE, [f"data.cache_dir={cache_dir}", *overrides], out=out))
+            out = shared / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+            with open(f"{out}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # another worker playing the same run: wait for it
+                if not (out / "summary.json").is_file():
+                    shutil.rmtree(out, ignore_errors=True)
+                    simulate(SMOKE, [f"data.cache_dir={cache_dir}", *overrides], out=out)
+            runs[key] = (out, read_metrics(out))
         out, rows = runs[key]
         return out, copy.deepcopy(rows)
 
     return run
+
+
+def _shared_between_workers(tmp_path_factory) -> Path:
+    """The session's temporary directory, or under pytest-xdist the one above every worker's:
+    the suite's shared runs are played once for all workers, not once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SMOKE, launch, maths_only, run_smoke
+from conftest import SMOKE, maths_only, run_program, run_smoke
 from htfl_dist.algorithms import (
     AlgorithmContext,
     ClientAlgorithm,
@@ -105,7 +105,6 @@ VARIANTS = [
 ]
 
 
-@pytest.mark.launch
 @pytest.mark.parametrize("algorithm,options,batch_order,last_batch", VARIANTS)
 def test_batched_group_ends_where_one_by_one_training_ends(algorithm, options, batch_order, last_batch):
     context = _context(algorithm, options, batch_order=batch_order, last_batch=last_batch)
@@ -120,7 +119,6 @@ def test_batched_group_ends_where_one_by_one_training_ends(algorithm, options, b
         assert got[2].samples == 0
 
 
-@pytest.mark.launch
 def test_a_clients_result_does_not_depend_on_its_group():
     """A group is whatever one rank hosts: client 1 trained alone, with client 0, or with all."""
     context = _context("fedproto", {"proto_from": "during_training"})
@@ -258,10 +256,9 @@ def test_option_defaults_to_off_and_keeps_the_hash():
         load_config(None, ["train.client_batching=jit"])
 
 
-@pytest.mark.launch
 def test_refusal_is_one_line_and_exit_status_2(tmp_path, cache_dir):
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path / "run"), f"data.cache_dir={cache_dir}",
-                                  "algorithm=fedoc", "train.client_batching=vmap"], timeout=120)
+    result = run_program(["--config", str(SMOKE), "--out", str(tmp_path / "run"), f"data.cache_dir={cache_dir}",
+                         "algorithm=fedoc", "train.client_batching=vmap"])
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "fedoc has no batched client path" in lines[0], result.stderr

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import launch_smoke, make_client, make_context, roundtrip
 
-from conftest import SMOKE, launch, read_metrics
+from conftest import SMOKE, read_metrics, run_program
 from htfl_dist.algorithms import get_algorithm, parse_options
 from htfl_dist.algorithms import parameters as params
 from htfl_dist.algorithms.compression import (
@@ -378,15 +378,14 @@ def test_real_run_htfllib(single_run):
     assert rows[0]["ranks_down"][0] > 0  # the conv weight travels as per-slice factors
 
 
-@pytest.mark.launch
 def test_resume_matches_the_uninterrupted_run(single_run, tmp_path, cache_dir):
     """Mentee, W_h and the sync record are checkpointed with the client; the server's download too."""
     uninterrupted = launch_smoke(single_run, "fedkd", *SMALL_MENTEE)
     args = ["--config", str(SMOKE), "--out", str(tmp_path), "algorithm=fedkd", f"data.cache_dir={cache_dir}",
             "checkpoint_every=1", *SMALL_MENTEE]
-    first = launch("single", 1, [*args, "rounds=1"])
+    first = run_program([*args, "rounds=1"])
     assert first.returncode == 0, first.stdout + first.stderr
-    resumed = launch("single", 1, [*args, "rounds=2", "--resume", "auto"])
+    resumed = run_program([*args, "rounds=2", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     rows = read_metrics(tmp_path)
     assert [r["round"] for r in rows] == [1, 2]

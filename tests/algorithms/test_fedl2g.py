@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from helpers import launch_smoke, make_context
 from torch import nn
 
-from conftest import SMOKE, launch, read_metrics
+from conftest import SMOKE, read_metrics, run_program
 from htfl_dist.algorithms import ClientState
 from htfl_dist.algorithms.fedl2g import (
     clip_by_norm,
@@ -317,7 +317,6 @@ def test_two_rounds_learn_and_send_the_papers_count(single_run):
     assert all(row["guide_classes"] >= 1 for row in rows)
 
 
-@pytest.mark.launch
 def test_logit_guide_resumes_from_a_checkpoint_exactly(tmp_path, cache_dir):
     """The logit guide with HtFLlib's options and one warm-up round, 3 rounds checkpointed every
     round; round 1's checkpoint (G after one server step, the clients' untouched models) resumed
@@ -327,12 +326,12 @@ def test_logit_guide_resumes_from_a_checkpoint_exactly(tmp_path, cache_dir):
     def args(out, *more):
         return ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}", *overrides, *more]
 
-    result = launch("single", 1, args(tmp_path / "full", "checkpoint_every=1", "checkpoint_keep=3"))
+    result = run_program(args(tmp_path / "full", "checkpoint_every=1", "checkpoint_keep=3"))
     assert result.returncode == 0, result.stderr
     full = read_metrics(tmp_path / "full")
     assert full[0]["train_loss"] == 0.0 and full[1]["train_loss"] > 0  # round 1 only learned G
     source = tmp_path / "full" / "checkpoints" / "round_00001"
-    result = launch("single", 1, [*args(tmp_path / "resumed"), "--resume", str(source)])
+    result = run_program([*args(tmp_path / "resumed"), "--resume", str(source)])
     assert result.returncode == 0, result.stderr
     resumed = read_metrics(tmp_path / "resumed")
     for key in ("test_acc", "train_loss", "guide_step_norm"):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import SMOKE, launch, read_metrics, run_smoke
+from conftest import SMOKE, read_metrics, run_program, run_smoke
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.algorithms.fedsa import (
     MEMORY,
@@ -362,7 +362,6 @@ def reference(tmp_path_factory, cache_dir):
     return _run("single", 1, tmp_path_factory.mktemp("fedsa-ws1"), cache_dir)
 
 
-@pytest.mark.launch
 def test_partial_participation_real_run(reference, cache_dir):
     """Each round the server averages exactly the participants' classes, and the count of floats
     uploaded is theirs."""
@@ -394,13 +393,12 @@ def test_three_ranks_give_the_metrics_of_one_process(reference, tmp_path, cache_
         assert [r.get(key) for r in rows] == [r.get(key) for r in reference], key
 
 
-@pytest.mark.launch
 def test_resume_matches_the_uninterrupted_run(reference, tmp_path, cache_dir):
     """Anchors and P̄ (server), each client's last prototypes (its local margin) are checkpointed."""
     first = _run("single", 1, tmp_path, cache_dir, "rounds=1", "checkpoint_every=1")
     assert len(first) == 1
-    resumed = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
-                                   *RUN, "checkpoint_every=1", "--resume", "auto"])
+    resumed = run_program(["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                          *RUN, "checkpoint_every=1", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     rows = read_metrics(tmp_path)
     assert [r["round"] for r in rows] == [1, 2]

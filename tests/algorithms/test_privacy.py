@@ -21,7 +21,7 @@ from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_n
 from htfl_dist.privacy.release import clip_rows, noisy_class_means
 from htfl_dist.privacy.startup import attach_ledger, check_private_run, epsilon_columns, privacy_plan
 from htfl_dist.seeding import torch_generator
-from tests.conftest import SMOKE, launch, maths_only, read_metrics
+from tests.conftest import SMOKE, launch, maths_only, read_metrics, run_program
 from tests.helpers import make_client, make_context, roundtrip
 
 pytest.importorskip("opacus")
@@ -650,7 +650,6 @@ def test_private_fedktl_on_three_ranks_matches_the_in_process_run(tmp_path, cach
     assert 3.9 <= single[-1]["epsilon_max"] <= 4.0
 
 
-@pytest.mark.launch
 def test_resume_continues_epsilon_exactly_and_stops_clients_at_the_budget(tmp_path, cache_dir):
     """Calibrated for 2 rounds, run for 3: the third round is past every client's budget, so each
     client says so once and uploads nothing, and ε stays where round 2 left it. Resumed from the
@@ -663,8 +662,8 @@ def test_resume_continues_epsilon_exactly_and_stops_clients_at_the_budget(tmp_pa
     assert whole[2]["global_classes"] == 0.0  # nobody uploaded a row in round 3
     part = tmp_path / "part"
     simulate(SMOKE, [f"data.cache_dir={cache_dir}", *planned, "rounds=2", "checkpoint_every=1"], out=part)
-    resumed = launch("single", 1, ["--config", str(SMOKE), "--out", str(part), f"data.cache_dir={cache_dir}",
-                                   *planned, "rounds=3", "checkpoint_every=1", "--resume", "auto"], timeout=1200)
+    resumed = run_program(["--config", str(SMOKE), "--out", str(part), f"data.cache_dir={cache_dir}",
+                          *planned, "rounds=3", "checkpoint_every=1", "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stderr.count("neither trains nor uploads") == 6
     assert maths_only(read_metrics(part)) == maths_only(whole)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SMOKE, launch
+from conftest import SMOKE, launch, run_program
 
 
 def _assert_one_line(result, *needles) -> str:
@@ -18,10 +18,8 @@ def _assert_one_line(result, *needles) -> str:
     return lines[0]
 
 
-@pytest.mark.launch
 def test_config_key_written_as_an_option_says_how_to_write_it(tmp_path):
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path / "run"), "--rounds", "3"],
-                    timeout=60)
+    result = run_program(["--config", str(SMOKE), "--out", str(tmp_path / "run"), "--rounds", "3"])
     assert result.returncode == 2
     line = _assert_one_line(result, "htfl_dist: error: unrecognized arguments: --rounds")
     assert line.endswith("write rounds=VALUE (python -m htfl_dist.main --help lists the options)"), line

@@ -143,7 +143,7 @@ and sent both ways. FedOC: 3 of 6 clients a round, the run ``tests/algorithms/te
 20 server epochs instead of 100, the run ``tests/e2e/test_runs.py`` also spreads over 4 ranks."""
 
 
-PROTOTYPE_FAMILY = ("class prototypes: FedProto on 2 and 4 torchrun ranks and 3 mpirun ranks, FedTGP on 4 "
+PROTOTYPE_FAMILY = ("class prototypes: FedProto on 4 torchrun ranks and 3 mpirun ranks, FedTGP on 4 "
                     "ranks with partial participation (tests/e2e/test_runs.py); FedOC and FedKTL on mpirun, FedSA "
                     "on 3 ranks, in their own tests; Local trains the prototype client's half, sending nothing")
 """The family whose launches live elsewhere: they check more than equality there."""

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import BIN, REPO, SMOKE, _env, launch, read_metrics
+from conftest import BIN, REPO, SMOKE, _env, launch, read_metrics, run_program
 
 ROUNDS = 4  # SIGTERM and kill -9 come at round 2: rounds 3 and 4 are left to resume
 
@@ -18,8 +18,8 @@ ROUNDS = 4  # SIGTERM and kill -9 come at round 2: rounds 3 and 4 are left to re
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("full")
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
-                                  f"rounds={ROUNDS}"])
+    result = run_program(["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
+                         f"rounds={ROUNDS}"])
     assert result.returncode == 0, result.stderr
     return [r["test_acc"] for r in read_metrics(out)]
 
@@ -160,8 +160,8 @@ def test_a_lost_rank_is_named_once(tmp_path, cache_dir, signal_sent, victim, rep
 @pytest.mark.launch
 def test_a_rank_that_raises_ends_every_rank(tmp_path, cache_dir):
     """A client rank fails (its client's checkpoint is corrupt): it is named, all ranks end."""
-    first = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
-                                 "rounds=1", "checkpoint_every=1"])
+    first = run_program(["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                        "rounds=1", "checkpoint_every=1"])
     assert first.returncode == 0, first.stderr
     victim = tmp_path / "checkpoints" / "round_00001" / "client_4.pt"
     victim.write_bytes(victim.read_bytes()[:64])

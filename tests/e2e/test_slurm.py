@@ -33,9 +33,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, SMOKE, _env, launch, maths_only, read_metrics
+from conftest import REPO, SMOKE, _env, maths_only, read_metrics, run_program
 
-pytestmark = pytest.mark.slurm
+# One throw-away cluster at a time: its nodes live in fixed network namespaces, so under
+# pytest-xdist every test here runs on the same worker (``--dist loadgroup``).
+pytestmark = [pytest.mark.slurm, pytest.mark.xdist_group("slurm")]
 
 ROUNDS = 4
 NODES = ("node1", "node2")
@@ -189,7 +191,7 @@ def _start_daemons(cluster: Cluster, conf: Path) -> None:
                          *((node, f"slurmd -D -N {node} -f {conf}") for node in NODES)):
         own_names = f"hostname {host} && mount --bind {hosts} /etc/hosts && exec {daemon}"
         _daemon(cluster, cluster.on_host(host, "unshare", "--uts", "--mount", "sh", "-c", own_names))
-    _wait(lambda: cluster.run("sinfo", "-h", "-o", "%T").split() == ["idle"], f"both nodes idle (logs: {root}/log)", 60)
+    _wait(lambda: cluster.run("sinfo", "-h", "-o", "%T").split() == ["idle"], f"both nodes idle (logs: {root}/log)", 120)
 
 
 def _daemon(cluster: Cluster, command: list[str]) -> None:
@@ -259,8 +261,8 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache_dir) -> list[dict]:
     out = tmp_path_factory.mktemp("single")
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
-                                  f"rounds={ROUNDS}"])
+    result = run_program(["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
+                         f"rounds={ROUNDS}"])
     assert result.returncode == 0, result.stderr
     return read_metrics(out)
 
@@ -302,7 +304,7 @@ def test_gpu_script_takes_its_ranks_from_the_allocation_and_a_cancel_ends_it(clu
     _wait(lambda: f"round 1/{ROUNDS}" in _log(out), "round 1", 120)
     cluster.run("scancel", job)
     sbatch.wait(timeout=60)  # returns once the job is CANCELLED, while its script may still be ending
-    _wait(lambda: f"job {job} is " in _log(out) and "not requeued" in _log(out), "the end of the batch script", 60)
+    _wait(lambda: f"job {job} is " in _log(out) and "not requeued" in _log(out), "the end of the batch script", 180)
     log = _log(out)
     assert "2 node(s) x 2 rank(s) on 2 GPU(s) x 1 thread(s)" in log and "4 ranks via torchrun" in log, log
     assert f"{job} PENDING" not in cluster.run("squeue", "-h", "-o", "%i %T")
@@ -319,7 +321,7 @@ def _start_requeued_job_now(cluster: Cluster, job: str, out: Path) -> None:
         pending = cluster.run("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING"
         return "attempt 2" in _log(out) or (pending and cluster.run("sinfo", "-h", "-o", "%T").split() == ["idle"])
 
-    _wait(requeued, "the requeued job", 60)
+    _wait(requeued, "the requeued job", 180)
     if "attempt 2" not in _log(out):
         time.sleep(2)
         cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import SMOKE, launch, read_metrics
+from conftest import SMOKE, launch, read_metrics, run_program
 
 
 def _args(out, cache_dir, *overrides):
@@ -14,12 +14,11 @@ def _args(out, cache_dir, *overrides):
 def checkpointed(tmp_path_factory, cache_dir):
     """A 3-round run that checkpoints every round and keeps the last two."""
     out = tmp_path_factory.mktemp("ckpt")
-    result = launch("single", 1, _args(out, cache_dir, "checkpoint_every=1", "checkpoint_keep=2"))
+    result = run_program(_args(out, cache_dir, "checkpoint_every=1", "checkpoint_keep=2"))
     assert result.returncode == 0, result.stderr
     return out
 
 
-@pytest.mark.launch
 def test_keeps_the_newest_k_complete_checkpoints(checkpointed):
     kept = sorted(p.name for p in (checkpointed / "checkpoints").iterdir())
     assert kept == ["round_00002", "round_00003"]
@@ -37,17 +36,15 @@ def test_resume_from_a_checkpoint_path_into_a_new_run(checkpointed, tmp_path, ca
     assert [r["test_acc"] for r in read_metrics(tmp_path)] == [r["test_acc"] for r in read_metrics(checkpointed)]
 
 
-@pytest.mark.launch
 def test_resume_of_another_experiment_is_refused(checkpointed, tmp_path, cache_dir):
     args = _args(tmp_path, cache_dir, "seed=1", "data.partition=pathological")
-    result = launch("single", 1, [*args, "--resume", str(checkpointed)])
+    result = run_program([*args, "--resume", str(checkpointed)])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "another experiment" in lines[0]
     assert "seed: 0 -> 1" in lines[0] and "data.partition: 'dirichlet' -> 'pathological'" in lines[0]
 
 
-@pytest.mark.launch
 def test_corrupt_checkpoint_is_one_line_and_damages_nothing(checkpointed, tmp_path, cache_dir):
     import shutil
 
@@ -56,7 +53,7 @@ def test_corrupt_checkpoint_is_one_line_and_damages_nothing(checkpointed, tmp_pa
     victim = copy / "checkpoints" / "round_00003" / "client_4.pt"
     victim.write_bytes(victim.read_bytes()[:100])  # truncated
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
-    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
+    result = run_program([*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "client_4.pt cannot be read" in lines[0] and "Traceback" not in result.stderr
@@ -71,7 +68,6 @@ def _copy_run(source, destination):
     return destination
 
 
-@pytest.mark.launch
 def test_resume_auto_without_a_checkpoint_starts_over(checkpointed, tmp_path, cache_dir):
     """A run that died before its first checkpoint: --resume auto starts fresh and its rows
     replace the dead run's (even a half-written last line), instead of being appended to them."""
@@ -82,51 +78,47 @@ def test_resume_auto_without_a_checkpoint_starts_over(checkpointed, tmp_path, ca
     (copy / "summary.json").unlink()
     with open(copy / "metrics.jsonl", "a") as handle:
         handle.write('{"round": 4, "test_a')  # killed mid-append
-    result = launch("single", 1, [*_args(copy, cache_dir), "--resume", "auto"])
+    result = run_program([*_args(copy, cache_dir), "--resume", "auto"])
     assert result.returncode == 0, result.stderr
     rows = read_metrics(copy)
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert [r["test_acc"] for r in rows] == [r["test_acc"] for r in read_metrics(checkpointed)]
 
 
-@pytest.mark.launch
 def test_resume_past_the_planned_rounds_is_refused(checkpointed, tmp_path, cache_dir):
     copy = _copy_run(checkpointed, tmp_path / "run")
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
-    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=2"), "--resume", "auto"])
+    result = run_program([*_args(copy, cache_dir, "rounds=2"), "--resume", "auto"])
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "is after round 3 but rounds=2; pass rounds=3 or more" in lines[0], result.stderr
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.launch
 def test_resume_from_elsewhere_never_overwrites_an_existing_run(checkpointed, tmp_path, cache_dir):
     copy = _copy_run(checkpointed, tmp_path / "run")
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
     other = checkpointed / "checkpoints" / "round_00002"
-    result = launch("single", 1, [*_args(copy, cache_dir), "--resume", str(other)])
+    result = run_program([*_args(copy, cache_dir), "--resume", str(other)])
     assert result.returncode == 2
     assert "already holds a run" in result.stderr and "Traceback" not in result.stderr
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
-@pytest.mark.launch
 def test_extending_a_finished_run_rewrites_its_summary(checkpointed, tmp_path, cache_dir):
     import json
 
     copy = _copy_run(checkpointed, tmp_path / "run")
-    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
+    result = run_program([*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
     assert result.returncode == 0, result.stderr
     assert [r["round"] for r in read_metrics(copy)] == [1, 2, 3, 4]
     assert json.loads((copy / "summary.json").read_text())["rounds"] == 4
 
 
-@pytest.mark.launch
 def test_unwritable_output_directory(tmp_path, cache_dir):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = launch("single", 1, _args(blocker / "run", cache_dir))
+    result = run_program(_args(blocker / "run", cache_dir))
     assert result.returncode == 2
     assert "cannot write the run directory" in result.stderr and "Traceback" not in result.stderr
 
@@ -162,7 +154,6 @@ def test_manifests_of_older_versions_still_match_their_experiment():
     assert _changes_since({"experiment": old}, config) == ["seed: 7 -> 0"]
 
 
-@pytest.mark.launch
 def test_foreign_directories_among_checkpoints_are_ignored_and_kept(checkpointed, tmp_path, cache_dir):
     """A user's backup copy (round_00003.bak) and a stray round_old are not checkpoints: resume
     uses the real newest one, and saving and pruning leave them alone."""
@@ -173,21 +164,20 @@ def test_foreign_directories_among_checkpoints_are_ignored_and_kept(checkpointed
     root = copy / "checkpoints"
     shutil.copytree(root / "round_00003", root / "round_00003.bak")
     (root / "round_old").mkdir()
-    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4", "checkpoint_every=1", "checkpoint_keep=2"),
-                                  "--resume", "auto"])
+    result = run_program([*_args(copy, cache_dir, "rounds=4", "checkpoint_every=1", "checkpoint_keep=2"),
+                         "--resume", "auto"])
     assert result.returncode == 0, result.stderr
     assert "continuing after round 3" in result.stdout + result.stderr
     assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00003.bak", "round_00004", "round_old"]
 
 
-@pytest.mark.launch
 def test_manifest_that_is_not_a_mapping_is_one_line(checkpointed, tmp_path, cache_dir):
     import shutil
 
     copy = tmp_path / "run"
     shutil.copytree(checkpointed, copy)
     (copy / "checkpoints" / "round_00003" / "MANIFEST.json").write_text("[1, 2]")
-    result = launch("single", 1, [*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
+    result = run_program([*_args(copy, cache_dir, "rounds=4"), "--resume", "auto"])
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "MANIFEST.json is unreadable" in lines[0]

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, SMOKE, _env, launch, read_metrics
+from conftest import REPO, SMOKE, _env, read_metrics, run_program
 from htfl_dist.metrics.figures import pca_2d, spread_rounds
 from htfl_dist.metrics.prototypes import load_snapshot, snapshot, snapshot_rounds
 from htfl_dist.metrics.report import RunRecord, identical_curves
@@ -56,13 +56,12 @@ def test_snapshot_flattens_uploads_in_client_order():
 @pytest.fixture(scope="module")
 def fedtgp_run(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("figures-fedtgp")
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
-                                  "algorithm=fedtgp", "rounds=2", "output.prototypes_every=2"])
+    result = run_program(["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}",
+                         "algorithm=fedtgp", "rounds=2", "output.prototypes_every=2"])
     assert result.returncode == 0, result.stdout + result.stderr
     return out
 
 
-@pytest.mark.launch
 def test_snapshots_hold_what_was_exchanged_in_the_chosen_rounds(fedtgp_run):
     assert snapshot_rounds(fedtgp_run) == [2]  # every 2nd round only
     snap = load_snapshot(fedtgp_run, 2)
@@ -100,9 +99,8 @@ def test_report_names_the_rounds_it_has(fedtgp_run, tmp_path):
     assert not (tmp_path / "p.png").exists()
 
 
-@pytest.mark.launch
 def test_prototype_snapshots_of_an_algorithm_without_prototypes_is_a_user_error(tmp_path, cache_dir):
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
-                                  "algorithm=local", "rounds=1", "output.prototypes_every=1"])
+    result = run_program(["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
+                         "algorithm=local", "rounds=1", "output.prototypes_every=1"])
     assert result.returncode == 2
     assert "'local' sends none" in result.stderr.strip().splitlines()[-1]

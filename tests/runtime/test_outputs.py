@@ -11,7 +11,7 @@ import h5py
 import numpy as np
 import pytest
 
-from conftest import REPO, SMOKE, _env, launch, read_metrics
+from conftest import REPO, SMOKE, _env, launch, read_metrics, run_program
 from htfl_dist.metrics.sinks import row_scalars, scalar_tag
 from htfl_dist.metrics.writer import TrainingProgress
 
@@ -54,7 +54,7 @@ def two_rounds_then_resume(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("outputs")
     common = ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}", "output.tensorboard=true",
               "output.htfllib_h5=true", "checkpoint_every=1", "runtime.placement_work=samples"]
-    first = launch("single", 1, [*common, "rounds=1"])
+    first = run_program([*common, "rounds=1"])
     assert first.returncode == 0, first.stdout + first.stderr
     resumed = launch("torchrun", 3, [*common, "rounds=3", "--resume", "auto", "output.progress_every_s=1e-9"])
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -99,10 +99,9 @@ def test_htfllib_h5_matches_the_metrics(two_rounds_then_resume):
     assert not list(out.glob(".*.tmp"))  # the atomic rewrite leaves no temp file behind
 
 
-@pytest.mark.launch
 def test_resume_auto_without_checkpoint_says_it_starts_over(tmp_path, cache_dir):
-    result = launch("single", 1, ["--config", str(SMOKE), "--out", str(tmp_path), "--resume", "auto", "rounds=1",
-                                  f"data.cache_dir={cache_dir}"])
+    result = run_program(["--config", str(SMOKE), "--out", str(tmp_path), "--resume", "auto", "rounds=1",
+                         f"data.cache_dir={cache_dir}"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"resume: no complete checkpoint in {tmp_path}; starting from round 1" in result.stdout
 
