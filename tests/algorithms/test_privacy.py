@@ -610,7 +610,9 @@ def test_feddistill_with_post_update_logits_is_accepted():
 # --------------------------------------------------------------------------- a real run
 
 
-PRIVATE = ("privacy.enabled=true", "privacy.target_epsilon=4", "rounds=2")
+PRIVATE = ("privacy.enabled=true", "privacy.target_epsilon=4", "rounds=2", "data.subsample=0.01")
+"""Half the smoke config's data: DP-SGD's per-sample gradients make these runs the suite's costliest
+per sample, and equality across world sizes and the ε bookkeeping do not depend on the data size."""
 
 
 def _private_smoke(launcher: str, nproc: int, out, cache_dir, *overrides: str) -> list[dict]:
@@ -656,7 +658,7 @@ def test_resume_continues_epsilon_exactly_and_stops_clients_at_the_budget(tmp_pa
     round-2 checkpoint (ledgers in the client files), the run reproduces the uninterrupted one."""
     from htfl_dist.runtime.simulate import simulate
 
-    planned = (*PRIVATE[:2], "privacy.planned_rounds=2")
+    planned = (*PRIVATE[:2], PRIVATE[3], "privacy.planned_rounds=2")
     whole = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *planned, "rounds=3"], out=tmp_path / "whole")
     assert whole[2]["epsilon_max"] == whole[1]["epsilon_max"] <= 4.0
     assert whole[2]["global_classes"] == 0.0  # nobody uploaded a row in round 3
