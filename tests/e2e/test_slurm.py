@@ -134,7 +134,9 @@ def _network(prefix: str) -> None:
 
 
 def _write_config(root: Path) -> Path:
-    """slurm.conf, gres.conf (two stand-in GPUs per node for slurm/gpu.sbatch's arithmetic) and hosts."""
+    """slurm.conf, gres.conf (two stand-in GPUs per node for slurm/gpu.sbatch's arithmetic) and hosts.
+    KillWait is SLURM's default, 30 s: a cancelled job's ranks checkpoint at the round boundary and
+    its script then says so, which on a loaded machine takes more than 10 s."""
     for sub in ("state", "log", *(f"spool/{node}" for node in NODES)):
         (root / sub).mkdir(parents=True)
     nodes = "\n".join(f"NodeName={node} NodeAddr={_address(i)} CPUs={CPUS_PER_NODE} Gres=gpu:2 State=UNKNOWN"
@@ -165,7 +167,7 @@ MailProg=/bin/true
 ReturnToService=2
 JobRequeue=1
 MinJobAge=4
-KillWait=10
+KillWait=30
 {nodes}
 PartitionName=batch Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """)
@@ -191,7 +193,8 @@ def _start_daemons(cluster: Cluster, conf: Path) -> None:
                          *((node, f"slurmd -D -N {node} -f {conf}") for node in NODES)):
         own_names = f"hostname {host} && mount --bind {hosts} /etc/hosts && exec {daemon}"
         _daemon(cluster, cluster.on_host(host, "unshare", "--uts", "--mount", "sh", "-c", own_names))
-    _wait(lambda: cluster.run("sinfo", "-h", "-o", "%T").split() == ["idle"], f"both nodes idle (logs: {root}/log)", 120)
+    _wait(lambda: cluster.run("sinfo", "-h", "-o", "%T").split() == ["idle"], f"both nodes idle (logs: {root}/log)",
+          120)
 
 
 def _daemon(cluster: Cluster, command: list[str]) -> None:
