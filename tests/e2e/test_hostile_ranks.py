@@ -128,6 +128,7 @@ def test_rank_zero_refuses_an_impossible_report_from_a_real_rank(tmp_path, cache
 
 @pytest.mark.parametrize("entries,train_ids,eval_ids,message", [
     ({0: {"train": [[1.0, 10.0]], "eval": [[3.0, 2.0, 5.0]]}}, [0], [0], None),
+    ({0: {"train": [], "eval": [[5.0, 5.0, 5.0]]}}, [], [0], None),  # every test sample right, by both
     ({0: {"train": [[float("nan"), 10.0]], "eval": []}}, [0], [], None),  # diverged training is real
     ({0: {"train": [[1.0, 10.5]], "eval": []}}, [0], [], "impossible training row"),
     ({0: {"train": [], "eval": [[6.0, 2.0, 5.0]]}}, [], [0], "impossible evaluation row"),

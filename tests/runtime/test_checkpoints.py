@@ -137,6 +137,30 @@ def test_prune_drops_old_and_incomplete_checkpoints(tmp_path):
     assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00004", "round_00005"]
 
 
+def test_an_unfinished_save_between_two_complete_checkpoints_is_dropped(tmp_path):
+    """Rounds 1, 3, 5 complete, 4 cut short: 4 is older than the newest complete one (5), so no
+    save can still be writing it."""
+    from htfl_dist.runtime.checkpoint import _prune
+
+    root = tmp_path / "checkpoints"
+    for round_number in (1, 3, 4, 5):
+        (root / f"round_{round_number:05d}").mkdir(parents=True)
+        if round_number != 4:
+            (root / f"round_{round_number:05d}" / "MANIFEST.json").write_text("{}")
+    _prune(tmp_path, keep=2)
+    assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00005"]
+
+
+def test_only_round_directories_count_as_checkpoints(tmp_path):
+    from htfl_dist.runtime.checkpoint import _checkpoint_dirs
+
+    root = tmp_path / "checkpoints"
+    (root / "round_00002").mkdir(parents=True)
+    (root / "round_old").mkdir()
+    (root / "round_00007").write_text("a file a tool left, named like a checkpoint")
+    assert _checkpoint_dirs(tmp_path) == [(2, root / "round_00002")]
+
+
 def test_manifests_of_older_versions_still_match_their_experiment():
     """Older manifests kept data paths in the experiment and algo.* as typed; they still resume,
     and a real change is still named."""

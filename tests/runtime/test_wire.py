@@ -27,6 +27,24 @@ def test_round_trip_variable_rows_in_client_order():
     assert message.nbytes == message.body.numel() + 8 * (1 + 3 * 3)
 
 
+def test_a_rank_with_nobody_to_speak_for_sends_a_count_of_zero():
+    """A client rank whose clients all sat the round out: one int64 (the count 0), no body."""
+    message = encode(SPEC, {})
+    assert message.header.tolist() == [0] and message.body.numel() == 0 and message.nbytes == 8
+    assert decode(SPEC, message) == {}
+
+
+def test_a_one_byte_field_round_trips():
+    flags = (Field("flag", torch.uint8),)
+    decoded = decode(flags, encode(flags, {4: {"flag": torch.tensor([201], dtype=torch.uint8)}}))
+    assert decoded[4]["flag"].tolist() == [201]
+
+
+def test_encode_names_a_missing_declared_field():
+    with pytest.raises(PayloadDeclarationError, match=r"payload of client 3 .*missing \['protos'\]"):
+        encode(SPEC, {3: {"class_ids": torch.tensor([1])}})
+
+
 def test_encode_rejects_undeclared_dtype_and_shape():
     """A payload off its own declaration is a bug in the sending algorithm: a TypeError with a
     traceback, not a one-line user error."""
@@ -42,7 +60,7 @@ def test_decode_rejects_truncated_or_padded_body():
     message = encode(SPEC, {0: {"class_ids": torch.tensor([1]), "protos": torch.randn(1, 4)}})
     with pytest.raises(ProtocolError, match="too short"):
         decode(SPEC, Encoded(message.header, message.body[:-1]))
-    with pytest.raises(ProtocolError, match="trailing"):
+    with pytest.raises(ProtocolError, match="has 3 unexpected trailing bytes"):
         decode(SPEC, Encoded(message.header, torch.cat([message.body, torch.zeros(3, dtype=torch.uint8)])))
     with pytest.raises(ProtocolError, match="header"):
         decode(SPEC, Encoded(message.header[:-1], message.body))
