@@ -364,13 +364,17 @@ def test_public_term_is_added_after_the_noise_and_trains_its_own_modules():
 
 
 def _ktl_generator(latent_dim: int):
-    """z → ConvTranspose(latent→1, 28×28) on a 1×1 map → tanh: 1×28×28 images, seeded weights."""
+    """z → ConvTranspose(latent→1, 28×28) on a 1×1 map → tanh: 1×28×28 images, seeded weights and
+    bias (left to ``nn.ConvTranspose2d``, the bias would come from the process's global stream, and
+    two generators built in one test would differ)."""
     from htfl_dist.generators.dcgan import PriorLatentGenerator
 
     module = torch.nn.Sequential(torch.nn.Unflatten(1, (latent_dim, 1, 1)),
                                  torch.nn.ConvTranspose2d(latent_dim, 1, 28), torch.nn.Tanh())
+    seeded = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        module[1].weight.copy_(torch.randn(module[1].weight.shape, generator=torch.Generator().manual_seed(5)) * 0.3)
+        module[1].weight.copy_(torch.randn(module[1].weight.shape, generator=seeded) * 0.3)
+        module[1].bias.copy_(torch.randn(module[1].bias.shape, generator=seeded) * 0.3)
     return PriorLatentGenerator("tiny", module, latent_dim, channels=1, resolution=28, provenance={})
 
 
