@@ -20,7 +20,7 @@ from htfl_dist.privacy import LEDGER_KEY
 from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise, epsilon_spent
 from htfl_dist.privacy.release import clip_rows, noisy_class_means
 from htfl_dist.privacy.startup import attach_ledger, check_private_run, epsilon_columns, privacy_plan
-from htfl_dist.seeding import torch_generator
+from htfl_dist.seeding import seed_global_torch, torch_generator
 from tests.conftest import SMOKE, launch, maths_only, read_metrics, run_program
 from tests.helpers import make_client, make_context, roundtrip
 
@@ -427,6 +427,7 @@ def test_a_private_clients_upload_depends_on_seed_client_and_round_only(algorith
     """World-size invariance, in process: client 1's round-2 upload is the same whether its rank
     trained client 0 before it or not (no stream keyed by the rank or by what ran before)."""
     def upload_of_client_1(train_client_0_first: bool) -> dict:
+        seed_global_torch(0, "server-init")  # as startup does: FedKTL's F and centroids draw from it
         if algorithm == "fedktl":
             entry, context = _ktl_context()
             server = entry.server(context, _ktl_generator(6))
