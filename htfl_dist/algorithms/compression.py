@@ -106,6 +106,18 @@ def allowed_ranks(shape: tuple[int, ...], rule: RankRule) -> range | tuple[int, 
     return range(1, k + 1) if rule == "fixed" else range(0, k)
 
 
+def _svd(matrix: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Thin SVD (u, s, vᵀ) in float64: float32 LAPACK leaves errors of ~1e-6·σ_1 in every entry,
+    visible on the server's averages. A wide matrix (m < n, e.g. a 512×4608 linear layer) is
+    decomposed as its transpose, A = (Aᵀ)ᵀ = v·diag(s)·uᵀ: the same factors up to rounding and the
+    signs of paired singular vectors, but LAPACK's tall path is several times faster there."""
+    rows, columns = matrix.shape[-2:]
+    if rows >= columns:
+        return torch.linalg.svd(matrix, full_matrices=False)
+    u, s, v = torch.linalg.svd(matrix.mT, full_matrices=False)
+    return v.mT, s, u.mT
+
+
 @torch.no_grad()
 def svd_compress(tensor: torch.Tensor, energy: float, rule: RankRule
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
@@ -119,8 +131,7 @@ def svd_compress(tensor: torch.Tensor, energy: float, rule: RankRule
     if kind == "raw":
         return tensor.clone(), empty, empty, RAW
     matrix = tensor if kind == "slices" else tensor.reshape(_dims(shape))
-    # float64: float32 LAPACK leaves errors of ~1e-6·σ_1 in every entry (visible on the averages)
-    u, s, v = torch.linalg.svd(matrix.double(), full_matrices=False)  # slices: batched over (o, i)
+    u, s, v = _svd(matrix.double())  # slices: batched over (o, i)
     energies = s.square()
     if kind == "slices":
         energies = energies.sum(dim=(0, 1))

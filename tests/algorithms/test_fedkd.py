@@ -56,6 +56,24 @@ def test_rank_one_matrix_compresses_to_rank_one_and_recovers(rule):
     assert torch.allclose(svd_recover(u, s, v, rank, (4, 5), rule), matrix, atol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(8, 20), (20, 8)])
+def test_wide_and_tall_matrices_keep_their_largest_singular_pairs(shape):
+    """A = 5·e₁f₁ᵀ + 2·e₂f₂ᵀ + 1·e₃f₃ᵀ (σ² = 25, 4, 1; T = 0.9 keeps two: 25/30 < 0.9 ≤ 29/30), wide
+    and tall (a wide matrix is decomposed through its transpose): the factors are orthonormal,
+    s = (5, 2), and the recovery is the rank-2 part, in both orientations."""
+    stream = torch.Generator().manual_seed(3)
+    left = torch.linalg.qr(torch.randn(shape[0], 3, generator=stream, dtype=torch.float64))[0]
+    right = torch.linalg.qr(torch.randn(shape[1], 3, generator=stream, dtype=torch.float64))[0]
+    sigma = torch.tensor([5.0, 2.0, 1.0], dtype=torch.float64)
+    matrix = ((left * sigma) @ right.T).float()
+    u, s, v, rank = svd_compress(matrix, 0.9, "fixed")
+    assert rank == 2 and (u.shape, s.shape, v.shape) == ((shape[0], 2), (2,), (2, shape[1]))
+    assert torch.allclose(s, torch.tensor([5.0, 2.0]), atol=1e-5)
+    assert torch.allclose(u.T @ u, torch.eye(2), atol=1e-5) and torch.allclose(v @ v.T, torch.eye(2), atol=1e-5)
+    kept = ((left[:, :2] * sigma[:2]) @ right[:, :2].T).float()
+    assert torch.allclose(svd_recover(u, s, v, rank, shape, "fixed"), kept, atol=1e-5)
+
+
 def test_energy_rule_on_a_diagonal_matrix():
     small = torch.diag(torch.tensor([3.0, 2.0, 1.0]))  # σ² = 9, 4, 1
     u, s, v, rank = svd_compress(small, 0.9, "htfllib")
