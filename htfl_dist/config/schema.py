@@ -247,6 +247,11 @@ class RuntimeConfig:
     client_scratch_dir: str | None = None
     """Where a CPU rank parks clients (a private directory is made inside and removed at the end;
     None: the system's temporary directory, $TMPDIR, usually node-local)."""
+    gpu_memory_gib: float = bounded(0.0, at_least=0, note="0 = no cap")
+    """The most GPU memory this rank's PyTorch allocator may hold on its device, in GiB (0 = no
+    cap). Runs sharing a GPU (a study's ``--gpu-memory-per-cell``) each stay inside their share:
+    one that outgrows it fails alone with PyTorch's out-of-memory error instead of starving the
+    others. The CUDA context (a few hundred MiB) comes on top."""
     max_message_mb: float = bounded(1024.0, above=0)
     """Largest message rank 0 accepts from one client rank per gather (checked before allocating
     it); raise it only for shared models larger than this."""

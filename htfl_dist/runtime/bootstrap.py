@@ -95,17 +95,30 @@ def launch_rank_hint() -> int:
 
 
 def pick_device(runtime: RuntimeConfig, launch: LaunchInfo) -> torch.device:
-    """``cuda:LOCAL_RANK`` (modulo the GPUs present) when GPUs exist, else CPU."""
-    if runtime.device == "cpu":
-        return torch.device("cpu")
-    available = torch.cuda.is_available() and torch.cuda.device_count() > 0
+    """``cuda:LOCAL_RANK`` (modulo the GPUs present) when GPUs exist, else CPU; with
+    ``runtime.gpu_memory_gib`` the allocator is capped there."""
+    available = runtime.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() > 0
     if runtime.device == "cuda" and not available:
         raise ConfigError("runtime.device=cuda but no GPU is visible; use runtime.device=auto or cpu")
     if not available:
+        if runtime.gpu_memory_gib:
+            raise ConfigError(f"runtime.gpu_memory_gib={runtime.gpu_memory_gib:g} caps GPU memory, but this rank "
+                              f"computes on the CPU; leave it at 0")
         return torch.device("cpu")
     index = launch.local_rank % torch.cuda.device_count()
     torch.cuda.set_device(index)
+    if runtime.gpu_memory_gib:
+        cap_allocator(index, runtime.gpu_memory_gib)
     return torch.device("cuda", index)
+
+
+def cap_allocator(index: int, gib: float) -> None:
+    """PyTorch's caching allocator on device ``index`` holds at most ``gib`` GiB (a share of the
+    device's memory; refused when the device has less)."""
+    total_gib = torch.cuda.get_device_properties(index).total_memory / 2**30
+    if gib > total_gib:
+        raise ConfigError(f"runtime.gpu_memory_gib={gib:g} but GPU {index} has {total_gib:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib / total_gib, index)
 
 
 def pick_backend(runtime: RuntimeConfig, launch: LaunchInfo, device: torch.device) -> str:

@@ -1,5 +1,6 @@
 """``python -m htfl_dist.study STUDY.yaml --out DIR [--set key=value ...] [--jobs N] [--ranks R]
-[--gpus-per-cell G] [--slurm [--wait]] [--dry-run] [--table-only]``: a paper's table in one command (docs/studies.md).
+[--gpus-per-cell G | --gpu-memory-per-cell GIB] [--slurm [--wait]] [--dry-run] [--table-only]``:
+a paper's table in one command (docs/studies.md).
 
 Exit status: 0 every cell finished; 2 a mistake in the study, a cell's config or DIR (one line);
 75 stopped by SIGTERM/Ctrl-C after the running cells checkpointed (run the same command again);
@@ -34,6 +35,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ranks", type=int, default=1, help="ranks per cell (torchrun when > 1)")
     parser.add_argument("--gpus-per-cell", type=float, default=1.0,
                         help="GPUs a cell sees: a whole number, or 1/k for k cells per GPU (0.5, 0.25)")
+    parser.add_argument("--gpu-memory-per-cell", type=float, default=None, metavar="GIB",
+                        help="instead of --gpus-per-cell: pack each GPU with as many one-GPU cells as its memory "
+                             "holds at GIB each (plus a CUDA context per rank), each rank's allocator capped at its "
+                             "share (runtime.gpu_memory_gib)")
     parser.add_argument("--gpus", default=None,
                         help="CUDA device ids to use, comma-separated (default: every visible GPU; "
                              "'none': CPU only)")
@@ -62,6 +67,15 @@ def visible_gpus(option: str | None) -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
+def device_memory_gib(gpus: list[int]) -> dict[int, float]:
+    """Each device's total memory in GiB, as PyTorch reports it (numbered as this process sees them)."""
+    if not gpus:
+        return {}
+    import torch
+
+    return {gpu: torch.cuda.get_device_properties(gpu).total_memory / 2**30 for gpu in gpus}
+
+
 def default_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
@@ -82,9 +96,14 @@ def run(argv: list[str] | None = None) -> int:
     if args.slurm:
         return _slurm(study, out, pending, args)
     gpus = visible_gpus(args.gpus)
-    jobs = args.jobs or (len(schedule.assign_slots(10**6, 1, 1, gpus, args.gpus_per_cell)) if gpus else 1)
-    slots = schedule.assign_slots(jobs, args.cores or default_cores(), args.ranks, gpus, args.gpus_per_cell)
-    print(f"study: {len(slots)} at once, {args.ranks} rank(s) x {slots[0].threads} thread(s) per cell"
+    packing = {"gpus": gpus, "gpus_per_cell": args.gpus_per_cell, "memory_per_cell_gib": args.gpu_memory_per_cell,
+               "device_gib": device_memory_gib(gpus) if args.gpu_memory_per_cell is not None else None}
+    jobs = args.jobs or (len(schedule.assign_slots(10**6, 1, args.ranks, **packing)) if gpus else 1)
+    slots = schedule.assign_slots(jobs, args.cores or default_cores(), args.ranks, **packing)
+    for slot in slots:  # an id outside an inherited CUDA_VISIBLE_DEVICES is refused before any cell starts
+        schedule.visible_devices_for(slot.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    capped = f", {slots[0].memory_gib:.6g} GiB per rank" if slots[0].memory_gib else ""
+    print(f"study: {len(slots)} at once, {args.ranks} rank(s) x {slots[0].threads} thread(s) per cell{capped}"
           f"{', GPUs ' + ' | '.join(','.join(map(str, s.gpus)) for s in slots) if gpus else ' on CPU'}", flush=True)
     runner = schedule.LocalRunner(out, slots, args.ranks, args.progress_every, study.cells)
     outcome = runner.run(pending, len(study.cells) - len(pending))

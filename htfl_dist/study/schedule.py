@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,30 +26,68 @@ EXIT_PREEMPTED = 75  # the program's own status for "checkpointed on SIGTERM"
 CELL_LOG = "output.log"
 
 
+CUDA_CONTEXT_GIB = 0.5
+"""What each process's CUDA context holds on its device outside PyTorch's allocator (a few
+hundred MiB), counted per rank when cells are packed by memory."""
+
+
 @dataclass(frozen=True)
 class Slot:
-    """Where one running cell goes: the CUDA devices it sees (empty: CPU) and its torch threads
-    per rank."""
+    """Where one running cell goes: the CUDA devices it sees (empty: CPU), its torch threads per
+    rank, and what each of its ranks' allocators may hold on the device (GiB; 0 = no cap)."""
 
     gpus: tuple[int, ...]
     threads: int
+    memory_gib: float = 0.0
 
 
 def assign_slots(jobs: int, cores: int, ranks_per_cell: int = 1, gpus: Sequence[int] = (),
-                 gpus_per_cell: float = 1.0) -> list[Slot]:
+                 gpus_per_cell: float = 1.0, memory_per_cell_gib: float | None = None,
+                 device_gib: Mapping[int, float] | None = None) -> list[Slot]:
     """The slots of a study: at most ``jobs`` cells at once. On CPU each rank of a running cell
-    gets an equal share of ``cores`` (at least one thread). With ``gpus``, ``gpus_per_cell`` is
-    either a whole number g (a cell sees g devices of its own) or 1/k (k cells share a device,
-    the count limit); slots go round the devices, so fewer jobs than places still spread out."""
+    gets an equal share of ``cores`` (at least one thread). With ``gpus``, either
+    ``gpus_per_cell`` is a whole number g (a cell sees g devices of its own) or 1/k (k cells
+    share a device, the count limit), or ``memory_per_cell_gib`` packs each device with as many
+    one-device cells as its memory (``device_gib``) holds, and caps each rank's allocator at its
+    share (the memory limit). Slots go round the devices, so fewer jobs than places still spread
+    out."""
     if jobs < 1 or ranks_per_cell < 1 or cores < 1:
         raise StudyError(f"--jobs and --ranks must be >= 1 (got --jobs {jobs}, --ranks {ranks_per_cell})")
     if not gpus:
+        if memory_per_cell_gib is not None:
+            raise StudyError("--gpu-memory-per-cell packs cells onto GPUs, and no GPU is in use (--gpus)")
         threads = max(1, cores // (jobs * ranks_per_cell))
         return [Slot((), threads) for _ in range(jobs)]
-    places = _gpu_places(list(gpus), gpus_per_cell)
+    memory_gib = 0.0
+    if memory_per_cell_gib is None:
+        places = _gpu_places(list(gpus), gpus_per_cell)
+    else:
+        if gpus_per_cell != 1.0:
+            raise StudyError("--gpus-per-cell and --gpu-memory-per-cell are two limits for one thing; give one")
+        places = _memory_places(list(gpus), device_gib or {}, memory_per_cell_gib, ranks_per_cell)
+        memory_gib = memory_per_cell_gib / ranks_per_cell
     chosen = places[:jobs]
     threads = max(1, cores // (len(chosen) * ranks_per_cell))
-    return [Slot(place, threads) for place in chosen]
+    return [Slot(place, threads, memory_gib) for place in chosen]
+
+
+def _memory_places(gpus: list[int], device_gib: Mapping[int, float], per_cell_gib: float,
+                   ranks_per_cell: int) -> list[tuple[int, ...]]:
+    """floor(memory / (per cell + a CUDA context per rank)) places on each device, the devices
+    taken in turn (every device's first place, then every device's second, ...)."""
+    if per_cell_gib <= 0:
+        raise StudyError(f"--gpu-memory-per-cell must be > 0 GiB, got {per_cell_gib:g}")
+    need = per_cell_gib + CUDA_CONTEXT_GIB * ranks_per_cell
+    counts = {}
+    for gpu in gpus:
+        if gpu not in device_gib:
+            raise StudyError(f"GPU {gpu}: its memory is unknown, so cells cannot be packed on it by memory")
+        counts[gpu] = int(device_gib[gpu] // need)
+        if counts[gpu] == 0:
+            raise StudyError(f"--gpu-memory-per-cell {per_cell_gib:g}: GPU {gpu} has {device_gib[gpu]:.1f} GiB, "
+                             f"less than one cell needs ({need:g} GiB with {ranks_per_cell} CUDA context(s) of "
+                             f"{CUDA_CONTEXT_GIB:g} GiB); leave it out with --gpus")
+    return [(gpu,) for level in range(max(counts.values())) for gpu in gpus if counts[gpu] > level]
 
 
 def _gpu_places(gpus: list[int], gpus_per_cell: float) -> list[tuple[int, ...]]:
@@ -74,6 +112,8 @@ def cell_command(cell: Cell, out: Path, slot: Slot, ranks: int) -> tuple[list[st
     args = cell.main_args(out)
     if "runtime.threads" not in cell.explicit_keys:
         args.append(f"runtime.threads={slot.threads}")
+    if slot.memory_gib and "runtime.gpu_memory_gib" not in cell.explicit_keys:
+        args.append(f"runtime.gpu_memory_gib={slot.memory_gib:.6g}")
     program = ["-m", "htfl_dist.main", *args]
     if ranks == 1:
         command = [sys.executable, *program]
@@ -81,8 +121,22 @@ def cell_command(cell: Cell, out: Path, slot: Slot, ranks: int) -> tuple[list[st
         command = [str(Path(sys.executable).parent / "torchrun"), "--standalone", f"--nproc_per_node={ranks}", *program]
     env = dict(os.environ, OMP_NUM_THREADS=str(slot.threads))
     if slot.gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, slot.gpus))
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices_for(slot.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
     return command, env
+
+
+def visible_devices_for(gpus: tuple[int, ...], inherited: str | None) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a cell on the study's devices ``gpus`` (numbered as this
+    process sees them). Under an inherited list (SLURM's allocation, say: ``2,3``) device 0 is
+    its first entry, not physical GPU 0, which may belong to another job."""
+    if inherited is None or not inherited.strip():
+        return ",".join(map(str, gpus))
+    entries = [entry.strip() for entry in inherited.split(",") if entry.strip()]
+    for gpu in gpus:
+        if not 0 <= gpu < len(entries):
+            raise StudyError(f"GPU {gpu} is not among the {len(entries)} this study sees "
+                             f"(CUDA_VISIBLE_DEVICES={inherited})")
+    return ",".join(entries[gpu] for gpu in gpus)
 
 
 @dataclass

@@ -150,7 +150,82 @@ def test_gpu_slots_pack_k_cells_per_gpu_or_g_gpus_per_cell():
         schedule.assign_slots(1, 4, gpus=[0], gpus_per_cell=0.3)
 
 
-def test_cell_command_gets_its_slot():
+def test_gpu_slots_packed_by_memory_round_the_devices_and_cap_each_rank():
+    """80 and 40 GiB devices, 19.5 GiB a cell and 0.5 GiB of CUDA context a rank: 80 // 20 = 4
+    and 40 // 20 = 2 places; with 3 ranks a cell needs 21 GiB (3 and 1 places) and each rank's
+    allocator gets a third of 19.5."""
+    memory = {0: 80.0, 1: 40.0}
+    single = schedule.assign_slots(100, 12, gpus=[0, 1], memory_per_cell_gib=19.5, device_gib=memory)
+    assert [slot.gpus for slot in single] == [(0,), (1,), (0,), (1,), (0,), (0,)]
+    assert {(slot.memory_gib, slot.threads) for slot in single} == {(19.5, 2)}
+    ranked = schedule.assign_slots(100, 12, ranks_per_cell=3, gpus=[0, 1], memory_per_cell_gib=19.5,
+                                   device_gib=memory)
+    assert [slot.gpus for slot in ranked] == [(0,), (1,), (0,), (0,)] and ranked[0].memory_gib == 6.5
+    assert [s.gpus for s in schedule.assign_slots(3, 12, gpus=[1, 0], memory_per_cell_gib=19.5,
+                                                  device_gib=memory)] == [(1,), (0,), (1,)]
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"gpus": [0, 1], "memory_per_cell_gib": 40.0, "device_gib": {0: 80.0, 1: 40.0}},
+     r"GPU 1 has 40.0 GiB, less than one cell needs \(40.5 GiB with 1 CUDA context"),
+    ({"gpus": [0], "memory_per_cell_gib": 0.0, "device_gib": {0: 80.0}}, "must be > 0 GiB, got 0"),
+    ({"gpus": [0, 1], "memory_per_cell_gib": 8.0, "device_gib": {0: 80.0}}, "GPU 1: its memory is unknown"),
+    ({"gpus": [0], "gpus_per_cell": 0.5, "memory_per_cell_gib": 8.0, "device_gib": {0: 80.0}},
+     "two limits for one thing"),
+    ({"memory_per_cell_gib": 8.0}, "no GPU is in use"),
+])
+def test_packing_by_memory_refuses_what_cannot_fit(kwargs, needle):
+    with pytest.raises(plan.StudyError, match=needle):
+        schedule.assign_slots(4, 8, **kwargs)
+
+
+def test_the_command_line_packs_by_memory_and_refuses_it_without_gpus(tmp_path, monkeypatch, capsys):
+    """--gpu-memory-per-cell reaches the runner's slots with each device's memory as PyTorch
+    reports it (faked: this machine has no GPU); without GPUs it is one line, exit status 2."""
+    from htfl_dist.study import __main__ as cli
+
+    path = write_study(tmp_path, grid={"algorithm": ["fedproto", "local"]})
+    assert study_main([str(path), "--out", str(tmp_path / "cpu"), "--gpus", "none",
+                       "--gpu-memory-per-cell", "8"]) == 2
+    assert capsys.readouterr().err.strip() == ("htfl_dist.study: error: --gpu-memory-per-cell packs cells onto GPUs, "
+                                               "and no GPU is in use (--gpus)")
+    monkeypatch.setattr(cli, "device_memory_gib", lambda gpus: {0: 80.0, 1: 40.0})
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    seen = {}
+
+    class Runner:
+        def __init__(self, out, slots, ranks, progress_every_s, all_cells):
+            seen["slots"] = slots
+
+        def run(self, pending, already_done):
+            return schedule.Outcome(done=list(pending))
+
+        def progress_line(self, waiting):
+            return "study: progress"
+
+    monkeypatch.setattr(cli.schedule, "LocalRunner", Runner)
+    monkeypatch.setattr(cli.table, "write_outputs", lambda study, out: "study: table")
+    assert study_main([str(path), "--out", str(tmp_path / "gpu"), "--gpus", "0,1", "--cores", "12",
+                       "--gpu-memory-per-cell", "19.5"]) == 0
+    assert [slot.gpus for slot in seen["slots"]] == [(0,), (1,), (0,), (1,), (0,), (0,)]
+    assert "study: 6 at once, 1 rank(s) x 2 thread(s) per cell, 19.5 GiB per rank, GPUs 0 | 1 | 0 | 1 | 0 | 0" \
+        in capsys.readouterr().out
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "5")
+    assert study_main([str(path), "--out", str(tmp_path / "gpu"), "--gpus", "0,1",
+                       "--gpu-memory-per-cell", "19.5"]) == 2
+    assert "GPU 1 is not among the 1 this study sees (CUDA_VISIBLE_DEVICES=5)" in capsys.readouterr().err
+
+
+def test_a_cells_devices_are_named_through_an_inherited_visible_list():
+    assert schedule.visible_devices_for((0, 1), None) == "0,1"
+    assert schedule.visible_devices_for((1,), "2,3") == "3"  # SLURM gave this job physical GPUs 2 and 3
+    assert schedule.visible_devices_for((0, 1), "GPU-aa, GPU-bb") == "GPU-aa,GPU-bb"
+    with pytest.raises(plan.StudyError, match=r"GPU 2 is not among the 2 this study sees \(CUDA_VISIBLE_DEVICES=2,3\)"):
+        schedule.visible_devices_for((2,), "2,3")
+
+
+def test_cell_command_gets_its_slot(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cell = plan.Cell("k", 0, SMOKE, ("seed=0",))
     command, env = schedule.cell_command(cell, Path("/s"), schedule.Slot((2, 3), 4), ranks=2)
     assert command[0].endswith("torchrun") and command[1:3] == ["--standalone", "--nproc_per_node=2"]
@@ -159,6 +234,13 @@ def test_cell_command_gets_its_slot():
     mine = plan.Cell("k", 0, SMOKE, ("runtime.threads=1", "seed=0"), explicit_keys=frozenset({"runtime.threads"}))
     command, _ = schedule.cell_command(mine, Path("/s"), schedule.Slot((), 4), ranks=1)
     assert command[:3] == [sys.executable, "-m", "htfl_dist.main"] and command[-1] == "seed=0"
+    command, env = schedule.cell_command(cell, Path("/s"), schedule.Slot((1,), 4, 6.5), ranks=1)
+    assert command[-2:] == ["runtime.threads=4", "runtime.gpu_memory_gib=6.5"] and env["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,7")
+    capped = plan.Cell("k", 0, SMOKE, ("runtime.gpu_memory_gib=3", "seed=0"),
+                       explicit_keys=frozenset({"runtime.gpu_memory_gib"}))
+    command, env = schedule.cell_command(capped, Path("/s"), schedule.Slot((1,), 4, 6.5), ranks=1)
+    assert "runtime.gpu_memory_gib=6.5" not in command and env["CUDA_VISIBLE_DEVICES"] == "7"
 
 
 # ------------------------------------------------------------------------------------ the table

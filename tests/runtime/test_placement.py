@@ -1,7 +1,9 @@
 """Placement and participant sampling are pure functions of the config."""
 import pytest
 
-from htfl_dist.errors import HtflError
+from htfl_dist.config import RuntimeConfig
+from htfl_dist.errors import ConfigError, HtflError
+from htfl_dist.runtime import bootstrap
 from htfl_dist.runtime.placement import Placement, check_world_size, plan_placement, sample_participants
 
 WORK = [5.0, 100.0, 7.0, 60.0, 50.0, 3.0, 1.0, 40.0, 9.0, 2.0, 30.0]
@@ -90,7 +92,6 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PMI_RAN
 
 
 def _launch_with(monkeypatch, **env):
-    from htfl_dist.runtime import bootstrap
 
     for name in (*_LAUNCH_VARS, *bootstrap._MPI_RANK_VARS):
         monkeypatch.delenv(name, raising=False)
@@ -118,6 +119,47 @@ def test_torchrun_variables_win(monkeypatch):
     launch = _launch_with(monkeypatch, RANK="1", WORLD_SIZE="3", LOCAL_RANK="1", SLURM_PROCID="0",
                           SLURM_STEP_NUM_TASKS="2")
     assert (launch.launcher, launch.rank, launch.world_size) == ("torchrun", 1, 3)
+
+
+class _FakeCuda:
+    """Two 80 GiB devices, recording what pick_device asks of them."""
+
+    def __init__(self, monkeypatch, available: bool = True) -> None:
+        import types
+
+        import torch
+
+        self.calls = []
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "is_available", lambda: available)
+        monkeypatch.setattr(cuda, "device_count", lambda: 2 if available else 0)
+        monkeypatch.setattr(cuda, "set_device", lambda index: self.calls.append(("set_device", index)))
+        monkeypatch.setattr(cuda, "get_device_properties",
+                            lambda index: types.SimpleNamespace(total_memory=80 * 2**30))
+        monkeypatch.setattr(cuda, "set_per_process_memory_fraction",
+                            lambda fraction, index: self.calls.append(("fraction", fraction, index)))
+
+
+def test_a_gpu_memory_cap_becomes_the_allocators_share_of_the_ranks_device(monkeypatch):
+    fake = _FakeCuda(monkeypatch)
+    launch = bootstrap.LaunchInfo("torchrun", 3, 4, 3, 4)
+    device = bootstrap.pick_device(RuntimeConfig(gpu_memory_gib=20.0), launch)
+    assert str(device) == "cuda:1" and fake.calls == [("set_device", 1), ("fraction", 0.25, 1)]  # 20 of 80 GiB
+    fake.calls.clear()
+    bootstrap.pick_device(RuntimeConfig(), launch)
+    assert fake.calls == [("set_device", 1)]  # 0: no cap
+    with pytest.raises(ConfigError, match=r"runtime.gpu_memory_gib=81 but GPU 1 has 80.0 GiB"):
+        bootstrap.pick_device(RuntimeConfig(gpu_memory_gib=81.0), launch)
+
+
+@pytest.mark.parametrize("device", ["cpu", "auto"])
+def test_a_gpu_memory_cap_on_a_cpu_rank_is_refused(monkeypatch, device):
+    _FakeCuda(monkeypatch, available=device == "cpu")  # cpu chosen, or auto finding no GPU
+    alone = bootstrap.LaunchInfo("single", 0, 1, 0, 1)
+    with pytest.raises(ConfigError, match=r"runtime.gpu_memory_gib=4 caps GPU memory, but this rank computes on "
+                                          r"the CPU"):
+        bootstrap.pick_device(RuntimeConfig(device=device, gpu_memory_gib=4.0), alone)
+    assert str(bootstrap.pick_device(RuntimeConfig(device=device), alone)) == "cpu"
 
 
 def test_forward_flops_of_fedavgs_cnn_by_hand():
