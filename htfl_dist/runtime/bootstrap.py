@@ -112,10 +112,15 @@ def pick_device(runtime: RuntimeConfig, launch: LaunchInfo) -> torch.device:
     return torch.device("cuda", index)
 
 
+def gpu_memory_gib(index: int) -> float:
+    """Total memory of CUDA device ``index`` (numbered as this process sees them), in GiB."""
+    return torch.cuda.get_device_properties(index).total_memory / 2**30
+
+
 def cap_allocator(index: int, gib: float) -> None:
     """PyTorch's caching allocator on device ``index`` holds at most ``gib`` GiB (a share of the
     device's memory; refused when the device has less)."""
-    total_gib = torch.cuda.get_device_properties(index).total_memory / 2**30
+    total_gib = gpu_memory_gib(index)
     if gib > total_gib:
         raise ConfigError(f"runtime.gpu_memory_gib={gib:g} but GPU {index} has {total_gib:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(gib / total_gib, index)

@@ -55,25 +55,33 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def visible_gpus(option: str | None) -> list[int]:
-    if option is not None:
-        if option.strip().lower() == "none":
-            return []
-        try:
-            return [int(item) for item in option.split(",") if item.strip()]
-        except ValueError:
-            raise plan.StudyError(f"--gpus {option!r}: comma-separated device ids, or none") from None
+    """The devices the study may use, numbered as this process sees them (under an inherited
+    ``CUDA_VISIBLE_DEVICES``, 0 is its first entry); ids it cannot see are refused here, before
+    any cell starts."""
+    if option is not None and option.strip().lower() == "none":
+        return []  # without loading torch
     import torch
 
-    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if option is None:
+        return list(range(count))
+    try:
+        gpus = [int(item) for item in option.split(",") if item.strip()]
+    except ValueError:
+        raise plan.StudyError(f"--gpus {option!r}: comma-separated device ids, or none") from None
+    for gpu in gpus:
+        if not 0 <= gpu < count:
+            inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise plan.StudyError(f"--gpus {option}: GPU {gpu} is not among the {count} this study sees"
+                                  + (f" (CUDA_VISIBLE_DEVICES={inherited})" if inherited else ""))
+    return gpus
 
 
 def device_memory_gib(gpus: list[int]) -> dict[int, float]:
-    """Each device's total memory in GiB, as PyTorch reports it (numbered as this process sees them)."""
-    if not gpus:
-        return {}
-    import torch
+    """Each device's total memory in GiB, as PyTorch reports it."""
+    from htfl_dist.runtime.bootstrap import gpu_memory_gib
 
-    return {gpu: torch.cuda.get_device_properties(gpu).total_memory / 2**30 for gpu in gpus}
+    return {gpu: gpu_memory_gib(gpu) for gpu in gpus}
 
 
 def default_cores() -> int:
@@ -96,12 +104,10 @@ def run(argv: list[str] | None = None) -> int:
     if args.slurm:
         return _slurm(study, out, pending, args)
     gpus = visible_gpus(args.gpus)
-    packing = {"gpus": gpus, "gpus_per_cell": args.gpus_per_cell, "memory_per_cell_gib": args.gpu_memory_per_cell,
-               "device_gib": device_memory_gib(gpus) if args.gpu_memory_per_cell is not None else None}
-    jobs = args.jobs or (len(schedule.assign_slots(10**6, 1, args.ranks, **packing)) if gpus else 1)
-    slots = schedule.assign_slots(jobs, args.cores or default_cores(), args.ranks, **packing)
-    for slot in slots:  # an id outside an inherited CUDA_VISIBLE_DEVICES is refused before any cell starts
-        schedule.visible_devices_for(slot.gpus, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    jobs = args.jobs or (sys.maxsize if gpus else 1)  # with GPUs, by default every place
+    device_gib = device_memory_gib(gpus) if args.gpu_memory_per_cell is not None else None
+    slots = schedule.assign_slots(jobs, args.cores or default_cores(), args.ranks, gpus, args.gpus_per_cell,
+                                  args.gpu_memory_per_cell, device_gib)
     capped = f", {slots[0].memory_gib:.6g} GiB per rank" if slots[0].memory_gib else ""
     print(f"study: {len(slots)} at once, {args.ranks} rank(s) x {slots[0].threads} thread(s) per cell{capped}"
           f"{', GPUs ' + ' | '.join(','.join(map(str, s.gpus)) for s in slots) if gpus else ' on CPU'}", flush=True)

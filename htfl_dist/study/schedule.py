@@ -80,8 +80,6 @@ def _memory_places(gpus: list[int], device_gib: Mapping[int, float], per_cell_gi
     need = per_cell_gib + CUDA_CONTEXT_GIB * ranks_per_cell
     counts = {}
     for gpu in gpus:
-        if gpu not in device_gib:
-            raise StudyError(f"GPU {gpu}: its memory is unknown, so cells cannot be packed on it by memory")
         counts[gpu] = int(device_gib[gpu] // need)
         if counts[gpu] == 0:
             raise StudyError(f"--gpu-memory-per-cell {per_cell_gib:g}: GPU {gpu} has {device_gib[gpu]:.1f} GiB, "
@@ -127,15 +125,12 @@ def cell_command(cell: Cell, out: Path, slot: Slot, ranks: int) -> tuple[list[st
 
 def visible_devices_for(gpus: tuple[int, ...], inherited: str | None) -> str:
     """``CUDA_VISIBLE_DEVICES`` for a cell on the study's devices ``gpus`` (numbered as this
-    process sees them). Under an inherited list (SLURM's allocation, say: ``2,3``) device 0 is
-    its first entry, not physical GPU 0, which may belong to another job."""
+    process sees them, and checked against what it sees when ``--gpus`` is read). Under an
+    inherited list (SLURM's allocation, say: ``2,3``) device 0 is its first entry, not physical
+    GPU 0, which may belong to another job."""
     if inherited is None or not inherited.strip():
         return ",".join(map(str, gpus))
     entries = [entry.strip() for entry in inherited.split(",") if entry.strip()]
-    for gpu in gpus:
-        if not 0 <= gpu < len(entries):
-            raise StudyError(f"GPU {gpu} is not among the {len(entries)} this study sees "
-                             f"(CUDA_VISIBLE_DEVICES={inherited})")
     return ",".join(entries[gpu] for gpu in gpus)
 
 

@@ -146,6 +146,9 @@ def test_a_gpu_memory_cap_becomes_the_allocators_share_of_the_ranks_device(monke
     device = bootstrap.pick_device(RuntimeConfig(gpu_memory_gib=20.0), launch)
     assert str(device) == "cuda:1" and fake.calls == [("set_device", 1), ("fraction", 0.25, 1)]  # 20 of 80 GiB
     fake.calls.clear()
+    bootstrap.pick_device(RuntimeConfig(gpu_memory_gib=80.0), launch)  # the whole device is allowed
+    assert fake.calls == [("set_device", 1), ("fraction", 1.0, 1)]
+    fake.calls.clear()
     bootstrap.pick_device(RuntimeConfig(), launch)
     assert fake.calls == [("set_device", 1)]  # 0: no cap
     with pytest.raises(ConfigError, match=r"runtime.gpu_memory_gib=81 but GPU 1 has 80.0 GiB"):
