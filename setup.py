@@ -11,8 +11,9 @@ setup(
                       "matplotlib"],  # learning-curve plots of python -m htfl_dist.report (imported only there)
     # tensorboard: optional event files (output.tensorboard); the tests read them back.
     # opacus: privacy.* (docs/privacy.md) takes its accountants (RDP, PRV), noise calibration and
-    # per-sample clipping-and-noise optimizer from it rather than from code of our own
+    # per-sample clipping-and-noise optimizer from it rather than from code of our own;
+    # cryptography: the secret noise's ChaCha20 stream (htfl_dist/privacy/noise.py)
     extras_require={"test": ["pytest", "pytest-xdist", "tensorboard"], "mpi": ["mpich"], "tensorboard": ["tensorboard"],
-                    "privacy": ["opacus>=1.5"]},
+                    "privacy": ["opacus>=1.5", "cryptography>=42"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
 )

@@ -51,6 +51,15 @@ class ProtocolError(HtflError):
     """A payload crossing ranks is malformed (wrong shape, dtype, or not finite)."""
 
 
+class PrivacyPlanError(HtflError):
+    """A private client was asked to run a mechanism its privacy plan does not hold (a second
+    release in a round, one outside a round, or one past its budget): an algorithm's defect, not
+    the user's, so the job ends (status 1) with one line naming the client, the round and the
+    mechanism, before any noise is drawn or anything leaves the client."""
+
+    exit_status = EXIT_FAILURE
+
+
 class TrainingDiverged(HtflError):
     """Every participating client's loss was not finite for ``train.max_diverged_rounds`` rounds
     in a row: the run cannot recover, so it ends (status 1) with its last good checkpoint."""

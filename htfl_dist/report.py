@@ -14,7 +14,7 @@ from pathlib import Path
 from htfl_dist.errors import HtflError
 from htfl_dist.main import EXIT_USER_ERROR
 from htfl_dist.metrics.figures import plot_class_margins, plot_prototype_projection
-from htfl_dist.metrics.report import ReportError, plot_curves, read_run, report_table, write_csv
+from htfl_dist.metrics.report import ReportError, plot_curves, read_run, report_table, withheld_runs, write_csv
 
 DEFAULT_METRIC = "test_acc"
 
@@ -46,6 +46,8 @@ def run(argv: list[str] | None = None) -> int:
         if args.plot:
             for labels in plot_curves(runs, args.metric, out=args.plot):
                 print(f"identical {args.metric} curves, drawn as one line: {' = '.join(labels)}", file=sys.stderr)
+            for label, reason in withheld_runs(runs, args.metric).items():
+                print(f"no {args.metric} curve for {label}: {reason}", file=sys.stderr)
         if args.margins:
             plot_class_margins(runs, args.margins, args.rounds)
         if args.prototypes:

@@ -316,6 +316,12 @@ class PrivacyConfig:
     accountant: Literal["rdp", "prv"] = "rdp"
     """Opacus's accountant composing every release: rdp (Rényi DP, an upper bound) or prv
     (privacy random variables, a tighter numerical estimate)."""
+    noise: Literal["secure", "seeded"] = "secure"
+    """Where every Gaussian draw of the mechanisms comes from. secure: the operating system's
+    cryptographically secure source, which no other party (the server included) can reproduce;
+    the runs' numbers then differ from run to run. seeded: streams keyed by (seed, client, round,
+    release), reproducible bit for bit, for experiments only: anyone who knows the config's seed
+    can regenerate the noise and subtract it, so such a run is not private against the server."""
 
 
 NUMPY_SEED_MAX = 2**32 - 1

@@ -21,6 +21,7 @@ import yaml
 from htfl_dist.atomic import replaced_atomically
 from htfl_dist.errors import HtflError
 from htfl_dist.metrics.writer import MetricsFileError, read_rows, write_atomic
+from htfl_dist.privacy import withheld_reason
 
 METRICS_FILE, CONFIG_FILE, SUMMARY_FILE = "metrics.jsonl", "config.yaml", "summary.json"
 RUN_DIRECTORY = (f"a run directory is the --out of `python -m htfl_dist.main` and holds {METRICS_FILE}, "
@@ -175,10 +176,21 @@ def numeric_keys(runs: Sequence[RunRecord]) -> list[str]:
     return sorted(keys - {"round"})
 
 
+def withheld_runs(runs: Sequence[RunRecord], metric: str) -> dict[str, str]:
+    """Label → reason, for the runs that do not record ``metric`` by design (a private run keeps
+    each client's training loss on the client)."""
+    reasons = {label: withheld_reason(run.config, metric) for label, run in zip(run_labels(runs), runs, strict=True)}
+    return {label: reason for label, reason in reasons.items() if reason is not None}
+
+
 def check_metric(runs: Sequence[RunRecord], metric: str) -> None:
-    """Refuse a metric no run logged, listing the ones that can be asked for."""
+    """Refuse a metric no run logged, listing the ones that can be asked for (or saying why the
+    runs do not record it)."""
     available = numeric_keys(runs)
     if metric not in available:
+        withheld = withheld_runs(runs, metric)
+        if withheld:
+            raise ReportError(f"'{metric}' is not recorded in {', '.join(withheld)}: {next(iter(withheld.values()))}")
         choices = ", ".join(available) or "none: no round has been evaluated yet"
         raise ReportError(f"unknown metric '{metric}'; numeric keys in these runs: {choices}")
 
@@ -315,6 +327,10 @@ def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Pat
         label = labels[0] if len(labels) == 1 else " = ".join(labels) + " (identical)"
         axes.plot(rounds, values, label=label, marker="o" if len(points) <= 30 else None, markersize=3,
                   linestyle="-" if len(labels) == 1 else "--")
+    withheld = withheld_runs(runs, metric)
+    if withheld:  # a run missing from the plot says why
+        figure.text(0.01, 0.005, f"not recorded in {', '.join(withheld)}: {next(iter(withheld.values()))}",
+                    fontsize="x-small", wrap=True)
     axes.set_title(f"{metric} per round")
     axes.set_xlabel("round")
     axes.set_ylabel(f"{metric} (%)" if is_percent(metric) else metric)

@@ -5,9 +5,22 @@
 ``release``: clipped, noised class means; ``dpsgd``: local training with per-sample clipping and
 noise; ``startup``: what the runtime calls (refusals, the plan, the reported ε).
 
-This module imports nothing, so the training loop and the class-row helpers can name the key
-without an import cycle (the mechanisms import them).
+This module imports nothing, so the training loop, the class-row helpers and the reports can
+name what it holds without an import cycle (the mechanisms import them) and without torch.
 """
 
 LEDGER_KEY = "privacy"
 """The name of a client's privacy ledger among its ``ClientState.modules``."""
+
+WITHHELD_IN_PRIVATE_RUNS = {
+    "train_loss": "a private client's training loss and sample count are computed from its training records "
+                  "without noise, so they stay on the client (privacy.enabled; docs/privacy.md)",
+}
+"""The metrics columns a private run records as absent (null), and why: summary.json's privacy
+block and the reports say it."""
+
+
+def withheld_reason(config: dict, metric: str) -> str | None:
+    """Why a run (its config.yaml as a dict) does not record ``metric``; None if it does."""
+    private = bool((config.get("privacy") or {}).get("enabled"))
+    return WITHHELD_IN_PRIVATE_RUNS.get(metric) if private else None

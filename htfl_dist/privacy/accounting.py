@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from htfl_dist.errors import ConfigError
-from htfl_dist.seeding import derive_seed
+from htfl_dist.errors import ConfigError, PrivacyPlanError
+from htfl_dist.privacy.noise import NoiseMode, NoiseSource, noise_source
 
 AccountantName = Literal["rdp", "prv"]
 History = tuple[tuple[float, float, int], ...]
@@ -54,11 +54,20 @@ def _epsilon(history: History, delta: float, accountant: AccountantName) -> floa
 
 def calibrate_noise(target_epsilon: float, delta: float, mechanisms: int, accountant: AccountantName) -> float:
     """σ such that ``mechanisms`` Gaussian mechanisms of multiplier σ (rate 1) compose to at most
-    ``target_epsilon`` at ``delta`` (within Opacus's search tolerance of 0.01 below the target)."""
+    ``target_epsilon`` at ``delta`` (within Opacus's search tolerance of 0.01 below the target).
+    A target no σ reaches (an accountant's ε has a floor at δ however large the noise) is one line
+    naming the smallest reachable ε."""
     try:
-        from opacus.accountants.utils import get_noise_multiplier
+        from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
     except ImportError:
         raise ConfigError("privacy.enabled needs Opacus: pip install -e .[privacy]") from None
+    floor = epsilon_spent(((float(MAX_SIGMA), 1.0, mechanisms),), delta, accountant)
+    if target_epsilon <= floor:
+        raise ConfigError(f"privacy.target_epsilon={target_epsilon:g} cannot be reached: {mechanisms} Gaussian "
+                          f"mechanisms at privacy.delta={delta:g} spend at least ε={floor:.4g} with the {accountant} "
+                          f"accountant however much noise is added; the smallest reachable ε for this run's plan "
+                          f"is {floor:.4g} (raise privacy.target_epsilon above it, or raise privacy.delta"
+                          f"{', or use privacy.accountant=prv' if accountant == 'rdp' else ''})")
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # as in _epsilon
         warnings.simplefilter("ignore", UserWarning)
@@ -79,17 +88,24 @@ class PrivacyPlan:
     accountant: AccountantName
     local_epochs: int
     seed: int
+    noise: NoiseMode = "secure"
+
+    def mechanisms_per_round(self) -> dict[str, int]:
+        """The plan of one round of a participant: each mechanism it may run once, and how many
+        Gaussian mechanisms that is (DP-SGD: one per local epoch; the release of class rows: one)."""
+        return {"sgd": self.local_epochs, "release": 1}
 
     def round_cost(self, noise_multiplier: float) -> History:
         """What one round of a participant spends: E epochs of DP-SGD and one release."""
-        return ((noise_multiplier, 1.0, self.local_epochs), (noise_multiplier, 1.0, 1))
+        return tuple((noise_multiplier, 1.0, count) for count in self.mechanisms_per_round().values())
 
     def describe(self) -> dict[str, Any]:
         """For summary.json: the calibrated multiplier and what it was calibrated for."""
         return {"noise_multiplier": self.noise_multiplier, "target_epsilon": self.target_epsilon,
                 "delta": self.delta, "feature_clip": self.feature_clip, "max_grad_norm": self.max_grad_norm,
                 "min_class_samples": self.min_class_samples, "accountant": self.accountant,
-                "sgd_noise_std": 2.0 * self.noise_multiplier * self.max_grad_norm}
+                "sgd_noise_std": 2.0 * self.noise_multiplier * self.max_grad_norm, "noise": self.noise,
+                "private_against_server": self.noise == "secure"}
 
 
 def merged(history: History, extra: History) -> History:
@@ -104,14 +120,19 @@ def merged(history: History, extra: History) -> History:
     return tuple((float(s), float(q), int(n)) for s, q, n in entries)
 
 
+MECHANISM_NAMES = {"sgd": "DP-SGD local training", "release": "release of class rows"}
+"""What each planned mechanism is, for the lines that name one."""
+
+
 class PrivacyLedger(nn.Module):
     """One client's accountant and the state of its budget, kept in ``ClientState.modules``: the
     runtime checkpoints a client's modules (``state_dict``, here the extra state), parks them
     with it and restores them on resume, so a resumed run continues the client's ε exactly.
 
     The runtime calls ``begin_round`` before the client trains; the mechanisms (``dpsgd``,
-    ``class_rows.class_means``) ask ``active`` and ``charge`` what they run. A client whose next
-    round would take it past the target stops for good: it neither trains nor uploads again."""
+    ``class_rows.class_means``) ask ``active``, then ``open_mechanism`` for what they run, which
+    checks it against the plan and hands out its noise. A client whose next round would take it
+    past the target stops for good: it neither trains nor uploads again."""
 
     def __init__(self, plan: PrivacyPlan, client_id: int) -> None:
         super().__init__()
@@ -120,6 +141,9 @@ class PrivacyLedger(nn.Module):
         self.history: History = ()
         self.stopped_round = -1  # the 0-based round from which the client uploads nothing; -1: never
         self.round_index: int | None = None
+        self.opened_in = dict.fromkeys(MECHANISM_NAMES, -1)
+        """Mechanism → the 0-based round it last ran in (-1: never). Part of the checkpointed
+        state, so a client parked and restored within a round cannot run a mechanism twice."""
 
     @property
     def active(self) -> bool:
@@ -143,32 +167,45 @@ class PrivacyLedger(nn.Module):
                   f"{after:.3f}); it neither trains nor uploads from round {round_index + 1} on",
                   file=sys.stderr, flush=True)
 
-    def charge(self, mechanisms: int) -> None:
-        """Record ``mechanisms`` Gaussian mechanisms of the ledger's multiplier; refuses (an
-        error, never a silent overspend) one that takes the client past its target."""
-        history = merged(self.history, ((self.noise_multiplier, 1.0, mechanisms),))
+    def open_mechanism(self, mechanism: str) -> NoiseSource:
+        """Record this round's ``mechanism`` ('sgd': the local epochs of DP-SGD; 'release': one
+        release of class rows) and return the source of its noise, keyed by this release alone.
+        Anything the plan does not hold is refused before any noise is drawn, with one line naming
+        the client, the round and the mechanism: a mechanism outside a round or of a stopped
+        client, an unknown one, a second one of a kind in a round (its noise would be charged as
+        independent of the first's), or one past the budget."""
+        planned = self.plan.mechanisms_per_round()
+        where = (f"client {self.client_id}, round {self.round_index + 1}" if self.round_index is not None
+                 else f"client {self.client_id}, outside a round")
+        what = MECHANISM_NAMES.get(mechanism, repr(mechanism))
+        if mechanism not in planned:
+            raise PrivacyPlanError(f"privacy: {where}: {what} is not a mechanism of the privacy plan "
+                                   f"({', '.join(MECHANISM_NAMES[name] for name in planned)}); refused")
+        if not self.active:
+            raise PrivacyPlanError(f"privacy: {where}: {what} while the client "
+                                   f"{'has stopped' if self.stopped_round >= 0 else 'is outside a round'}; refused")
+        if self.opened_in[mechanism] == self.round_index:
+            raise PrivacyPlanError(f"privacy: {where}: a second {what} in one round is not in the privacy plan "
+                                   f"(one per round); refused")
+        history = merged(self.history, ((self.noise_multiplier, 1.0, planned[mechanism]),))
         spent = epsilon_spent(history, self.plan.delta, self.plan.accountant)
-        if not self.active or spent > self.plan.target_epsilon:
-            raise RuntimeError(f"client {self.client_id}: a release past its privacy budget "
-                               f"(ε would be {spent:.3f} > {self.plan.target_epsilon:g}); the round's cost "
-                               f"was not planned for by begin_round")
+        if spent > self.plan.target_epsilon:
+            raise PrivacyPlanError(f"privacy: {where}: {what} would take ε to {spent:.3f}, past "
+                                   f"privacy.target_epsilon={self.plan.target_epsilon:g}; refused")
+        release = sum(count for _, _, count in self.history)
         self.history = history
-
-    def generator(self, purpose: str, device: torch.device | str = "cpu") -> torch.Generator:
-        """The noise stream of ``purpose`` for this client in the current round: keyed by
-        (seed, purpose, client, round) only, so it does not depend on the rank that hosts it."""
-        if self.round_index is None:
-            raise RuntimeError(f"client {self.client_id}: a privacy mechanism ran outside a round")
-        generator = torch.Generator(device=device)
-        generator.manual_seed(derive_seed(self.plan.seed, "privacy", purpose, self.client_id, self.round_index))
-        return generator
+        self.opened_in[mechanism] = self.round_index
+        return noise_source(self.plan.noise, self.plan.seed, mechanism, self.client_id, self.round_index, release)
 
     def get_extra_state(self) -> dict[str, torch.Tensor]:
         return {"history": torch.tensor(self.history, dtype=torch.float64).reshape(-1, 3),
                 "noise_multiplier": torch.tensor(self.noise_multiplier, dtype=torch.float64),
-                "stopped_round": torch.tensor(self.stopped_round, dtype=torch.int64)}
+                "stopped_round": torch.tensor(self.stopped_round, dtype=torch.int64),
+                "opened_in": torch.tensor([self.opened_in[name] for name in MECHANISM_NAMES], dtype=torch.int64)}
 
     def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
         self.history = tuple((float(s), float(q), int(n)) for s, q, n in state["history"].tolist())
         self.noise_multiplier = float(state["noise_multiplier"])
         self.stopped_round = int(state["stopped_round"])
+        opened = state["opened_in"].tolist() if "opened_in" in state else [-1] * len(MECHANISM_NAMES)
+        self.opened_in = dict(zip(MECHANISM_NAMES, opened, strict=True))

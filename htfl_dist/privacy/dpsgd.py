@@ -8,8 +8,9 @@ regulariser compares batch class means with the global prototypes), and a hook's
 share of a coupled loss depends on the other samples, which breaks the clipping bound. Evaluated
 on one sample at a time, any loss is a per-sample loss, so the clipped gradients are bounded by
 construction; the step then minimises the mean of the per-sample losses. Opacus's
-``DPOptimizer`` clips, sums, adds the noise (from the ledger's (seed, client, round) stream) and
-scales; the wrapped optimizer steps as usual.
+``DPOptimizer`` clips, sums, adds the noise (from the source the ledger hands out for this round's
+DP-SGD, ``privacy.noise``: the OS's secure generator by default) and scales; the wrapped optimizer
+steps as usual.
 
 The whole loss runs inside the ``functional_call``: a loss that calls the client's model itself
 (FedSA's calibration term sends the anchors through the head, FedKTL's transfer term sends the
@@ -35,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
@@ -42,6 +44,7 @@ from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
 from htfl_dist.algorithms.training import Batch, epoch_order, samples_per_epoch
 from htfl_dist.errors import ConfigError
 from htfl_dist.privacy.accounting import PrivacyLedger
+from htfl_dist.privacy.noise import NoiseSource
 
 
 def check_private_optimizer(client: ClientState) -> None:
@@ -53,6 +56,26 @@ def check_private_optimizer(client: ClientState) -> None:
     if sorted(optimised) != sorted(trainable):
         raise ConfigError(f"privacy.enabled: client {client.client_id}'s optimizer does not update exactly its "
                           f"model's parameters, which DP-SGD needs")
+
+
+class _SourcedDPOptimizer(DPOptimizer):
+    """Opacus's ``DPOptimizer`` whose Gaussian noise comes from a ``NoiseSource`` (the ledger's
+    for this round) instead of a torch generator: a torch generator is a seeded stream, and the
+    default noise must be one no other party can reproduce. Clipping, summing and scaling stay
+    Opacus's."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, noise: NoiseSource, **kwargs) -> None:
+        super().__init__(optimizer, **kwargs)
+        self.noise = noise
+
+    def add_noise(self) -> None:
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            draws = self.noise.standard_normal(p.summed_grad.shape, dtype=p.summed_grad.dtype,
+                                               device=p.summed_grad.device)
+            p.grad = (p.summed_grad + std * draws).view_as(p)
+            _mark_as_processed(p.summed_grad)
 
 
 class _SampleObjective(nn.Module):
@@ -87,10 +110,9 @@ def train_privately(client: ClientState, context: AlgorithmContext, loss_fn: Cal
     check_private_optimizer(client)
     model, train = client.model, context.train
     plan = ledger.plan
-    ledger.charge(train.local_epochs)  # before any step: a refused charge leaves the model untouched
-    optimizer = DPOptimizer(client.optimizer, noise_multiplier=2.0 * ledger.noise_multiplier,
-                            max_grad_norm=plan.max_grad_norm, expected_batch_size=train.batch_size,
-                            generator=ledger.generator("sgd", client.device))
+    noise = ledger.open_mechanism("sgd")  # before any step: a refused mechanism leaves the model untouched
+    optimizer = _SourcedDPOptimizer(client.optimizer, noise=noise, noise_multiplier=2.0 * ledger.noise_multiplier,
+                                    max_grad_norm=plan.max_grad_norm, expected_batch_size=train.batch_size)
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     parameters = [p for _, p in model.named_parameters() if p.requires_grad]
     buffers = {f"model.{name}": b for name, b in model.named_buffers()}

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from htfl_dist.privacy.noise import NoiseSource
+
 
 def clip_rows(rows: torch.Tensor, clip: float) -> torch.Tensor:
     """Each row scaled to L2 norm at most ``clip`` (rows already inside are unchanged)."""
@@ -25,16 +27,16 @@ def mean_sensitivity(clip: float, counts: torch.Tensor) -> torch.Tensor:
 
 
 def noisy_class_means(sums: torch.Tensor, counts: torch.Tensor, *, clip: float, noise_multiplier: float,
-                      min_count: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                      min_count: int, noise: NoiseSource) -> tuple[torch.Tensor, torch.Tensor]:
     """The released rows: for every class with at least ``min_count`` samples, its mean (``sums``
     [C, D] of rows clipped to ``clip``, ``counts`` [C]) plus Gaussian noise of standard deviation
     ``noise_multiplier`` · 2·clip / n_c. The noise of every class is drawn, as one [C, D] block
-    from ``generator`` (CPU), whichever classes are released, so the stream does not depend on
-    the data. Returns (class ids int64 [m], rows float32 [m, D]) on the CPU."""
+    from ``noise`` (the release's own source), whichever classes are released, so what is drawn
+    does not depend on the data. Returns (class ids int64 [m], rows float32 [m, D]) on the CPU."""
     sums, counts = sums.detach().double().cpu(), counts.detach().double().cpu()
-    noise = torch.randn(sums.shape, generator=generator, dtype=torch.float64)
+    draws = noise.standard_normal(sums.shape, dtype=torch.float64)
     released = torch.nonzero(counts >= min_count).flatten()
     n = counts[released].unsqueeze(1)
     means = sums[released] / n
     scale = noise_multiplier * mean_sensitivity(clip, n)
-    return released, (means + scale * noise[released]).float()
+    return released, (means + scale * draws[released]).float()

@@ -11,7 +11,7 @@ from torch import nn
 
 from htfl_dist.config import Config
 from htfl_dist.errors import ConfigError
-from htfl_dist.privacy import LEDGER_KEY
+from htfl_dist.privacy import LEDGER_KEY, WITHHELD_IN_PRIVATE_RUNS
 from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise
 from htfl_dist.privacy.release import noisy_class_means
 
@@ -20,6 +20,10 @@ DURING_TRAINING = "during_training"
 uploaded rows from the training batches: every epoch adds each sample again, under a model that
 changes in between, which the release's sensitivity does not cover."""
 
+
+SEEDED_NOISE_WARNING = ("htfl_dist: warning: privacy.noise=seeded: every noise draw is a function of the config's "
+                        "seed, so whoever holds config.yaml (the server included) can regenerate and remove it; "
+                        "this run is NOT private against the server (for reproducible experiments only)")
 
 def privacy_plan(config: Config) -> PrivacyPlan | None:
     """The calibrated mechanisms of a run (None with ``privacy.enabled`` false): one σ for every
@@ -34,7 +38,7 @@ def privacy_plan(config: Config) -> PrivacyPlan | None:
     return PrivacyPlan(noise_multiplier=sigma, target_epsilon=privacy.target_epsilon, delta=privacy.delta,
                        feature_clip=privacy.feature_clip, max_grad_norm=privacy.max_grad_norm,
                        min_class_samples=privacy.min_class_samples, accountant=privacy.accountant,
-                       local_epochs=epochs, seed=config.seed)
+                       local_epochs=epochs, seed=config.seed, noise=privacy.noise)
 
 
 def check_private_run(config: Config, entry: Any, options: Any, upload_names: list[str]) -> None:
@@ -106,10 +110,10 @@ def release_class_means(ledger: PrivacyLedger, sums: torch.Tensor, counts: torch
     charged one mechanism and the noised means of the classes with enough samples leave."""
     if not ledger.active:
         return torch.empty(0, dtype=torch.int64), torch.empty(0, sums.shape[1])
-    ledger.charge(1)
+    noise = ledger.open_mechanism("release")
     plan = ledger.plan
     return noisy_class_means(sums, counts, clip=plan.feature_clip, noise_multiplier=ledger.noise_multiplier,
-                             min_count=plan.min_class_samples, generator=ledger.generator("release"))
+                             min_count=plan.min_class_samples, noise=noise)
 
 
 def client_epsilon(client: Any) -> float | None:
@@ -131,4 +135,4 @@ def privacy_summary(rows: list[dict[str, Any]], plan: PrivacyPlan | None) -> dic
         return {}
     last = next((row for row in reversed(rows) if "epsilon_max" in row), {})
     return {"privacy": {**plan.describe(), "epsilon_max": last.get("epsilon_max"),
-                        "epsilon_median": last.get("epsilon_median")}}
+                        "epsilon_median": last.get("epsilon_median"), "withheld": dict(WITHHELD_IN_PRIVATE_RUNS)}}

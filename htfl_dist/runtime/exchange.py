@@ -122,6 +122,10 @@ class Exchange:
         self.on_bad_upload = on_bad_upload
         self.epsilon_budget = epsilon_budget
         """privacy.target_epsilon with privacy on: no client can truthfully report more ε spent."""
+        self.training_reported = epsilon_budget is None
+        """Whether clients report their training rows (loss sum, samples). A private client's
+        training loss and sample count are computed from its training records without noise, so
+        with privacy on they stay on the client and a rank that sends them is refused."""
 
     def broadcast_knowledge(self, spec, download: Payload | None, traffic: RoundTraffic) -> Payload:
         """The server's ``download`` (rank 0; None elsewhere) to every rank, decoded on each."""
@@ -201,8 +205,8 @@ class Exchange:
                 if own is None or own["rank"].shape[0] != 1:
                     raise ProtocolError("sent a report without its rank row")
                 check_rank_row(own["rank"][0].tolist())
-                check_rank_report(decoded, [cid for cid in participants if cid in hosted],
-                                  hosted if evaluated else [], epsilon_budget=self.epsilon_budget)
+                trained = [cid for cid in participants if cid in hosted] if self.training_reported else []
+                check_rank_report(decoded, trained, hosted if evaluated else [], epsilon_budget=self.epsilon_budget)
             except ProtocolError as exc:
                 raise ProtocolError(f"{self.placement.describe_rank(rank)} {exc}") from None
             rank_rows.append(RankReport(*own["rank"][0].tolist()))

@@ -32,7 +32,13 @@ from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_pay
 from htfl_dist.metrics.writer import TrainingProgress, progress
 from htfl_dist.models import architecture_for_client
 from htfl_dist.payload import Payload
-from htfl_dist.privacy.startup import begin_round, check_private_run, client_epsilon, privacy_plan
+from htfl_dist.privacy.startup import (
+    SEEDED_NOISE_WARNING,
+    begin_round,
+    check_private_run,
+    client_epsilon,
+    privacy_plan,
+)
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.exchange import (
     DIVERGING,
@@ -109,6 +115,9 @@ class Federation:
         started = time.perf_counter()
         self.entry = get_algorithm(config.algorithm)
         options = config.algo_options  # checked when the config was loaded
+        self.privacy_plan = privacy_plan(config)  # None without privacy; before the data: a budget no σ reaches
+        if self.is_server and self.privacy_plan is not None and self.privacy_plan.noise == "seeded":
+            progress(SEEDED_NOISE_WARNING)
         self.partition = prepare_data(config, transport)
         check_inputs(config, self.partition.inputs(), self.entry.uses_generator)
         handshake(config, self.partition.num_classes, transport)  # ranks agree on the maths before anything else
@@ -126,7 +135,6 @@ class Federation:
         self.download_spec = self.entry.server.download_fields(self.context)
         self.upload_spec = self.entry.client.upload_fields(self.context)
         check_private_run(config, self.entry, options, [item.name for item in self.upload_spec])
-        self.privacy_plan = privacy_plan(config)  # None without privacy.enabled
         if config.output.prototypes_every:  # every rank: a mistake stops them all before they talk
             check_prototype_payloads(config.algorithm, self.upload_spec, self.download_spec)
         self.snapshots = PrototypeSnapshots(run.out_dir, config.output.prototypes_every)
@@ -258,7 +266,8 @@ class Federation:
             clients = [self.clients[client_id] for client_id in group]
             for client, result in zip(clients, self._train_group(clients, knowledge, round_index), strict=True):
                 uploads[client.client_id] = result.upload
-                train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
+                if self.privacy_plan is None:  # a private client's loss and count stay on the client
+                    train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
                 theory += self.client_algorithm.theory_upload_floats(client) * 4
                 self.training_progress.client_done()
         return uploads, train_rows, theory

@@ -240,6 +240,10 @@ def validate(study: Study, ranks_per_cell: int = 1) -> Study:
             architecture_for_client(config.model.group, 0)
             check_outputs_available(config)
             check_world_size(ranks_per_cell, config.num_clients)
+            if config.privacy.enabled:  # a budget no noise reaches is refused before any cell runs
+                from htfl_dist.privacy.startup import privacy_plan
+
+                privacy_plan(config)
         except HtflError as exc:
             raise StudyError(f"cell {cell.name}: {exc}") from None
         checked.append(Cell(cell.key, cell.seed, cell.config_file, cell.overrides, config.config_hash(),
