@@ -81,10 +81,10 @@ def run_scores(run_dir: Path) -> list[tuple[np.ndarray, np.ndarray, int]]:
 
     from htfl_dist.data.cache import load_client_split
     from htfl_dist.data.prepare import prepare_partition
-    from htfl_dist.main import resolved_config
     from htfl_dist.metrics.prototypes import load_snapshot
     from htfl_dist.models import initial_client_model
     from htfl_dist.privacy.release import clip_rows
+    from htfl_dist.resolution import resolved_config
 
     config = resolved_config(str(run_dir / "config.yaml"), [])
     info = prepare_partition(config.data, config.num_clients, config.seed, batch_size=config.train.batch_size)

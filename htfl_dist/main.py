@@ -12,9 +12,7 @@ so a second run on the same ``--out`` is refused at start-up.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
-import platform
 import re
 import sys
 import traceback
@@ -34,8 +32,7 @@ from htfl_dist.errors import (
 )
 from htfl_dist.runtime.liveness import report_once, tell_torchrun
 
-__all__ = ["EXIT_DISK_FULL", "EXIT_FAILURE", "EXIT_PREEMPTED", "EXIT_USER_ERROR", "main", "parse_args",
-           "resolved_config", "run"]
+__all__ = ["EXIT_DISK_FULL", "EXIT_FAILURE", "EXIT_PREEMPTED", "EXIT_USER_ERROR", "main", "parse_args", "run"]
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: checkpointed on SIGTERM, run again with --resume auto
 PREEMPTED_MARKER = "PREEMPTED"
 
@@ -60,24 +57,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume", default="never", metavar="auto|never|PATH",
                         help="auto: continue from the newest complete checkpoint in --out (or start fresh); "
                              "PATH: a run directory or one checkpoint directory to continue from")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="import MODULE before the config is resolved, so that the algorithms, models, "
+                             "datasets and generators it registers can be named (repeatable; see also the "
+                             "config key plugins and the entry-point group htfl_dist.plugins)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. rounds=3 data.partition=pathological")
     return parser.parse_intermixed_args(argv)  # overrides may come before and after options
-
-
-def software_versions() -> dict[str, str]:
-    """The installed versions that decide a run's numbers, for summary.json."""
-    import h5py
-    import numpy
-    import torch
-
-    from htfl_dist import __version__
-
-    # torchvision's version from its installed metadata: importing it costs 1.5 s, and a run of
-    # HtCNN members never needs it.
-    return {"htfl_dist": __version__, "python": platform.python_version(), "torch": torch.__version__,
-            "torchvision": importlib.metadata.version("torchvision"), "numpy": numpy.__version__,
-            "h5py": h5py.__version__}
 
 
 def _resume_source(resume: str, out: Path) -> Path | None:
@@ -145,28 +131,17 @@ def _make_deterministic(torch) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def resolved_config(config_file: str | None, overrides: list[str]):
-    """The config exactly as a run uses and hashes it: the file, the overrides, and every algorithm
-    option spelled out (config.yaml shows the values used, and writing a default explicitly does
-    not make a different experiment). Tools that predict a run's config hash use this too."""
-    from htfl_dist.algorithms import spelled_out_options
-    from htfl_dist.config import load_config
-
-    config = load_config(config_file, overrides)
-    config.algo = spelled_out_options(config.algorithm, config.algo)
-    return config
-
-
 def run(argv: list[str] | None = None) -> int:
     import torch
 
     from htfl_dist.metrics.sinks import check_outputs_available
     from htfl_dist.models import architecture_for_client
+    from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime.bootstrap import agree_to_start, detect_launch, open_transport, pick_device
     from htfl_dist.runtime.placement import check_world_size
 
     args = parse_args(argv)
-    config = resolved_config(args.config, args.overrides)
+    config = resolved_config(args.config, args.overrides, args.imports)
     # Checks every rank makes identically, before any communication (errors print once).
     architecture_for_client(config.model.group, 0)
     check_outputs_available(config)
@@ -199,7 +174,7 @@ def run(argv: list[str] | None = None) -> int:
 
 def _run_federation(config, launch, transport, device, out: Path, resume_from: Path | None) -> int:
     from htfl_dist.metrics.writer import progress
-    from htfl_dist.runtime.bootstrap import open_liveness
+    from htfl_dist.runtime.bootstrap import open_liveness, software_versions
     from htfl_dist.runtime.loop import Federation, RunContext
 
     liveness = open_liveness(config.runtime, transport)

@@ -11,8 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from htfl_dist.errors import HtflError
-from htfl_dist.main import EXIT_USER_ERROR
+from htfl_dist.errors import EXIT_USER_ERROR, HtflError
 from htfl_dist.metrics.figures import plot_class_margins, plot_prototype_projection
 from htfl_dist.metrics.report import ReportError, plot_curves, read_run, report_table, withheld_runs, write_csv
 

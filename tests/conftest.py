@@ -34,6 +34,19 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slurm: starts a throw-away SLURM cluster (root, slurm-wlm, munge); "
                                        "deselect with -m 'not slurm'")
     config.addinivalue_line("markers", "launch: starts the program in processes (python -m, torchrun, mpirun)")
+    config.addinivalue_line("markers", "integration: plays whole runs in this process (runtime.simulate, "
+                                       "htfl_dist.main.main); deselect with -m 'not integration'")
+
+
+RUN_FIXTURES = frozenset({"single_run", "checkpointed", "two_rounds_then_resume", "fedtgp_run", "played"})
+"""Fixtures that play whole runs in this process (shared between tests): a test using one is an
+integration test whichever test happens to play the run first."""
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        if RUN_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("integration"):
+            item.add_marker(pytest.mark.integration)
 
 
 _RUNNING_TEST: list = [None]
@@ -57,6 +70,26 @@ def _sigterm_unblocked_after_each_test():
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _whole_runs_are_marked():
+    """Every whole run played in this process goes through ``Federation.run``: a test that plays
+    one without the integration mark (or a launch or slurm mark) fails, naming itself, so the
+    fastest tier (``-m "not launch and not slurm and not integration"``) stays maths alone."""
+    from htfl_dist.runtime.loop import Federation
+
+    original = Federation.run
+
+    def run(self, *args, **kwargs):
+        node = _RUNNING_TEST[0]
+        if node is not None and not any(node.get_closest_marker(mark) for mark in ("integration", "launch", "slurm")):
+            raise AssertionError(f"{node.nodeid} plays a whole run in this process: mark it @pytest.mark.integration")
+        return original(self, *args, **kwargs)
+
+    Federation.run = run
+    yield
+    Federation.run = original
+
+
 def _require_launch_mark() -> None:
     """The quick tier (``-m "not launch and not slurm"``) must never start a process: a test that
     does without the mark fails here, naming itself."""
@@ -65,19 +98,21 @@ def _require_launch_mark() -> None:
         raise AssertionError(f"{node.nodeid} starts the program in a process: mark it @pytest.mark.launch")
 
 
-def _env() -> dict[str, str]:
+def _env(pythonpath: tuple[str, ...] = ()) -> dict[str, str]:
     _require_launch_mark()
     env = dict(os.environ)
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([*pythonpath, str(REPO)])
     env.pop("RANK", None)
     env.pop("WORLD_SIZE", None)
     return env
 
 
-def launch(launcher: str, nproc: int, args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``htfl_dist.main`` under ``launcher`` (single | torchrun | mpirun) with ``nproc`` ranks."""
+def launch(launcher: str, nproc: int, args: list[str], timeout: float = 300,
+           pythonpath: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """Run ``htfl_dist.main`` under ``launcher`` (single | torchrun | mpirun) with ``nproc`` ranks
+    (``pythonpath``: directories put before the repository on PYTHONPATH, e.g. a plugin's)."""
     program = ["-m", "htfl_dist.main", *args]
     if launcher == "single":
         command = [sys.executable, *program]
@@ -88,7 +123,7 @@ def launch(launcher: str, nproc: int, args: list[str], timeout: float = 300) -> 
         command = [mpirun, "-n", str(nproc), sys.executable, *program]
     else:
         raise ValueError(launcher)
-    return subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(command, cwd=REPO, env=_env(pythonpath), capture_output=True, text=True, timeout=timeout)
 
 
 def run_program(args: list[str]) -> subprocess.CompletedProcess:

@@ -1,18 +1,20 @@
 """Typed run configuration: YAML file + dotted ``key=value`` overrides, validated once.
 
-Three parts, each importable alone:
+The lowest layer of the package: it imports nothing of it but ``errors``, and no torch. Its parts,
+each importable alone:
 
+- ``rules``: ``bounded`` ranges, ``check_bounds`` and ``unknown_name``, the one wording of every
+  value check (the registries and the algorithms' options use them too);
 - ``schema``: the sections as dataclasses, every field with its type, default and rule
-  (``Literal`` choices, ``bounded`` ranges), and ``Config.algo_options``, the chosen algorithm's
-  typed options;
+  (``Literal`` choices, ``bounded`` ranges); ``generator_section``: FedKTL's generator section;
 - ``loading``: files, overrides, the bounded YAML loader, coercion to the schema's types and
-  ``validate`` (the bounds, the cross-field checks and the algorithm's options), every mistake
-  one ConfigError line;
+  ``validate`` (the bounds and the cross-field checks), every mistake one ConfigError line;
 - ``identity``: the experiment part of a config, its hash, and what a resumed run may change
   (plumbing, and keys added after old run directories were written).
 
-The names below are the package's public interface; ``from htfl_dist.config import X`` keeps
-working for each of them.
+Names a registry holds (the algorithm and its options, the dataset, the model group, the
+generator) are resolved one layer up, by ``htfl_dist.resolution``. The names below are the
+package's public interface.
 """
 from htfl_dist.config.identity import (
     DATA_LOCATION_KEYS,
@@ -37,6 +39,7 @@ from htfl_dist.config.loading import (
     parse_overrides,
     validate,
 )
+from htfl_dist.config.rules import PLUGIN_HINT, unknown_name
 from htfl_dist.config.schema import (
     DEFAULT_FMNIST_ROOT,
     HEARTBEAT_FLOOR_S,
@@ -52,7 +55,6 @@ from htfl_dist.config.schema import (
     check_bounds,
     default_cache_dir,
     partition_cache_dir,
-    resolve_algo_options,
 )
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "INT64_MAX",
     "KEYS_ADDED_LATER",
     "MAX_EXPANDED_NODES",
+    "PLUGIN_HINT",
     "PLUMBING_KEYS",
     "TRAIN_STOPPING_KEYS",
     "YAML_SWITCH",
@@ -87,7 +90,7 @@ __all__ = [
     "load_yaml",
     "parse_overrides",
     "partition_cache_dir",
-    "resolve_algo_options",
     "spelled_out_partition_rules",
+    "unknown_name",
     "validate",
 ]

@@ -15,11 +15,14 @@ import hashlib
 import json
 from typing import Any
 
+from htfl_dist.config.generator_section import GeneratorConfig
 from htfl_dist.errors import shown
-from htfl_dist.generators.base import GeneratorConfig
 
-PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload")
-"""Not part of the experiment: plumbing, and the run length (a resumed run may extend `rounds`)."""
+PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload",
+                 "plugins")
+"""Not part of the experiment: plumbing, the run length (a resumed run may extend `rounds`) and the
+plugin modules (they provide names; the names and options they resolve to are the experiment, so
+moving a plugin to another module keeps a run's hash)."""
 DATA_LOCATION_KEYS = ("root", "cache_dir")
 """Where the data lives: moving it (another node, a new cache) is the same run."""
 TRAIN_STOPPING_KEYS = ("max_diverged_rounds",)
@@ -39,7 +42,7 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
         data["min_samples_per_client"] = 10
 
 
-KEYS_ADDED_LATER = {
+KEYS_ADDED_LATER: dict[str, dict[str, Any]] = {
     "model": {"init": "per_client"},
     "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off"},
     "data": {"vocab_size": None},

@@ -3,9 +3,9 @@ types and checked once, every mistake one ConfigError line naming the key (exit 
 
 The YAML is read by a safe loader that refuses what would silently change or blow up a config
 (a key given twice, alias bombs, deep nesting); values are coerced to each field's annotation
-(``Literal`` choices, finite float32-sized numbers, int64 counts); ``validate`` then runs the
-declared bounds, each section's cross-field check and the chosen algorithm's options
-(``schema.resolve_algo_options``), so a bad ``algo.*`` is refused here, before anything starts.
+(``Literal`` choices, finite float32-sized numbers, int64 counts, lists of names); ``validate``
+then runs the declared bounds and each section's cross-field check. Loading imports neither torch
+nor any registry: the names a registry holds are resolved one step up (``htfl_dist.resolution``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from htfl_dist.config.schema import Config, check_bounds, resolve_algo_options
+from htfl_dist.config.schema import Config, check_bounds
 from htfl_dist.errors import ConfigError, clipped, shown
 
 YAML_SWITCH = {False: "off", True: "on"}
@@ -80,6 +80,11 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             raise ConfigError(f"config key '{key}' must be at most {FLOAT32_MAX:.4g} in size (the largest "
                               f"float32, which the arithmetic uses), got {shown(value)}")
         return number
+    if origin is list and args == (str,):
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, list) or not all(isinstance(item, str) and item.strip() for item in items):
+            raise ConfigError(f"config key '{key}' must be a list of names, got {shown(value)}")
+        return [item.strip() for item in items]
     if annotation is str:
         if value is None or isinstance(value, (dict, list)):
             raise ConfigError(f"config key '{key}' must be a string, got {shown(value)}")
@@ -114,7 +119,7 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
                 f"unknown config key '{dotted}'; {hint}allowed keys here: {', '.join(names)}"
             )
         annotation = hints[key]
-        if dataclasses.is_dataclass(annotation):
+        if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             kwargs[key] = build_section(annotation, value or {}, f"{dotted}.")
         elif key == "algo":
             if value is None:
@@ -266,10 +271,12 @@ def config_from_dict(raw: dict[str, Any]) -> Config:
 
 
 def validate(config: Config) -> None:
-    """Checks that do not need the dataset: every field's declared bound, each section's own
-    cross-field check and the chosen algorithm's options (and ``~`` in path keys expanded, which
-    the shell does on a command line but YAML does not). Closed choices are ``Literal`` fields,
-    checked while parsing."""
+    """Checks that need neither the dataset nor a registry: every field's declared bound and each
+    section's own cross-field check (and ``~`` in path keys expanded, which the shell does on a
+    command line but YAML does not). Closed choices are ``Literal`` fields, checked while parsing;
+    the names a registry holds (the algorithm and its options, the dataset, the model group, the
+    generator) are checked by the resolution step above the registries
+    (``htfl_dist.resolution``)."""
     for key in ("root", "cache_dir", "pfllib_dir"):
         value = getattr(config.data, key)
         if value:
@@ -280,4 +287,3 @@ def validate(config: Config) -> None:
     config.data.check()
     config.runtime.check()
     config.check()
-    resolve_algo_options(config.algorithm, config.algo)  # the typed view is built on demand; here it is checked

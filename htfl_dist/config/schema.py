@@ -13,9 +13,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from htfl_dist.config.generator_section import GeneratorConfig
 from htfl_dist.config.identity import experiment_hash, experiment_view
+from htfl_dist.config.rules import Bound, bounded, check_bounds
 from htfl_dist.errors import ConfigError, shown
-from htfl_dist.generators.base import GeneratorConfig
+
+__all__ = ["Bound", "bounded", "check_bounds"]  # re-exported: the schema's own rules
 
 DEFAULT_FMNIST_ROOT = "/usr/share/datasets/fashion-mnist"
 
@@ -31,71 +34,14 @@ def partition_cache_dir(data: DataConfig) -> str:
     return data.cache_dir or default_cache_dir()
 
 
-@dataclass(frozen=True)
-class Bound:
-    """The range a numeric config value must lie in, declared next to its field (``bounded``),
-    so each section states its own limits and one loop checks them all with the same wording."""
-
-    above: float | None = None  # value > above
-    at_least: float | None = None  # value >= at_least
-    below: float | None = None  # value < below
-    at_most: float | None = None  # value <= at_most
-    note: str = ""
-    """Why the limit, or what the edge value means ("0 = never"), shown in the message."""
-    optional: bool = False
-    """None is allowed (it means the note's default)."""
-
-    def holds(self, value: Any) -> bool:
-        if value is None:
-            return self.optional
-        return ((self.above is None or value > self.above) and (self.at_least is None or value >= self.at_least)
-                and (self.below is None or value < self.below) and (self.at_most is None or value <= self.at_most))
-
-    def describe(self) -> str:
-        low = (f"({_number(self.above)}" if self.above is not None
-               else f"[{_number(self.at_least)}" if self.at_least is not None else None)
-        high = (f"{_number(self.below)})" if self.below is not None
-                else f"{_number(self.at_most)}]" if self.at_most is not None else None)
-        if low and high:
-            text = f"in {low}, {high}"
-        elif low:
-            text = f"{'>' if low[0] == '(' else '>='} {low[1:]}"
-        else:
-            text = f"{'<' if high[-1] == ')' else '<='} {high[:-1]}"
-        return f"{text} ({self.note})" if self.note else text
-
-
-def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
-
-
-def bounded(default: Any, **limits: Any) -> Any:
-    """A dataclass field with a :class:`Bound` (see ``check_bounds``)."""
-    return field(default=default, metadata={"bound": Bound(**limits)})
-
-
-def check_bounds(section: Any, prefix: str = "") -> None:
-    """One line for the first field of ``section`` (and its sub-sections) out of its bound."""
-    for item in dataclasses.fields(section):
-        value = getattr(section, item.name)
-        if dataclasses.is_dataclass(value):
-            check_bounds(value, f"{prefix}{item.name}.")
-            continue
-        bound = item.metadata.get("bound")
-        if bound is not None and not bound.holds(value):
-            raise ConfigError(f"config key '{prefix}{item.name}' must be {bound.describe()}, got {shown(value)}")
-
-
 @dataclass
 class DataConfig:
     """Which data, and how it is split across logical clients."""
 
-    dataset: Literal["fmnist", "cifar10", "cifar100", "tinyimagenet", "flowers102"] = "fmnist"
-    """A dataset registered in ``htfl_dist.data.sources`` (one module per source). The names are
-    spelled out here, not built from the registry, because building them would be an import
-    cycle: the source modules and the data package import this module (``DEFAULT_FMNIST_ROOT``,
-    ``DataConfig``). tests/data/test_data.py checks that this list equals the registry's names, in
-    registration order, so a dataset added there fails that test until it is named here too."""
+    dataset: str = "fmnist"
+    """A dataset registered with ``htfl_dist.data.sources.register_dataset``: the built-in sources
+    (fmnist, cifar10, cifar100, tinyimagenet, flowers102) or a plugin's; the resolution step
+    (``htfl_dist.resolution``) refuses a name no source holds."""
     root: str | None = None
     """Directory holding the dataset files (fmnist default: the OS package's directory). The
     others need it, never download, and take the parent of the dataset's folder or the folder
@@ -355,16 +301,12 @@ class Config:
     """Differential privacy of what leaves a client (docs/privacy.md); off by default."""
     algo: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen algorithm as written: the form that is stored (config.yaml, the
-    checkpoints) and hashed. Loading checks it against the algorithm's options dataclass;
-    ``algo_options`` is that typed view."""
-
-    @property
-    def algo_options(self) -> Any:
-        """``algo`` as the chosen algorithm's options dataclass, every default and ``compat``
-        choice resolved (``resolve_algo_options``). Built on each access from ``algorithm`` and
-        ``algo``, so it always agrees with them (``algo`` may be replaced by its spelled-out
-        form after loading); a caller that reads it often keeps the result."""
-        return resolve_algo_options(self.algorithm, self.algo)
+    checkpoints) and hashed. The resolution step (``htfl_dist.resolution``) checks it against the
+    algorithm's options dataclass and spells every option out."""
+    plugins: list[str] = field(default_factory=list)
+    """Modules imported before any name is resolved, so that what they register (algorithms,
+    architectures, model groups, datasets, generators) can be named here; a study's cells inherit
+    them from their config. Not part of the experiment's hash (``identity.PLUMBING_KEYS``)."""
 
     def check(self) -> None:
         """PFLlib's rules draw the split from numpy's ``RandomState``, which takes a seed in
@@ -389,19 +331,3 @@ class Config:
         """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal
         hashes compute the same rounds (runtime plumbing and the run length are excluded)."""
         return experiment_hash(self.experiment())
-
-
-def resolve_algo_options(algorithm: str, raw: dict[str, Any]) -> Any:
-    """``algo.*`` checked against algorithm ``algorithm``'s options dataclass (names, types,
-    declared ranges, its own ``validate``) and returned as an instance of it; an unknown
-    algorithm or a bad option is one ConfigError line.
-
-    The registry is imported here, when called, not at the top of the module: the algorithms
-    package imports this package (``bounded``, ``TrainConfig``, ``build_section``), so a
-    module-level import would be a circle. A resolver that the algorithms package registers
-    into the config package would avoid the local import but would leave loading unchecked
-    whenever nothing had imported the algorithms yet (a tool that only loads configs); the
-    import here always checks, and after the first call it is a look-up in ``sys.modules``."""
-    from htfl_dist.algorithms.registry import get_algorithm, parse_options
-
-    return parse_options(get_algorithm(algorithm), raw)

@@ -20,6 +20,7 @@ import math
 
 import numpy as np
 
+from htfl_dist.config.rules import check_value
 from htfl_dist.errors import ConfigError, DataError
 
 LEGACY_MIN_SAMPLES = 10
@@ -35,8 +36,7 @@ def checked_labels(labels: np.ndarray, num_clients: int, num_classes: int) -> np
     labels = np.asarray(labels)
     if labels.ndim != 1:
         raise DataError(f"labels must be a 1-D array, got shape {labels.shape}")
-    if num_clients < 1:
-        raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
+    check_value("num_clients", num_clients, at_least=1)
     if num_clients > labels.size:  # checked before any per-client list is allocated
         raise ConfigError(f"config key 'num_clients' is {num_clients}, but the data has {labels.size} samples to "
                           f"split and every client needs at least one; lower num_clients or raise data.subsample")
@@ -54,10 +54,8 @@ def checked_dirichlet_request(labels: np.ndarray, num_clients: int, num_classes:
     """The checks both Dirichlet rules make before drawing: one line naming the key to change
     for a request that cannot be met at all (num_clients * min_samples > N fails at once)."""
     labels = checked_labels(labels, num_clients, num_classes)
-    if not beta > 0:
-        raise ConfigError(f"config key 'data.beta' must be > 0 (Dirichlet concentration), got {beta}")
-    if max_tries < 1:
-        raise ConfigError(f"config key 'data.max_partition_tries' must be >= 1, got {max_tries}")
+    check_value("data.beta", beta, above=0, note="Dirichlet concentration")
+    check_value("data.max_partition_tries", max_tries, at_least=1)
     if num_clients * min_samples > labels.size:
         raise DataError(
             f"Dirichlet partition (beta={beta}) cannot give {num_clients} clients at least "
@@ -99,10 +97,7 @@ def partition_pathological(
     plus a multinomial share of the rest under Dirichlet(1) weights.
     """
     labels = checked_labels(labels, num_clients, num_classes)
-    if classes_per_client < 1:
-        raise ConfigError(
-            f"config key 'data.classes_per_client' must be >= 1, got {classes_per_client}"
-        )
+    check_value("data.classes_per_client", classes_per_client, at_least=1)
     if classes_per_client > num_classes:
         raise ConfigError(
             f"config key 'data.classes_per_client' is {classes_per_client} but the dataset has "
@@ -203,8 +198,7 @@ def split_train_test(
     indices: np.ndarray, train_ratio: float, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
     """Shuffle one client's indices, then cut ``train_count(n, train_ratio)`` for training."""
-    if not 0.0 < train_ratio < 1.0:
-        raise ConfigError(f"config key 'data.train_ratio' must be in (0, 1), got {train_ratio}")
+    check_value("data.train_ratio", train_ratio, above=0, below=1)
     shuffled = np.asarray(indices, dtype=np.int64).copy()
     rng.shuffle(shuffled)
     k = train_count(shuffled.size, train_ratio)
@@ -217,8 +211,7 @@ def subsample_indices(labels: np.ndarray, fraction: float, rng: np.random.Genera
     Returns sorted indices; ``fraction == 1`` returns every index without drawing.
     """
     labels = np.asarray(labels)
-    if not 0.0 < fraction <= 1.0:
-        raise ConfigError(f"config key 'data.subsample' must be in (0, 1], got {fraction}")
+    check_value("data.subsample", fraction, above=0, at_most=1)
     if fraction == 1.0:
         return np.arange(labels.size, dtype=np.int64)
     chosen = []

@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from htfl_dist.config.rules import check_value
 from htfl_dist.errors import ConfigError, DataError
 
 from .partition import checked_dirichlet_request, checked_labels, dirichlet_retry_error
@@ -183,8 +184,7 @@ def split_train_test_pfllib(
     split from its head and the train split from its tail. Both keep the permutation's order.
     sklearn refuses an empty train split; so do we.
     """
-    if not 0.0 < train_ratio < 1.0:
-        raise ConfigError(f"config key 'data.train_ratio' must be in (0, 1), got {train_ratio}")
+    check_value("data.train_ratio", train_ratio, above=0, below=1)
     indices = np.asarray(indices, dtype=np.int64)
     n = indices.size
     n_train = math.floor(train_ratio * n)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from htfl_dist.config import DataConfig, partition_cache_dir
+from htfl_dist.config.rules import check_value
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.seeding import numpy_rng
 
@@ -317,8 +318,7 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
     it enters PFLlib's size guard (10, PFLlib's generator constant, when not given). The split
     is drawn from ``data.partition_seed`` when set, else from the run's ``seed``.
     """
-    if num_clients < 1:
-        raise ConfigError(f"config key 'num_clients' must be >= 1, got {num_clients}")
+    check_value("num_clients", num_clients, at_least=1)
     if data.partition == "pfllib":
         return _apply_vocab_size(_prepare_pfllib(data, num_clients, report), data)
     if data.partition not in ("pathological", "dirichlet"):

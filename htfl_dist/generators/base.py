@@ -9,41 +9,21 @@ algorithm.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from htfl_dist.config.generator_section import GeneratorConfig
 from htfl_dist.errors import ConfigError
+
+__all__ = ["GeneratorConfig"]  # the config section, re-exported where the generators are
 
 PIXEL_MEAN = 0.5
 PIXEL_STD = 0.5
 """Every client dataset is normalised as PFLlib does: ToTensor, then (x − 0.5) / 0.5 per channel."""
 LUMA = (0.299, 0.587, 0.114)
 """ITU-R BT.601 weights: an RGB image becomes the greyscale one a Fashion-MNIST client expects."""
-
-
-@dataclass
-class GeneratorConfig:
-    """The pre-trained generator on rank 0 (FedKTL only; other algorithms ignore this section)."""
-
-    name: str = "dcgan_faces"
-    """dcgan_faces: the built-in DCGAN (pip package gan-face-generate 1.1.1, DigiFace1M faces,
-    z ∈ R^100 → 3×64×64); stylegan_pickle: a StyleGAN-XL / StyleGAN3 network pickle (``G_ema``;
-    the StyleGAN code on PYTHONPATH); torchscript: a TorchScript file with ``mapping`` and
-    ``synthesis``; random_dcgan: the DCGAN architecture with untrained weights (an ablation)."""
-    path: str | None = None
-    """stylegan_pickle / torchscript: the file to load."""
-    sha256: str | None = None
-    """Expected sha256 of ``path`` (checked before loading when set)."""
-    trust_pickle: bool = False
-    """stylegan_pickle: a pickle runs code when loaded; set true only for a file you trust."""
-    latent_dim: int = 0
-    """stylegan_pickle / torchscript: H, the latent width (declared so that client ranks know the
-    download's width without loading the file; rank 0 checks it against the file)."""
-    truncation: float = 1.0
-    """stylegan_pickle: truncation ψ of the mapping network (the reference code uses 1, none)."""
 
 
 class LatentGenerator:

@@ -106,7 +106,8 @@ class StyleGANPickleGenerator(LatentGenerator):
         """``source``: where the module came from (path, sha256), prepended to ``provenance()``."""
         what = f"generator {STYLEGAN}"
         self.name = STYLEGAN
-        self.module = frozen(module)
+        # NVIDIA's network, unpickled from its own code: its parts (mapping, synthesis) have no types here
+        self.module: Any = frozen(module)
         self.z_dim = _int_attribute(module, "z_dim", what, 1)
         self.c_dim = _int_attribute(module, "c_dim", what, 0)
         self.w_dim = _int_attribute(module, "w_dim", what, 1)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from htfl_dist.config.rules import unknown_name
 from htfl_dist.errors import ConfigError
 from htfl_dist.generators.base import GeneratorConfig, LatentGenerator
 
@@ -45,7 +46,7 @@ def generator_names() -> list[str]:
 
 def get_generator(name: str) -> GeneratorEntry:
     if name not in _REGISTRY:
-        raise ConfigError(f"config key 'generator.name' is {name!r}; allowed: {', '.join(generator_names())}")
+        raise unknown_name("generator.name", name, generator_names())
     return _REGISTRY[name]
 
 
@@ -60,8 +61,6 @@ def check_generator_config(config: GeneratorConfig) -> None:
                               f"width, so client ranks know it without loading the file)")
     if config.sha256 is not None and len(config.sha256) != 64:
         raise ConfigError(f"config key 'generator.sha256' must be 64 hex digits, got {config.sha256!r}")
-    if not 0 < config.truncation <= 1:
-        raise ConfigError(f"config key 'generator.truncation' must be in (0, 1], got {config.truncation}")
 
 
 def generator_latent_dim(config: GeneratorConfig) -> int:

@@ -50,6 +50,7 @@ from .registry import (
     members_in_use,
     model_groups,
     register_architecture,
+    register_model_group,
     resolve_group,
     split_architecture,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "model_groups",
     "register_architecture",
     "register_head",
+    "register_model_group",
     "resolve_group",
     "split_architecture",
     "split_classifier",

@@ -21,10 +21,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, cast
 
 import torch
 
+from htfl_dist.config.rules import PLUGIN_HINT
 from htfl_dist.errors import ConfigError
 
 from .base import SplitModel, check_new_name, natural_key
@@ -74,7 +75,7 @@ class InputNeed:
 SQUARE_IMAGES = InputNeed("image", "square images (C x S x S)", square=True)
 """What the image architectures take (the default of :func:`register_architecture`)."""
 
-Builder = TypeVar("Builder", ArchitectureBuilder, InputBuilder)
+Builder = TypeVar("Builder", bound=ArchitectureBuilder | InputBuilder)
 
 
 _ARCHITECTURES: dict[str, ArchitectureBuilder | InputBuilder] = {}
@@ -156,6 +157,20 @@ HTFLLIB_IMAGE_GROUPS: dict[str, str] = {
 """HtFLlib's image group names and ours with the same members (its HtC-img-4 heads put a ReLU
 after every FC layer, our HtC4-htfllib)."""
 _MODEL_GROUPS.update({htfllib: _MODEL_GROUPS[ours] for htfllib, ours in HTFLLIB_IMAGE_GROUPS.items()})
+
+
+def register_model_group(name: str, members: tuple[str, ...]) -> None:
+    """Register the heterogeneous group ``name``: client ``i`` gets ``members[i mod len]``, each
+    ``ARCH`` or ``ARCH:HEAD`` of registered names (a plugin registers its architectures first).
+    Registering a name twice, or a name an architecture holds, is a bug."""
+    check_new_name("model group", name, _MODEL_GROUPS)
+    if name in _ARCHITECTURES:
+        raise ValueError(f"model group name {name!r} clashes with an architecture name")
+    if not members:
+        raise ValueError(f"model group {name!r} has no members")
+    for member in members:
+        _check_member(member, name)
+    _MODEL_GROUPS[name] = tuple(members)
 
 
 def register_architecture(name: str, needs: InputNeed = SQUARE_IMAGES, head: str = DEFAULT_HEAD
@@ -248,7 +263,7 @@ def _check_member(member: str, group: str) -> None:
         raise ConfigError(
             f"unknown model group {group!r}; allowed: {', '.join(sorted(_MODEL_GROUPS, key=natural_key))}"
             f" (or one architecture name for a homogeneous group, or several comma-separated for a custom"
-            f" group: {', '.join(architectures())}; {_spelling_hint()})"
+            f" group: {', '.join(architectures())}; {_spelling_hint()}; {PLUGIN_HINT})"
         )
     check_head(head, member)
 
@@ -327,10 +342,11 @@ def build_model(
     if not needs.fits(inputs):
         raise ConfigError(f"architecture {name!r} takes {needs.what}, not {inputs.describe()}")
     if needs == SQUARE_IMAGES:
-        model = builder(num_classes=num_classes, feature_dim=feature_dim, in_channels=inputs.shape[0],
-                        image_size=inputs.shape[1])
+        # an architecture registered for SQUARE_IMAGES is an ArchitectureBuilder, any other an InputBuilder
+        model = cast(ArchitectureBuilder, builder)(num_classes=num_classes, feature_dim=feature_dim,
+                                                   in_channels=inputs.shape[0], image_size=inputs.shape[1])
     else:
-        model = builder(num_classes=num_classes, feature_dim=feature_dim, inputs=inputs)
+        model = cast(InputBuilder, builder)(num_classes=num_classes, feature_dim=feature_dim, inputs=inputs)
     if head != own_head(name):
         model.head = build_head(head, feature_dim, num_classes)
     model.arch = arch

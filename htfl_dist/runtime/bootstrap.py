@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import importlib.metadata
 import json
 import os
 import platform
@@ -41,6 +42,25 @@ class LaunchInfo:
     world_size: int
     local_rank: int
     local_world_size: int
+
+
+def software_versions() -> dict[str, str | dict[str, str]]:
+    """The installed versions that decide a run's numbers, for summary.json: the engine, Python,
+    torch and friends, and every plugin module loaded (with its package's version)."""
+    import h5py
+    import numpy
+
+    from htfl_dist import __version__
+    from htfl_dist.resolution import plugin_versions
+
+    # torchvision's version from its installed metadata: importing it costs 1.5 s, and a run of
+    # HtCNN members never needs it.
+    versions: dict[str, str | dict[str, str]] = {
+        "htfl_dist": __version__, "python": platform.python_version(), "torch": torch.__version__,
+        "torchvision": importlib.metadata.version("torchvision"), "numpy": numpy.__version__,
+        "h5py": h5py.__version__}
+    plugins = plugin_versions()
+    return {**versions, "plugins": plugins} if plugins else versions
 
 
 def _int_env(name: str, default: int | None = None) -> int:
@@ -232,6 +252,7 @@ class RunDirectoryLock:
         """Write who holds the directory (host, pid, start time), for a second run's line."""
         holder = {"host": platform.node(), "pid": os.getpid(),
                   "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+        assert self._fd is not None, "the lock is held"
         self._previous_record = os.pread(self._fd, 4096, 0)
         self._write(json.dumps(holder).encode() + b"\n")
 
@@ -243,6 +264,7 @@ class RunDirectoryLock:
             self._write(self._previous_record)
 
     def _write(self, record: bytes) -> None:
+        assert self._fd is not None, "the lock is held"
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, record, 0)
 

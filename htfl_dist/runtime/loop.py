@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from htfl_dist.algorithms import AlgorithmContext, ClientState, TrainResult, get_algorithm
+from htfl_dist.algorithms import (
+    AlgorithmContext,
+    ClientState,
+    ServerAlgorithm,
+    TrainResult,
+    get_algorithm,
+    parse_options,
+)
 from htfl_dist.algorithms.interface import seed_training
 from htfl_dist.config import Config
 from htfl_dist.errors import HtflError, TrainingDiverged
@@ -114,7 +121,7 @@ class Federation:
         self.watchdog.arm(STARTUP)  # a rank stuck in data preparation or the handshake must not hang MPI
         started = time.perf_counter()
         self.entry = get_algorithm(config.algorithm)
-        options = config.algo_options  # checked when the config was loaded
+        options = parse_options(self.entry, config.algo)  # checked when the config was resolved
         self.privacy_plan = privacy_plan(config)  # None without privacy; before the data: a budget no σ reaches
         if self.is_server and self.privacy_plan is not None and self.privacy_plan.noise == "seeded":
             progress(SEEDED_NOISE_WARNING)
@@ -170,6 +177,18 @@ class Federation:
             latent_dim=latent_dim, input_spec=info.inputs(),
         )
 
+    @property
+    def _rank0_server(self) -> ServerAlgorithm:
+        """The server half, held by rank 0 alone (``server`` is None on the other ranks)."""
+        assert self.server is not None, "rank 0 only"
+        return self.server
+
+    @property
+    def _rank0_records(self) -> RoundRecords:
+        """The metrics records, kept by rank 0 alone (``records`` is None on the other ranks)."""
+        assert self.records is not None, "rank 0 only"
+        return self.records
+
     def _blocked_on(self) -> str:
         """The rank this one is blocked on in a transfer right now, named ('' outside one)."""
         peer = self.transport.waiting_for
@@ -180,12 +199,12 @@ class Federation:
     def run(self) -> dict[str, Any] | None:
         start_round = self.restore()
         if self.is_server:
-            self.records.begin(start_round + 1)
+            self._rank0_records.begin(start_round + 1)
         try:
             return self._run_rounds(start_round)
         finally:
             if self.is_server:
-                self.records.close()
+                self._rank0_records.close()
             self.clients.close()
 
     def _run_rounds(self, start_round: int) -> dict[str, Any] | None:
@@ -193,7 +212,7 @@ class Federation:
             setup_traffic = RoundTraffic()
             self.play_setup(setup_traffic)
             if self.is_server:
-                self.records.count_setup_upload(setup_traffic)
+                self._rank0_records.count_setup_upload(setup_traffic)
         knowledge: Payload | None = None  # what the clients of this rank last received
         round_seconds: list[float] = []
         for round_index in range(start_round, self.config.rounds):
@@ -202,7 +221,7 @@ class Federation:
             outcome, knowledge = self._play_round(round_index, knowledge)
             round_seconds.append(time.perf_counter() - began)
             if self.is_server:
-                self.records.record(outcome, round_seconds)
+                self._rank0_records.record(outcome, round_seconds)
             stop = self._close_round(outcome)
             self.watchdog.disarm()
             if stop:
@@ -211,7 +230,7 @@ class Federation:
         if not self.is_server:
             return None
         facts = {"world_size": self.world_size, "transport": self.transport.name, "device": str(self.device)}
-        return self.records.finish(round_seconds, facts, self.run_context.extra_summary, self.privacy_plan)
+        return self._rank0_records.finish(round_seconds, facts, self.run_context.extra_summary, self.privacy_plan)
 
     def play_setup(self, traffic: RoundTraffic) -> None:
         """Before the first round of a fresh run, every client sends the algorithm's setup payload
@@ -221,17 +240,17 @@ class Federation:
         if not spec:
             return
         entries = {cid: self.client_algorithm.setup_upload(self.clients.peek(cid)) for cid in self.clients}
-        kept = self.exchange.gather_setup(spec, entries, self.server.validate_setup_upload if self.is_server else None,
-                                          traffic)
+        validate = self._rank0_server.validate_setup_upload if self.is_server else None
+        kept = self.exchange.gather_setup(spec, entries, validate, traffic)
         if kept is not None:
-            self.server.setup(kept)
+            self._rank0_server.setup(kept)
 
     def knowledge(self) -> Payload:
         """What the clients would receive now (the server's download, through the transport)."""
         return self._broadcast_knowledge(RoundTraffic())
 
     def _broadcast_knowledge(self, traffic: RoundTraffic) -> Payload:
-        download = self.server.download() if self.is_server and self.download_spec else None
+        download = self._rank0_server.download() if self.is_server and self.download_spec else None
         return self.exchange.broadcast_knowledge(self.download_spec, download, traffic)
 
     def _play_round(self, round_index: int, knowledge: Payload | None) -> tuple[RoundOutcome, Payload | None]:
@@ -245,13 +264,14 @@ class Federation:
         if knowledge is None:
             knowledge = self._broadcast_knowledge(outcome.traffic)
         if self.is_server:
-            outcome.traffic.theory_down = self.server.theory_download_floats() * 4 * len(outcome.participants)
+            outcome.traffic.theory_down = self._rank0_server.theory_download_floats() * 4 * len(outcome.participants)
         began = time.perf_counter()
         uploads, train_rows, theory_up = self._train_participants(outcome.participants, knowledge, round_index)
         outcome.client_seconds = time.perf_counter() - began
         gathered, outcome.skipped = self.exchange.gather_uploads(self.upload_spec, uploads, outcome.participants,
                                                                  round_index + 1, outcome.traffic)
         if self.is_server:
+            assert gathered is not None, "rank 0 gathers the uploads"
             self._server_step(outcome, gathered)
         knowledge, eval_rows = self._evaluation(outcome)
         outcome.reports = self._gather_reports(outcome, train_rows, eval_rows, theory_up)
@@ -321,20 +341,20 @@ class Federation:
         """Rank 0: screen the uploads, update the global knowledge (kept as it was when every
         upload was screened out), keep the snapshots and pictures that are due."""
         round_number = outcome.round_index + 1
-        gathered, skipped = screen_uploads(gathered, self.server.validate_upload, self.config.on_bad_upload,
+        gathered, skipped = screen_uploads(gathered, self._rank0_server.validate_upload, self.config.on_bad_upload,
                                            round_number)
         outcome.skipped.extend(skipped)
         began = time.perf_counter()
         if gathered or not self.upload_spec:
             generator = torch_generator(self.config.seed, "server", outcome.round_index)
-            outcome.diagnostics = self.server.update(gathered, outcome.round_index, generator)
+            outcome.diagnostics = self._rank0_server.update(gathered, outcome.round_index, generator)
         else:
             outcome.diagnostics = {"server_skipped": True}
         outcome.server_seconds = time.perf_counter() - began
         if self.snapshots.due(round_number):
-            self.snapshots.save(round_number, gathered, self.server.download())
+            self.snapshots.save(round_number, gathered, self._rank0_server.download())
         if outcome.evaluated and self.image_grids.enabled:  # download() may compress (FedKD): only then
-            self.image_grids.save(round_number, self.server.download())
+            self.image_grids.save(round_number, self._rank0_server.download())
 
     def _evaluation(self, outcome: RoundOutcome) -> tuple[Payload | None, dict[int, list[float]]]:
         """On evaluation rounds: the new knowledge goes down and every client of this rank is
@@ -359,12 +379,20 @@ class Federation:
 
     def _epsilon_row(self, client_id: int) -> list[float] | None:
         """privacy.enabled: [ε the client has spent so far] for the report; None otherwise."""
-        return None if self.privacy_plan is None else [client_epsilon(self.clients.peek(client_id))]
+        if self.privacy_plan is None:
+            return None
+        epsilon = client_epsilon(self.clients.peek(client_id))
+        assert epsilon is not None, "a private run gives every client a ledger"
+        return [epsilon]
 
     def _close_round(self, outcome: RoundOutcome) -> bool:
         """Every rank: agree whether to stop (a SIGTERM anywhere) and checkpoint when stopping or
         when one is due, inside the round's deadline (a stuck save must not hang MPI)."""
-        decision = self.exchange.agree(self.stop_decision.decide(outcome.reports) if self.is_server else None)
+        verdict = None
+        if self.is_server:
+            assert outcome.reports is not None, "rank 0 gathers the reports"
+            verdict = self.stop_decision.decide(outcome.reports)
+        decision = self.exchange.agree(verdict)
         completed = outcome.round_index + 1
         if decision & GIVE_UP:
             raise _diverged(self.config, completed, self.run_context.out_dir)

@@ -9,6 +9,7 @@ results never depend on the world size, so its rows are the rows of any launch o
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,13 +17,14 @@ from typing import Any
 import torch
 
 
-def simulate(config_file: str | Path | None, overrides: Sequence[str] = (), *, out: str | Path,
+def simulate(config_file: str | os.PathLike | None, overrides: Sequence[str] = (), *, out: str | os.PathLike,
              device: str = "cpu") -> list[dict[str, Any]]:
     """Run the config with ``overrides`` (dotted ``key=value`` strings) to its end in this process,
     writing its outputs under ``out``; return its metrics rows. Raises the program's errors
     (``ConfigError`` for a user mistake) instead of exiting."""
-    from htfl_dist.main import resolved_config, software_versions
     from htfl_dist.metrics.writer import read_rows
+    from htfl_dist.resolution import resolved_config
+    from htfl_dist.runtime.bootstrap import software_versions
     from htfl_dist.runtime.loop import Federation, RunContext
     from htfl_dist.runtime.transport import LocalTransport
 

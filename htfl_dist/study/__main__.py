@@ -32,6 +32,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="key=value", dest="overrides",
                         help="overrides for every cell after the study's own (e.g. data.root=DIR rounds=50)")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help="these seeds instead of the study's")
+    parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                        help="a plugin module every cell imports (repeatable), as python -m htfl_dist.main --import")
     parser.add_argument("--ranks", type=int, default=1, help="ranks per cell (torchrun when > 1)")
     parser.add_argument("--gpus-per-cell", type=float, default=1.0,
                         help="GPUs a cell sees: a whole number, or 1/k for k cells per GPU (0.5, 0.25)")
@@ -91,7 +93,7 @@ def default_cores() -> int:
 def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out).resolve()
-    study = plan.validate(plan.expand(Path(args.study), args.overrides, args.seeds), args.ranks)
+    study = plan.validate(plan.expand(Path(args.study), args.overrides, args.seeds, tuple(args.imports)), args.ranks)
     if args.dry_run:
         return _dry_run(study, out, args.ranks)
     if args.table_only:

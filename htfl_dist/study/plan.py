@@ -6,6 +6,7 @@ any cell ends the study with one line naming the cell and the key before anythin
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import string
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ class Cell:
     rounds: int = 0
     explicit_keys: frozenset[str] = frozenset()
     """Dotted keys the study itself sets for this cell (the scheduler leaves those alone)."""
+    imports: tuple[str, ...] = ()
+    """Plugin modules the study's ``--import`` names, passed on to the cell's program."""
 
     @property
     def name(self) -> str:
@@ -49,8 +52,9 @@ class Cell:
     def main_args(self, out: Path) -> list[str]:
         """The arguments of ``python -m htfl_dist.main`` for this cell (``--resume auto``: a rerun
         continues an interrupted cell and starts a new one afresh)."""
+        imports = [argument for module in self.imports for argument in ("--import", module)]
         return ["--config", str(self.config_file), "--out", str(self.run_dir(out)), "--resume", "auto",
-                *self.overrides]
+                *imports, *self.overrides]
 
 
 @dataclass(frozen=True)
@@ -165,11 +169,13 @@ def _product(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return combos
 
 
-def expand(path: Path, extra: list[str] | None = None, seeds: list[int] | None = None) -> Study:
+def expand(path: Path, extra: list[str] | None = None, seeds: list[int] | None = None,
+           imports: tuple[str, ...] = ()) -> Study:
     """The study's cells in order (grid order, seeds innermost), not yet validated. ``extra``:
     ``key=value`` overrides from the command line (``--set``), applied to every cell after the
     study's own ``set``, grid values and ``cells`` (a reduced run: ``rounds=50 data.subsample=0.05``);
-    ``seeds`` replaces the study's seeds."""
+    ``seeds`` replaces the study's seeds; ``imports``: plugin modules every cell imports (the
+    study's ``--import``; a config's ``plugins`` key reaches its cells by itself)."""
     from htfl_dist.config import parse_overrides
 
     path = Path(path).resolve()
@@ -198,7 +204,8 @@ def expand(path: Path, extra: list[str] | None = None, seeds: list[int] | None =
         values.update(command_line)
         for seed in seeds:
             overrides = tuple(override_text(k, v) for k, v in {**values, "seed": seed}.items())
-            cells.append(Cell(key, seed, config_file, overrides, explicit_keys=frozenset(values)))
+            cells.append(Cell(key, seed, config_file, overrides, explicit_keys=frozenset(values),
+                              imports=tuple(imports)))
     unused = sorted(set(per_pattern) - used_patterns)
     if unused:
         raise StudyError(f"study key 'cells.{unused[0]}' matches no cell; cell keys are: {', '.join(keys)}")
@@ -228,15 +235,15 @@ def validate(study: Study, ranks_per_cell: int = 1) -> Study:
     """Load every cell's config as ``python -m htfl_dist.main`` does (and make its start-up
     checks), filling in each cell's config hash and planned rounds; the first mistake is one line
     naming the cell."""
-    from htfl_dist.main import resolved_config
     from htfl_dist.metrics.sinks import check_outputs_available
     from htfl_dist.models import architecture_for_client
+    from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime.placement import check_world_size
 
     checked = []
     for cell in study.cells:
         try:
-            config = resolved_config(str(cell.config_file), list(cell.overrides))
+            config = resolved_config(str(cell.config_file), list(cell.overrides), cell.imports)
             architecture_for_client(config.model.group, 0)
             check_outputs_available(config)
             check_world_size(ranks_per_cell, config.num_clients)
@@ -246,8 +253,7 @@ def validate(study: Study, ranks_per_cell: int = 1) -> Study:
                 privacy_plan(config)
         except HtflError as exc:
             raise StudyError(f"cell {cell.name}: {exc}") from None
-        checked.append(Cell(cell.key, cell.seed, cell.config_file, cell.overrides, config.config_hash(),
-                            config.rounds, cell.explicit_keys))
+        checked.append(dataclasses.replace(cell, config_hash=config.config_hash(), rounds=config.rounds))
     return Study(study.path, study.title, checked, study.keys, study.paper)
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
 from htfl_dist.metrics.writer import _clock as clock
 from htfl_dist.metrics.writer import read_rows
@@ -139,7 +140,7 @@ class Running:
     cell: Cell
     slot: Slot
     process: subprocess.Popen
-    log: object
+    log: TextIO
 
 
 @dataclass

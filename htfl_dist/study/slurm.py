@@ -59,15 +59,17 @@ def submit(cells: list[Cell], out: Path, kind: Literal["cpu", "gpu"], at_once: i
                f"--output={folder}/array-{number}-task-%a.log", *sbatch_options, *(["--wait"] if wait else []),
                str(script)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    job = process.stdout.readline().strip().split(";")[0]
+    stdout, stderr = process.stdout, process.stderr
+    assert stdout is not None and stderr is not None  # both PIPE
+    job = stdout.readline().strip().split(";")[0]
     if not job.isdigit():
         _, error = process.communicate()
         raise StudyError(f"sbatch refused the array: {error.strip() or 'no job id'}")
     print(f"study: submitted array job {job} ({len(cells)} cells, tasks logged in "
           f"{folder}/array-{number}-task-N.log; task N = line N of {folder}/array-{number}.cells)", flush=True)
     if not wait:
-        process.stdout.close()
-        process.stderr.close()
+        stdout.close()
+        stderr.close()
         return job, 0
     process.communicate()
     return job, process.returncode

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from htfl_dist.config import PLUGIN_HINT
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import (
     HEAD_GROUPS,
@@ -305,7 +306,7 @@ def test_unknown_group_is_config_error_listing_allowed() -> None:
     )
     assert all(name in message for name in ALL_ARCHS)
     assert message.endswith("optionally as ARCH:HEAD with HEAD one of fc, fc128, fc128_relu, fc256, fc256_relu, "
-                            "fc512, fc512_relu, fc768_tanh, fc_relu)")
+                            f"fc512, fc512_relu, fc768_tanh, fc_relu; {PLUGIN_HINT})")
 
 
 def test_unknown_architecture_is_config_error_listing_allowed() -> None:
@@ -542,11 +543,11 @@ def test_torchvision_is_imported_only_when_a_torchvision_architecture_is_built()
 
     script = (
         "import sys\n"
-        "import htfl_dist.main, htfl_dist.runtime.loop\n"
+        "import htfl_dist.main, htfl_dist.runtime.loop, htfl_dist.runtime.bootstrap\n"
         "from htfl_dist.models import build_model\n"
         "shape = dict(num_classes=10, feature_dim=16, in_channels=1, image_size=28)\n"
         "build_model('htcnn8', **shape)\n"
-        "htfl_dist.main.software_versions()\n"
+        "htfl_dist.runtime.bootstrap.software_versions()\n"
         "before = 'torchvision' in sys.modules\n"
         "build_model('resnet4', **shape)\n"
         "print(before, 'torchvision' in sys.modules)\n"

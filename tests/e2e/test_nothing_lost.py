@@ -294,7 +294,7 @@ def test_the_divergence_rule_needs_every_trained_client_non_finite():
 def test_the_divergence_limit_is_not_part_of_the_experiment():
     """Giving up sooner or later does not change what a round computes: same hash, and a run may
     resume with another limit."""
-    from htfl_dist.main import resolved_config
+    from htfl_dist.resolution import resolved_config
 
     default = resolved_config(str(SMOKE), [])
     assert default.train.max_diverged_rounds == 3

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from conftest import REPO, SMOKE, _env, maths_only, read_metrics
-from htfl_dist.main import resolved_config
 from htfl_dist.metrics.report import RunRecord
+from htfl_dist.resolution import resolved_config
 from htfl_dist.study import plan, schedule, table
 from htfl_dist.study.__main__ import main as study_main
 

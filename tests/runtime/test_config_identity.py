@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import REPO
-from htfl_dist.main import resolved_config
+from htfl_dist.resolution import resolved_config
 
 UNCHANGED_SINCE_2026_11_24 = {
     "cifar100_htfe8_feddistill_dirichlet": "8c86d8b6bbfe1ae0",

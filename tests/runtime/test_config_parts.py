@@ -1,8 +1,8 @@
-"""What the config package's three parts (schema, loading, identity) guarantee together: the chosen
-algorithm's options are checked when a config is loaded and read back typed, every range (the
-algorithms' options included) is declared on its field and worded by one helper, and the parts
-import without the algorithms or the runtime (the algorithms are reached only when a config's
-``algo`` is resolved)."""
+"""What the config package's parts (rules, schema, loading, identity) and the resolution step above
+the registries guarantee together: the chosen algorithm's options are checked when a config is
+resolved and read back typed, every range (the algorithms' options included) is declared on its
+field and worded by one helper, and the config parts import without the algorithms, the runtime
+or torch (the algorithms are reached only by ``htfl_dist.resolution``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -20,11 +20,12 @@ from htfl_dist.algorithms.fedtgp import FedTGPOptions
 from htfl_dist.config import config_from_dict, load_config
 from htfl_dist.errors import ConfigError
 from htfl_dist.main import main
+from htfl_dist.resolution import algorithm_options, resolve, resolved_config
 
 
 def _refusal(overrides: list[str]) -> str:
     with pytest.raises(ConfigError) as info:
-        load_config(SMOKE, overrides)
+        resolved_config(str(SMOKE), overrides)
     message = str(info.value)
     assert "\n" not in message
     return message
@@ -57,9 +58,9 @@ def test_a_bad_algorithm_option_is_refused_by_load_config_in_one_line(overrides,
 def test_an_unknown_option_or_algorithm_is_refused_by_load_config():
     assert _refusal(["algo.tau=1"]).startswith(  # smoke runs fedproto, which has no tau
         "unknown config key 'algo.tau'; allowed keys here: client_reg, reg_weight, proto_from, weighted")
-    assert _refusal(["algorithm=fedfoo"]).startswith("unknown algorithm 'fedfoo'; allowed: ")
+    assert _refusal(["algorithm=fedfoo"]).startswith("config key 'algorithm' is 'fedfoo'; registered: ")
     with pytest.raises(ConfigError, match=r"^config key 'algo.ema_decay' must be in \[0, 1\], got 2.0$"):
-        config_from_dict({"algorithm": "fedsa", "algo": {"ema_decay": 2.0}})
+        resolve(config_from_dict({"algorithm": "fedsa", "algo": {"ema_decay": 2.0}}))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -84,30 +85,29 @@ def test_the_command_line_refuses_a_bad_option_with_status_2_before_writing(tmp_
 
 def test_algo_options_is_the_algorithms_dataclass_with_compat_resolved_and_algo_kept_as_written():
     config = load_config(SMOKE, ["algorithm=fedtgp", "algo.client_reg=htfllib", "algo.server_epochs=7"])
-    options = config.algo_options
+    options = algorithm_options(config)
     assert isinstance(options, FedTGPOptions)
     # the unset λ resolves to the htfllib regulariser's 10; written values are kept, typed
     assert (options.client_reg, options.reg_weight, options.server_epochs) == ("htfllib", 10.0, 7)
     assert config.algo == {"client_reg": "htfllib", "server_epochs": 7}  # stored and hashed as written
-    assert "algo_options" not in config.to_dict()
 
 
 def test_algo_options_follows_algo_and_algorithm_when_they_are_replaced():
     config = load_config(SMOKE, ["algorithm=fedoc"])
-    assert isinstance(config.algo_options, FedOCOptions) and config.algo_options.reg_weight == 100.0
+    assert isinstance(algorithm_options(config), FedOCOptions) and algorithm_options(config).reg_weight == 100.0
     config.algo = {"compat": "htfllib"}
-    assert config.algo_options.reg_weight == 10.0
+    assert algorithm_options(config).reg_weight == 10.0
     config.algorithm, config.algo = "fedktl", {}
-    assert isinstance(config.algo_options, FedKTLOptions)
+    assert isinstance(algorithm_options(config), FedKTLOptions)
 
 
 def test_the_typed_view_leaves_the_hash_alone():
-    """Reading ``algo_options`` (which fills in the resolved defaults on its own object) changes
+    """Reading ``algorithm_options`` (which fills in the resolved defaults on its own object) changes
     neither ``algo`` nor the experiment hash. 80828acf6e89147d is configs/smoke.yaml's hash
     under the legacy partition rules, as older versions wrote it."""
     config = load_config(REPO / "configs" / "smoke.yaml", ["data.partition_rules=legacy"])
     before = config.config_hash()
-    assert config.algo_options.reg_weight is not None
+    assert algorithm_options(config).reg_weight is not None
     assert config.config_hash() == before == "80828acf6e89147d"
 
 
@@ -156,10 +156,11 @@ def test_every_numeric_option_declares_its_range_and_every_text_option_is_a_choi
 
 def test_the_parts_import_without_the_algorithms_or_the_runtime():
     probe = ("import sys, importlib\n"
-             "for part in ('identity', 'schema', 'loading', '__init__'):\n"
+             "for part in ('rules', 'identity', 'schema', 'loading', '__init__'):\n"
              "    name = 'htfl_dist.config' + ('' if part == '__init__' else '.' + part)\n"
              "    importlib.import_module(name)\n"
-             "loaded = sorted(m for m in sys.modules if m.startswith(('htfl_dist.algorithms', 'htfl_dist.runtime')))\n"
+             "loaded = sorted(m for m in sys.modules\n"
+             "                if m.startswith(('htfl_dist.algorithms', 'htfl_dist.runtime', 'torch')))\n"
              "print(loaded)\n")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.returncode == 0, result.stderr

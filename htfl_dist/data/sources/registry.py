@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from htfl_dist.errors import ConfigError
+from htfl_dist.config.rules import unknown_name
 
 
 @dataclass
@@ -72,9 +72,7 @@ def dataset_source(name: str) -> DatasetSource:
     """The registered source of ``name``; a one-line ConfigError listing the allowed names."""
     source = _DATASETS.get(name)
     if source is None:
-        raise ConfigError(
-            f"config key 'data.dataset' is {name!r}; allowed: {', '.join(dataset_names())}"
-        )
+        raise unknown_name("data.dataset", name, dataset_names())
     return source
 
 

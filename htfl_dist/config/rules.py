@@ -1,0 +1,90 @@
+"""The rules config values are held to, as one module that imports nothing of the package but its
+errors: a numeric range declared next to its field (``bounded``, checked by ``check_bounds`` with
+one wording everywhere, algorithm options and plugins' options included), and the one refusal of
+a name that no registry holds (``unknown_name``). Everything that checks a value uses these, so a
+mistake reads the same whichever layer finds it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from htfl_dist.errors import ConfigError, shown
+
+PLUGIN_HINT = "a plugin registers more: --import MODULE, the config key plugins: [MODULE], or an installed package"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The range a numeric config value must lie in, declared next to its field (``bounded``),
+    so each section states its own limits and one loop checks them all with the same wording."""
+
+    above: float | None = None  # value > above
+    at_least: float | None = None  # value >= at_least
+    below: float | None = None  # value < below
+    at_most: float | None = None  # value <= at_most
+    note: str = ""
+    """Why the limit, or what the edge value means ("0 = never"), shown in the message."""
+    optional: bool = False
+    """None is allowed (it means the note's default)."""
+
+    def holds(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        return ((self.above is None or value > self.above) and (self.at_least is None or value >= self.at_least)
+                and (self.below is None or value < self.below) and (self.at_most is None or value <= self.at_most))
+
+    def describe(self) -> str:
+        low = (f"({_number(self.above)}" if self.above is not None
+               else f"[{_number(self.at_least)}" if self.at_least is not None else None)
+        high = (f"{_number(self.below)})" if self.below is not None
+                else f"{_number(self.at_most)}]" if self.at_most is not None else None)
+        if low and high:
+            text = f"in {low}, {high}"
+        elif low:
+            text = f"{'>' if low[0] == '(' else '>='} {low[1:]}"
+        else:
+            assert high is not None, "a Bound declares at least one limit"
+            text = f"{'<' if high[-1] == ')' else '<='} {high[:-1]}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def bounded(default: Any, **limits: Any) -> Any:
+    """A dataclass field with a :class:`Bound` (see ``check_bounds``)."""
+    return field(default=default, metadata={"bound": Bound(**limits)})
+
+
+def check_bounds(section: Any, prefix: str = "") -> None:
+    """One line for the first field of ``section`` (and its sub-sections) out of its bound."""
+    for item in dataclasses.fields(section):
+        value = getattr(section, item.name)
+        if dataclasses.is_dataclass(value):
+            check_bounds(value, f"{prefix}{item.name}.")
+            continue
+        bound = item.metadata.get("bound")
+        if bound is not None:
+            _check(f"{prefix}{item.name}", value, bound)
+
+
+def check_value(key: str, value: Any, **limits: Any) -> None:
+    """The check ``bounded`` declares, for a value that reaches a function by another road than a
+    loaded config (a library call, a partition built in a test): the same line as ``check_bounds``."""
+    _check(key, value, Bound(**limits))
+
+
+def _check(key: str, value: Any, bound: Bound) -> None:
+    if not bound.holds(value):
+        raise ConfigError(f"config key '{key}' must be {bound.describe()}, got {shown(value)}")
+
+
+def unknown_name(key: str, value: Any, allowed: Iterable[str], what: str = "registered") -> ConfigError:
+    """The one line for a registry-named key whose value no registry holds: the key, the value,
+    what is registered now and how a plugin adds to it."""
+    return ConfigError(f"config key '{key}' is {shown(value)}; {what}: {', '.join(allowed) or 'none'} "
+                       f"({PLUGIN_HINT})")
