@@ -7,7 +7,11 @@ several seeds, in this process (``htfl_dist.runtime.simulate``, the program's ow
 
 Each cell is an ordinary run directory ``OUT/<algorithm>-eps<E>-seed<S>`` with its final
 checkpoint and prototype snapshot kept (``bench/privacy_membership.py`` attacks those); a cell
-whose metrics are complete is not run again. ``--plot-only`` needs matplotlib and nothing else
+whose metrics are complete is not run again. The private cells draw their noise as the config's
+default ``privacy.noise`` says (``secure``: the OS's secret source, so they differ from run to run);
+the table's "noise" column is each cell's mode, read from its summary.json. A private client keeps
+its training loss to itself (metrics.jsonl's ``train_loss`` is null), so the loss column shows
+"withheld" for private cells. ``--plot-only`` needs matplotlib and nothing else
 (no torch), so it runs under any Python that has it.
 """
 from __future__ import annotations
@@ -57,13 +61,18 @@ def run_cell(out: Path, algorithm: str, epsilon: str, seed: int, rounds: int, ca
 
 
 def cell_result(run_dir: Path) -> dict:
+    """One cell's figures. ``train_loss`` is None where the run did not report it (a private run's
+    clients withhold it: ``withheld`` says so); ``noise`` is the private run's ``privacy.noise``
+    (None with privacy off)."""
     rows = read_rows(run_dir)
     last = rows[-1]
     summary = json.loads((run_dir / "summary.json").read_text())
-    privacy = summary.get("privacy", {})
+    privacy = summary.get("privacy") or {}
     return {"proto_last": last["test_acc"], "proto_best": max(r["test_acc"] for r in rows),
-            "head_last": last["test_acc_head"], "train_loss": last["train_loss"],
-            "epsilon_max": last.get("epsilon_max"), "sigma": privacy.get("noise_multiplier")}
+            "head_last": last["test_acc_head"], "train_loss": last.get("train_loss"),
+            "withheld": "train_loss" in (privacy.get("withheld") or {}),
+            "epsilon_max": last.get("epsilon_max"), "sigma": privacy.get("noise_multiplier"),
+            "noise": privacy.get("noise")}
 
 
 def _mean_std(values: list[float]) -> str:
@@ -72,19 +81,35 @@ def _mean_std(values: list[float]) -> str:
     return f"{100 * statistics.mean(values):.1f} ± {100 * statistics.stdev(values):.1f}"
 
 
+def _loss(cells: list[dict]) -> str:
+    """The median last-round training loss over the cells that reported one; "withheld" where
+    none did because the run is private, "–" where none did otherwise."""
+    losses = [c["train_loss"] for c in cells if c["train_loss"] is not None]
+    if not losses:
+        return "withheld" if any(c["withheld"] for c in cells) else "–"
+    text = f"{statistics.median(losses):.3g} (median)"
+    return text if len(losses) == len(cells) else f"{text[:-1]} of {len(losses)}; rest withheld)"
+
+
+def _noise(cells: list[dict]) -> str:
+    """The cells' ``privacy.noise`` ("–" with privacy off; every mode present, if they differ)."""
+    modes = sorted({c["noise"] for c in cells if c["noise"] is not None})
+    return " + ".join(modes) if modes else "–"
+
+
 def table(results: dict[tuple[str, str], list[dict]]) -> str:
     """Markdown: per (algorithm, ε) the mean ± sample std over seeds, accuracies in percent."""
-    lines = ["| algorithm | ε (target) | σ | ε spent, max | proto acc, last | proto acc, best | head acc, last "
-             "| train loss, last | seeds |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| algorithm | ε (target) | noise | σ | ε spent, max | proto acc, last | proto acc, best "
+             "| head acc, last | train loss, last | seeds |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (algorithm, epsilon), cells in results.items():
         sigma = cells[0]["sigma"]
         spent = [c["epsilon_max"] for c in cells if c["epsilon_max"] is not None]
-        losses = [c["train_loss"] for c in cells]
         lines.append(
-            f"| {algorithm} | {'∞' if epsilon == 'inf' else epsilon} | {'–' if sigma is None else f'{sigma:.2f}'} "
+            f"| {algorithm} | {'∞' if epsilon == 'inf' else epsilon} | {_noise(cells)} "
+            f"| {'–' if sigma is None else f'{sigma:.2f}'} "
             f"| {'–' if not spent else f'{max(spent):.3f}'} | {_mean_std([c['proto_last'] for c in cells])} "
             f"| {_mean_std([c['proto_best'] for c in cells])} | {_mean_std([c['head_last'] for c in cells])} "
-            f"| {statistics.median(losses):.3g} (median) | {len(cells)} |")
+            f"| {_loss(cells)} | {len(cells)} |")
     return "\n".join(lines)
 
 
@@ -145,12 +170,13 @@ def main() -> None:
                 results.setdefault((algorithm, epsilon), []).append(result)
                 if not args.plot_only:
                     print(f"{algorithm} ε={epsilon} seed {seed}: proto {result['proto_last']:.4f} head "
-                          f"{result['head_last']:.4f} ε spent {result['epsilon_max']}", flush=True)
+                          f"{result['head_last']:.4f} ε spent {result['epsilon_max']} noise "
+                          f"{result['noise'] or '–'}", flush=True)
     print(table(results))
     if args.plot_only:
         plot(results, args.plot)
         print(f"wrote {args.plot}")
-    elif any(math.isnan(c["train_loss"]) for cells in results.values() for c in cells):
+    elif any(c["train_loss"] is not None and math.isnan(c["train_loss"]) for cells in results.values() for c in cells):
         print("note: some runs' training loss is NaN (diverged)")
 
 

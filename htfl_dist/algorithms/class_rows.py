@@ -15,8 +15,6 @@ import torch
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState, ServerAlgorithm
 from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
-from htfl_dist.privacy import LEDGER_KEY
-from htfl_dist.privacy.release import clip_rows
 
 RowSource = Literal["features", "logits"]
 
@@ -121,11 +119,11 @@ def class_means(client: ClientState, num_classes: int, source: RowSource = "feat
 
     Returns (class ids int64 [m], rows float32 [m, D]) for the m classes it holds.
 
-    With ``privacy.enabled`` (the client holds a privacy ledger) this is the release of every
-    class-row upload: each row is clipped to ``privacy.feature_clip`` before it is averaged, and
-    the means leave through ``privacy.startup.release_class_means`` (classes with too few
-    samples dropped, Gaussian noise, the ledger charged; nothing once the budget is spent)."""
-    ledger = client.modules.get(LEDGER_KEY)
+    For a private client (``client.private``) this is the release of every class-row upload:
+    each row is clipped to ``privacy.feature_clip`` before it is averaged, and the means leave
+    through ``client.private.release_class_means`` (classes with too few samples dropped,
+    Gaussian noise, the ledger charged; nothing once the budget is spent)."""
+    private = client.private
     model = client.model
     was_training = model.training
     model.eval()
@@ -135,17 +133,15 @@ def class_means(client: ClientState, num_classes: int, source: RowSource = "feat
         rows = model.features(x) if source == "features" else model(x)
         if unit_rows:
             rows = torch.nn.functional.normalize(rows, dim=1)
-        if ledger is not None:
-            rows = clip_rows(rows, ledger.plan.feature_clip)
+        if private is not None:
+            rows = private.clip_rows(rows)
         if means is None:
             means = ClassMeans(num_classes, rows.shape[1], client.device)
         means.add(rows, client.train_y[start : start + batch_size])
     model.train(was_training)
     assert means is not None, "a client has training data (the partition guarantees it)"
-    if ledger is not None:
-        from htfl_dist.privacy.startup import release_class_means  # imports this module
-
-        return release_class_means(ledger, means.sums, means.weights)
+    if private is not None:
+        return private.release_class_means(means.sums, means.weights)
     return means.rows()
 
 

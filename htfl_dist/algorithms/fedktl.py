@@ -29,12 +29,11 @@ from torch import nn
 from htfl_dist.algorithms.class_rows import class_means, class_row_fields
 from htfl_dist.algorithms.fedktl_server import CLIP_NORM, Bandwidth, CentroidTarget, FedKTLServer
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, TrainResult
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.config import bounded
 from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Payload, PayloadSpec
-from htfl_dist.privacy import LEDGER_KEY
 from htfl_dist.seeding import torch_generator
 
 ARCCOS_EPS = 1e-7
@@ -191,17 +190,14 @@ class FedKTLClient(ClientAlgorithm):
             torch.nn.utils.clip_grad_norm_(client.model.parameters(), CLIP_NORM)
             torch.nn.utils.clip_grad_norm_(aux.parameters(), CLIP_NORM)
 
-        ledger = client.modules.get(LEDGER_KEY)
-        if ledger is None:
+        if client.private is None:
             loss_fn = (lambda batch: arcface(batch) + transfer_loss()) if transfer else arcface
             loss_sum, seen = run_local_training(client, self.context, loss_fn, generator,
                                                 optimizers=(client.optimizer, aux_optimizer), before_step=clip)
         else:  # DP-SGD on ArcFace; L^M reads only downloads, so it is added after the noise
-            from htfl_dist.privacy.dpsgd import train_privately  # the optional extra
-
-            loss_sum, seen = train_privately(client, self.context, arcface, generator, ledger,
-                                             public_loss=transfer_loss if transfer else None,
-                                             public_optimizers=(aux_optimizer,), before_step=clip)
+            loss_sum, seen = client.private.train(client, self.context, arcface, generator,
+                                                  public_loss=transfer_loss if transfer else None,
+                                                  public_optimizers=(aux_optimizer,), before_step=clip)
         class_ids, protos = self.prototypes(client)
         return TrainResult({"class_ids": class_ids, "protos": protos}, loss_sum, seen)
 
@@ -228,4 +224,6 @@ class FedKTLClient(ClientAlgorithm):
 
 register_algorithm("fedktl", server=FedKTLServer, client=FedKTLClient, options=FedKTLOptions,
                    summary="ETF + ArcFace clients, server-side pre-trained generator turns prototypes into "
-                           "image-latent pairs (Zhang et al. 2024)", uses_generator=True, private_release=True)
+                           "image-latent pairs (Zhang et al. 2024)", uses_generator=True, private_release=True,
+                   conformance=ConformanceHints(ranks_checked_in="tests/algorithms/test_fedktl.py, on 3 torchrun ranks "
+                                                                 "and mpirun -n 3 stopped after round 1 and resumed"))

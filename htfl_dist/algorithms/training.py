@@ -11,24 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, stack_module_state, vmap
 
+from htfl_dist.algorithms.batches import Batch, epoch_batches, epoch_order, samples_per_epoch
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError
-from htfl_dist.privacy import LEDGER_KEY
-
-
-@dataclass(frozen=True)
-class Batch:
-    """One training batch of a client and its model's outputs (features f_i(x), logits h_i(f_i(x)))."""
-
-    x: torch.Tensor
-    labels: torch.Tensor
-    features: torch.Tensor
-    logits: torch.Tensor
-    weights: torch.Tensor | None = None
-    """Per sample 1 (real) or 0 (padding) in a batched step (``run_batched_training``), whose
-    batches all have ``train.batch_size`` rows; None: every row is a real sample. A loss must
-    average over the real samples only (``batch_cross_entropy``, ``weighted_mean``)."""
+from htfl_dist.models.base import SplitModel
 
 
 def weighted_mean(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -64,66 +51,35 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
     it); ``drop`` leaves every trailing partial batch out (HtFLlib's ``drop_last=True``).
     Returns (sum of batch losses × batch size, samples).
 
-    With ``privacy.enabled`` the client holds a privacy ledger and the same epochs run as DP-SGD
-    (``privacy.dpsgd``); it trains only the client's model with its own optimizer.
+    A private client (``client.private``, installed with its privacy ledger) trains the same
+    epochs as DP-SGD through it; DP-SGD trains only the client's model with its own optimizer, so
+    other optimizers and gradient edits are refused rather than left out.
     """
-    ledger = client.modules.get(LEDGER_KEY)
-    if ledger is not None:
+    if client.private is not None:
         if optimizers is not None or before_step is not None:
             raise ConfigError(f"privacy.enabled: client {client.client_id}'s local training steps other modules "
                               f"or edits gradients, which DP-SGD does not cover")
-        from htfl_dist.privacy.dpsgd import train_privately  # imports this module
-
-        return train_privately(client, context, loss_fn, generator, ledger, on_batch=on_batch)
+        return client.private.train(client, context, loss_fn, generator, on_batch=on_batch)
     model = client.model
     optimizers = (client.optimizer,) if optimizers is None else tuple(optimizers)
-    train = context.train
-    batch_size = train.batch_size
-    count = client.train_y.shape[0]
-    used = samples_per_epoch(count, train)
     model.train()
     loss_total, seen = torch.zeros((), device=client.device), 0  # summed on device: no per-step sync
-    for _ in range(train.local_epochs):
-        order = epoch_order(count, train, generator, client.device)
-        for start in range(0, used, batch_size):
-            stop = min(start + batch_size, used)
-            index = slice(start, stop) if order is None else order[start:stop]
-            x, y = client.train_x[index], client.train_y[index]
-            features, logits = model.forward_with_features(x)
-            loss = loss_fn(Batch(x, y, features, logits))
-            for optimizer in optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if before_step is not None:
-                before_step()
-            for optimizer in optimizers:
-                optimizer.step()
-            if on_batch is not None:
-                on_batch(Batch(x, y, features.detach(), logits.detach()))
-            loss_total += loss.detach() * y.shape[0]
-            seen += y.shape[0]
+    for index in epoch_batches(client.train_y.shape[0], context.train, generator, client.device):
+        x, y = client.train_x[index], client.train_y[index]
+        features, logits = model.forward_with_features(x)
+        loss = loss_fn(Batch(x, y, features, logits))
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if before_step is not None:
+            before_step()
+        for optimizer in optimizers:
+            optimizer.step()
+        if on_batch is not None:
+            on_batch(Batch(x, y, features.detach(), logits.detach()))
+        loss_total += loss.detach() * y.shape[0]
+        seen += y.shape[0]
     return float(loss_total), seen
-
-
-def samples_per_epoch(count: int, train: TrainConfig) -> int:
-    """How many of a client's ``count`` samples one local epoch trains on (the first ones of the
-    epoch's order): all, less a trailing partial batch with ``last_batch=drop``, less a trailing
-    batch of one sample otherwise (BatchNorm in the torchvision models cannot train on it; a
-    client holding a single sample still trains on it)."""
-    batch_size = train.batch_size
-    used = count - count % batch_size if train.last_batch == "drop" else count
-    if used > 1 and (used - 1) % batch_size == 0:
-        used -= 1
-    return used
-
-
-def epoch_order(count: int, train: TrainConfig, generator: torch.Generator,
-                device: torch.device | str) -> torch.Tensor | None:
-    """One epoch's sample order: a fresh permutation drawn from ``generator``
-    (``batch_order=shuffled``), or None for the stored order (``fixed``, which draws nothing)."""
-    if train.batch_order == "fixed":
-        return None
-    return torch.randperm(count, generator=generator).to(device)
 
 
 # --------------------------------------------------------------------------- batched clients
@@ -172,7 +128,7 @@ def group_schedule(clients: Sequence[ClientState], train: TrainConfig,
 class _FeaturesAndLogits(nn.Module):
     """``model.forward_with_features`` as a module's forward, for ``functional_call``."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: SplitModel) -> None:
         super().__init__()
         self.model = model
 
@@ -284,6 +240,7 @@ def _in_client_order(batch: Batch, positions: torch.Tensor, groups: int) -> Batc
         full[positions] = tensor
         return full
 
+    assert batch.weights is not None  # a batched step's batch always carries its padding weights
     return Batch(*(spread(tensor) for tensor in (batch.x, batch.labels, batch.features, batch.logits, batch.weights)))
 
 

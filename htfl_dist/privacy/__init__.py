@@ -3,10 +3,12 @@
 ``accounting``: the noise calibration and each client's ledger (an Opacus accountant, kept in
 ``ClientState.modules[LEDGER_KEY]`` so the runtime checkpoints it with the client);
 ``release``: clipped, noised class means; ``dpsgd``: local training with per-sample clipping and
-noise; ``startup``: what the runtime calls (refusals, the plan, the reported ε).
+noise; ``trainer``: the client's private trainer (``ClientState.private``), through which the
+algorithms' helpers reach the mechanisms without importing them; ``startup``: what the runtime
+calls (refusals, the plan, each client's ledger and trainer, the reported ε).
 
-This module imports nothing, so the training loop, the class-row helpers and the reports can
-name what it holds without an import cycle (the mechanisms import them) and without torch.
+This module imports nothing, so the runtime and the reports can name what it holds without
+importing the mechanisms or torch.
 """
 
 LEDGER_KEY = "privacy"

@@ -129,8 +129,8 @@ class PrivacyLedger(nn.Module):
     runtime checkpoints a client's modules (``state_dict``, here the extra state), parks them
     with it and restores them on resume, so a resumed run continues the client's ε exactly.
 
-    The runtime calls ``begin_round`` before the client trains; the mechanisms (``dpsgd``,
-    ``class_rows.class_means``) ask ``active``, then ``open_mechanism`` for what they run, which
+    The runtime calls ``begin_round`` before the client trains; the mechanisms (``dpsgd``, the
+    release in ``trainer.PrivateTrainer``) ask ``active``, then ``open_mechanism`` for what they run, which
     checks it against the plan and hands out its noise. A client whose next round would take it
     past the target stops for good: it neither trains nor uploads again."""
 
@@ -181,7 +181,7 @@ class PrivacyLedger(nn.Module):
         if mechanism not in planned:
             raise PrivacyPlanError(f"privacy: {where}: {what} is not a mechanism of the privacy plan "
                                    f"({', '.join(MECHANISM_NAMES[name] for name in planned)}); refused")
-        if not self.active:
+        if self.round_index is None or not self.active:  # (active implies a round)
             raise PrivacyPlanError(f"privacy: {where}: {what} while the client "
                                    f"{'has stopped' if self.stopped_round >= 0 else 'is outside a round'}; refused")
         if self.opened_in[mechanism] == self.round_index:

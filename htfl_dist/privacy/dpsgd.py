@@ -1,6 +1,6 @@
-"""DP-SGD local training: the client's own loop (``training.run_local_training``'s batches: the
-same epochs, permutations and trailing-batch rule), each step's gradient replaced by Opacus's
-clipped and noised per-sample sum.
+"""DP-SGD local training: the client's own loop (the batches of ``batches.epoch_batches``, which
+``training.run_local_training`` walks too: the same epochs, permutations and trailing-batch
+rule), each step's gradient replaced by Opacus's clipped and noised per-sample sum.
 
 Per-sample gradients come from ``torch.func`` (``vmap`` of ``grad`` over single-sample batches)
 rather than Opacus's layer hooks: an algorithm's loss may couple a batch's samples (FedProto's
@@ -40,9 +40,10 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
+from htfl_dist.algorithms.batches import Batch, epoch_batches
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
-from htfl_dist.algorithms.training import Batch, epoch_order, samples_per_epoch
 from htfl_dist.errors import ConfigError
+from htfl_dist.models.base import SplitModel
 from htfl_dist.privacy.accounting import PrivacyLedger
 from htfl_dist.privacy.noise import NoiseSource
 
@@ -83,7 +84,7 @@ class _SampleObjective(nn.Module):
     ``functional_call`` swaps the model's weights for the differentiated ones during the loss
     too (a loss may call the model's parts itself)."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable[[Batch], torch.Tensor]) -> None:
+    def __init__(self, model: SplitModel, loss_fn: Callable[[Batch], torch.Tensor]) -> None:
         super().__init__()
         self.model, self.loss_fn = model, loss_fn
 
@@ -124,28 +125,23 @@ def train_privately(client: ClientState, context: AlgorithmContext, loss_fn: Cal
         return loss, (loss, features.squeeze(0), logits.squeeze(0))
 
     per_sample = vmap(grad(sample_loss, has_aux=True), in_dims=(None, 0, 0), randomness="different")
-    count = client.train_y.shape[0]
-    used = samples_per_epoch(count, train)
     model.train()
     loss_total, seen = torch.zeros((), device=client.device), 0
     try:
-        for _ in range(train.local_epochs):
-            order = epoch_order(count, train, generator, client.device)
-            for start in range(0, used, train.batch_size):
-                stop = min(start + train.batch_size, used)
-                index = slice(start, stop) if order is None else order[start:stop]
-                x, y = client.train_x[index], client.train_y[index]
-                grads, (losses, features, logits) = per_sample(tuple(p.detach() for p in parameters), x, y)
-                for parameter, sample_grads in zip(parameters, grads, strict=True):
-                    parameter.grad_sample = sample_grads
-                optimizer.expected_batch_size = y.shape[0]  # the mean over this batch's samples
-                public = _private_step(optimizer, public_loss, public_optimizers, before_step)
-                if public is not None:
-                    loss_total += public * y.shape[0]
-                if on_batch is not None:
-                    on_batch(Batch(x, y, features.detach(), logits.detach()))
-                loss_total += losses.detach().sum()
-                seen += y.shape[0]
+        for index in epoch_batches(client.train_y.shape[0], train, generator, client.device):
+            x, y = client.train_x[index], client.train_y[index]
+            grads, (losses, features, logits) = per_sample(tuple(p.detach() for p in parameters), x, y)
+            for parameter, sample_grads in zip(parameters, grads, strict=True):
+                # Opacus's optimizer reads per-sample gradients from this attribute it adds to Parameter
+                parameter.grad_sample = sample_grads  # type: ignore[attr-defined]
+            optimizer.expected_batch_size = y.shape[0]  # the mean over this batch's samples
+            public = _private_step(optimizer, public_loss, public_optimizers, before_step)
+            if public is not None:
+                loss_total += public * y.shape[0]
+            if on_batch is not None:
+                on_batch(Batch(x, y, features.detach(), logits.detach()))
+            loss_total += losses.detach().sum()
+            seen += y.shape[0]
     finally:
         for parameter in parameters:  # Opacus's per-step attributes: nothing of them outlives the loop
             for attribute in ("grad_sample", "summed_grad", "_processed"):

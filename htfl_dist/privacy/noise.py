@@ -10,8 +10,9 @@ standard normals by the Box–Muller transform in float64 (53-bit uniforms, so t
 8.5 standard deviations). Why not the alternatives: torchcsprng, which Opacus's ``secure_mode``
 needs, has no build for current torch releases; a torch generator seeded from a secret leaves a
 non-cryptographic stream (Mersenne Twister, Philox) whose state its outputs may give away; and
-reading every bit from ``os.urandom`` costs ten times ChaCha20's time here (8 bytes a
-coordinate, 20 ms per million coordinates on the 2-core VM against 2 ms).
+reading every bit from ``os.urandom`` (8 bytes a coordinate, one system call's worth of kernel
+ChaCha20 each) is several times slower than expanding one key in process. The secret noise
+costs more than torch's seeded ``randn`` all the same; bench/RESULTS.md has the figures.
 
 ``seeded`` keeps reproducible streams for experiments, keyed by (seed, mechanism, client, round,
 release number) so that no two releases of a client share a draw. Anyone who has the seed can
@@ -46,7 +47,10 @@ def secure_bits(count: int) -> torch.Tensor:
     """``count`` int64 words of ChaCha20 keystream under a fresh key and nonce from ``os.urandom``."""
     from cryptography.hazmat.primitives.ciphers import Cipher, algorithms  # the privacy extra
 
-    stream = Cipher(algorithms.ChaCha20(os.urandom(32), os.urandom(16)), mode=None).encryptor()
+    # cryptography's 16-byte ChaCha20 nonce is the 32-bit block counter (little-endian) followed by
+    # the 96-bit nonce of RFC 8439: the counter starts at 0, so a draw has 2^32 blocks (256 GiB) of
+    # keystream before it would wrap; a random counter could start next to the end and refuse.
+    stream = Cipher(algorithms.ChaCha20(os.urandom(32), bytes(4) + os.urandom(12)), mode=None).encryptor()
     keystream = stream.update(bytes(8 * count)) + stream.finalize()
     if not count:
         return torch.empty(0, dtype=torch.int64)

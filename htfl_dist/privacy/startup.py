@@ -1,19 +1,17 @@
-"""What the runtime and the class-row helpers call: the refusals at start-up, the plan, each
-client's ledger, the release of class rows, and the ε reported in metrics.jsonl and summary.json."""
+"""What the runtime calls: the refusals at start-up, the plan, each client's ledger and private
+trainer, and the ε reported in metrics.jsonl and summary.json."""
 from __future__ import annotations
 
 import dataclasses
 import statistics
 from typing import Any
 
-import torch
 from torch import nn
 
 from htfl_dist.config import Config
 from htfl_dist.errors import ConfigError
 from htfl_dist.privacy import LEDGER_KEY, WITHHELD_IN_PRIVATE_RUNS
 from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise
-from htfl_dist.privacy.release import noisy_class_means
 
 DURING_TRAINING = "during_training"
 """An option value (FedProto/FedTGP ``proto_from``, FedDistill ``logits_from``) that takes the
@@ -84,14 +82,20 @@ def batch_statistics_layer(model: nn.Module) -> str | None:
 
 
 def attach_ledger(client: Any, plan: PrivacyPlan) -> None:
-    """Give a freshly built client its ledger (before any checkpoint is restored into it)."""
+    """Give a freshly built client its ledger (before any checkpoint is restored into it) and the
+    private trainer that spends it (``client.private``): the algorithms' helpers train and release
+    through that, so a client is private exactly when it has been given a ledger."""
     obstacle = batch_statistics_layer(client.model)
     if obstacle is not None:
         raise ConfigError(f"privacy.enabled: client {client.client_id}'s model {client.architecture} has "
                           f"{obstacle}, through which DP-SGD has no per-sample gradient (Opacus's "
                           f"ModuleValidator.fix would swap in GroupNorm, another architecture); use a model "
                           f"group without BatchNorm, e.g. HtCNN8")
-    client.modules[LEDGER_KEY] = PrivacyLedger(plan, client.client_id)
+    from htfl_dist.privacy.trainer import PrivateTrainer  # imports Opacus, which only a private run needs
+
+    ledger = PrivacyLedger(plan, client.client_id)
+    client.modules[LEDGER_KEY] = ledger
+    client.private = PrivateTrainer(ledger)
 
 
 def begin_round(clients: list[Any], round_index: int) -> None:
@@ -101,19 +105,6 @@ def begin_round(clients: list[Any], round_index: int) -> None:
         ledger = client.modules.get(LEDGER_KEY)
         if ledger is not None:
             ledger.begin_round(round_index)
-
-
-def release_class_means(ledger: PrivacyLedger, sums: torch.Tensor, counts: torch.Tensor
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The private release of a client's class means (``sums`` of rows already clipped to S,
-    ``counts`` per class): nothing once the ledger has stopped the client; else the ledger is
-    charged one mechanism and the noised means of the classes with enough samples leave."""
-    if not ledger.active:
-        return torch.empty(0, dtype=torch.int64), torch.empty(0, sums.shape[1])
-    noise = ledger.open_mechanism("release")
-    plan = ledger.plan
-    return noisy_class_means(sums, counts, clip=plan.feature_clip, noise_multiplier=ledger.noise_multiplier,
-                             min_count=plan.min_class_samples, noise=noise)
 
 
 def client_epsilon(client: Any) -> float | None:
@@ -133,6 +124,6 @@ def privacy_summary(rows: list[dict[str, Any]], plan: PrivacyPlan | None) -> dic
     """summary.json's privacy block: the mechanisms' parameters and the last reported ε."""
     if plan is None:
         return {}
-    last = next((row for row in reversed(rows) if "epsilon_max" in row), {})
+    last: dict[str, Any] = next((row for row in reversed(rows) if "epsilon_max" in row), {})
     return {"privacy": {**plan.describe(), "epsilon_max": last.get("epsilon_max"),
                         "epsilon_median": last.get("epsilon_median"), "withheld": dict(WITHHELD_IN_PRIVATE_RUNS)}}

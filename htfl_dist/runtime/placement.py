@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from htfl_dist.algorithms.training import samples_per_epoch
+from htfl_dist.algorithms.batches import samples_per_epoch
 from htfl_dist.errors import HtflError
 from htfl_dist.models import architecture_for_client
 from htfl_dist.models.cost import forward_flops_per_sample

@@ -158,7 +158,7 @@ def test_class_means_hook_releases_clipped_noised_rows_with_one_stream_per_round
     neighbour.train_x[4] = -50 * client.train_x[4]  # sample 4 (class 1) replaced
     plan = _plan(sigma=0.7, clip=0.5, min_count=1, target=100.0)
     for state in (client, neighbour):
-        state.modules[LEDGER_KEY] = PrivacyLedger(plan, state.client_id)
+        attach_ledger(state, plan)
         state.modules[LEDGER_KEY].begin_round(3)
     ids, rows = class_means(client, 3, "features")
     _, other = class_means(neighbour, 3, "features")
@@ -176,6 +176,42 @@ def test_class_means_hook_releases_clipped_noised_rows_with_one_stream_per_round
     ledger.begin_round(4)
     _, later = class_means(client, 3, "features")
     assert float((later - rows).norm()) > 0.05  # round 4 draws other noise
+
+
+def test_a_client_is_private_exactly_when_given_a_ledger_and_stays_so_when_parked(tmp_path):
+    """``attach_ledger`` installs the private trainer beside the ledger, and the helpers branch on
+    nothing else: a client built without privacy has none. A parked client is built again (the
+    runtime's factory attaches a fresh ledger) and its state restored into that ledger, which
+    the new trainer spends: the round's release already made is refused a second time. A copy
+    of the client (FedL2G's study set, ``dataclasses.replace``) trains through the same one."""
+    import dataclasses
+
+    from htfl_dist.privacy.trainer import PrivateTrainer  # imports Opacus
+    from htfl_dist.runtime.client_store import ClientStore
+
+    _, context = make_context("fedproto", num_classes=3, feature_dim=8)
+    assert make_client(context).private is None
+
+    def build(client_id: int, shell: bool):
+        client = make_client(context, client_id=client_id, samples=12)
+        attach_ledger(client, _plan(0.7, target=100.0))
+        return client
+
+    store = ClientStore([0, 1], build, resident=1, device=torch.device("cpu"), rank=0, scratch_dir=tmp_path)
+    client = store[0]
+    assert isinstance(client.private, PrivateTrainer) and client.private.ledger is client.modules[LEDGER_KEY]
+    client.modules[LEDGER_KEY].begin_round(0)
+    class_means(client, 3, "features")
+    store[1]  # parks client 0
+    again = store[0]
+    assert again is not client and store.unparked == 1
+    assert isinstance(again.private, PrivateTrainer) and again.private.ledger is again.modules[LEDGER_KEY]
+    assert again.modules[LEDGER_KEY].history == ((0.7, 1.0, 1),)
+    again.modules[LEDGER_KEY].begin_round(0)  # as the runtime does before a participant trains
+    with pytest.raises(PrivacyPlanError, match="client 0, round 1: a second release of class rows"):
+        class_means(again, 3, "features")
+    assert dataclasses.replace(again, train_x=again.train_x[:6], train_y=again.train_y[:6]).private is again.private
+    store.close()
 
 
 @pytest.mark.parametrize("source", [SecureNoise(), SeededNoise(7)], ids=["secure", "seeded"])
@@ -397,7 +433,7 @@ def test_fedktl_trains_privately_with_its_transfer_loss_as_a_public_term(options
     the transfer loss on the downloaded pairs (from round 2 on) through the public term, and
     every upload is the noised release of the classes with enough samples (h′ and the 100-norm
     clipping included, nothing is refused)."""
-    from htfl_dist.privacy import dpsgd
+    from htfl_dist.privacy.trainer import PrivateTrainer  # imports Opacus
 
     entry, context = _ktl_context(**options)
     server, algorithm = entry.server(context, _ktl_generator(6)), entry.client(context)
@@ -405,13 +441,13 @@ def test_fedktl_trains_privately_with_its_transfer_loss_as_a_public_term(options
     algorithm.init_client(client)
     attach_ledger(client, _plan(1.0, target=1e3, min_count=3))
     public_calls = []
-    real = dpsgd.train_privately
+    real = PrivateTrainer.train
 
-    def spy(*args, **kwargs):
+    def spy(self, *args, **kwargs):
         public_calls.append(kwargs["public_loss"] is not None)
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(dpsgd, "train_privately", spy)
+    monkeypatch.setattr(PrivateTrainer, "train", spy)
     before = _parameters(client)
     for round_index in range(3):
         client.modules[LEDGER_KEY].begin_round(round_index)
@@ -741,6 +777,7 @@ def test_private_fedktl_on_three_ranks_matches_the_in_process_run(tmp_path, cach
     assert 3.9 <= single[-1]["epsilon_max"] <= 4.0
 
 
+@pytest.mark.integration
 def test_resume_continues_epsilon_exactly_and_stops_clients_at_the_budget(tmp_path, cache_dir):
     """Calibrated for 2 rounds, run for 3: the third round is past every client's budget, so each
     client says so once and uploads nothing, and ε stays where round 2 left it. Resumed from the

@@ -17,7 +17,6 @@ from htfl_dist.algorithms import get_algorithm
 from htfl_dist.config import config_from_dict
 from htfl_dist.data.prepare import prepare_partition
 from htfl_dist.errors import ProtocolError
-from htfl_dist.privacy import startup as privacy_startup
 from htfl_dist.privacy.noise import SecureNoise, SeededNoise, secure_bits, secure_standard_normal, seeded_noise_key
 from htfl_dist.privacy.startup import private_algorithms
 from htfl_dist.runtime import exchange as exchange_module
@@ -43,17 +42,19 @@ class PrivateRound:
 
 
 def _play(run_dir: Path, cache_dir: Path, noise: str, monkeypatch: pytest.MonkeyPatch) -> PrivateRound:
+    from htfl_dist.privacy.trainer import PrivateTrainer  # imports Opacus
     from htfl_dist.runtime.simulate import simulate
 
     clean: dict[int, dict[int, torch.Tensor]] = {}
     reported: dict[int, set[str]] = {}
-    release, gather = privacy_startup.release_class_means, exchange_module.Exchange.gather_reports
+    release, gather = PrivateTrainer.release_class_means, exchange_module.Exchange.gather_reports
 
-    def spy_release(ledger, sums, counts):
+    def spy_release(trainer, sums, counts):
+        ledger = trainer.ledger
         minimum = ledger.plan.min_class_samples
         clean[ledger.client_id] = {c: (sums[c] / counts[c]).double() for c in range(len(counts))
                                    if counts[c] >= minimum}
-        return release(ledger, sums, counts)
+        return release(trainer, sums, counts)
 
     def spy_gather(self, clients, *args, **kwargs):
         for client_id, report in clients.items():
@@ -62,7 +63,7 @@ def _play(run_dir: Path, cache_dir: Path, noise: str, monkeypatch: pytest.Monkey
         return gather(self, clients, *args, **kwargs)
 
     with monkeypatch.context() as patch:
-        patch.setattr(privacy_startup, "release_class_means", spy_release)
+        patch.setattr(PrivateTrainer, "release_class_means", spy_release)
         patch.setattr(exchange_module.Exchange, "gather_reports", spy_gather)
         simulate(SMOKE, [f"data.cache_dir={cache_dir}", *PRIVATE_ROUND, f"privacy.noise={noise}"], out=run_dir)
     return PrivateRound(run_dir, clean, reported)
@@ -202,6 +203,17 @@ def test_secret_noise_never_repeats_and_has_no_seed():
     assert not torch.equal(source.standard_normal((3, 5)), source.standard_normal((3, 5)))
     assert source.standard_normal((2, 3), dtype=torch.float32).dtype == torch.float32
     assert source.standard_normal((0, 7)).shape == (0, 7) and secure_standard_normal(3).shape == (3,)
+
+
+@pytest.mark.integration
+def test_a_large_draw_never_runs_out_of_keystream(monkeypatch):
+    """Whatever the OS hands out (here every byte 0xff, which as a ChaCha20 block counter would be
+    one block from its end), a draw of a million coordinates succeeds: the counter starts at 0."""
+    from htfl_dist.privacy import noise
+
+    monkeypatch.setattr(noise.os, "urandom", lambda count: b"\xff" * count)
+    assert secure_bits(1_000_000).shape == (1_000_000,)
+    assert torch.isfinite(secure_standard_normal(1001)).all()
 
 
 def test_a_world_size_check_of_a_secret_run_compares_what_the_noise_does_not_touch(played, tmp_path, cache_dir):
