@@ -26,6 +26,7 @@ from htfl_dist.algorithms.interface import (
 )
 from htfl_dist.algorithms.registry import (
     AlgorithmEntry,
+    ConformanceHints,
     algorithm_names,
     get_algorithm,
     parse_options,
@@ -38,6 +39,7 @@ __all__ = [
     "AlgorithmEntry",
     "ClientAlgorithm",
     "ClientState",
+    "ConformanceHints",
     "ServerAlgorithm",
     "TrainResult",
     "algorithm_names",

@@ -100,9 +100,10 @@ class FedDistillClient(ClientAlgorithm):
 
         during = options.logits_from == "during_training"
         seen_logits = ClassMeans(num_classes, num_classes, client.device) if during else None
-        on_batch = (lambda batch: seen_logits.add(batch.logits, batch.labels)) if during else None
+        on_batch = (lambda batch: seen_logits.add(batch.logits, batch.labels)) if seen_logits is not None else None
         loss_sum, seen = run_local_training(client, self.context, loss_fn, generator, on_batch=on_batch)
-        class_ids, rows = seen_logits.rows() if during else class_means(client, num_classes, "logits")
+        class_ids, rows = (seen_logits.rows() if seen_logits is not None
+                           else class_means(client, num_classes, "logits"))
         return TrainResult({"class_ids": class_ids, "logits": rows.float()}, loss_sum, seen)
 
     def theory_upload_floats(self, client: ClientState) -> int:

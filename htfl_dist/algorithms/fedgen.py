@@ -272,4 +272,4 @@ class FedGenServer(PartAveragingServer):
 
 register_algorithm("fedgen", server=FedGenServer, client=FedGenClient, options=FedGenOptions,
                    summary="LG-FedAvg plus a server-trained label-conditioned feature generator (Zhu et al. 2021)",
-                   shares_parameters=True, evaluation_installs_knowledge=True)
+                   shares_parameters=True)

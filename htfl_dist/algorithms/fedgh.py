@@ -23,7 +23,7 @@ from htfl_dist.algorithms import parameters
 from htfl_dist.algorithms.blocks.model_part import HeadSharingOptions, PartServer, PartSharingClient
 from htfl_dist.algorithms.class_rows import check_class_rows, class_means, class_row_fields
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import train_on_pairs
 from htfl_dist.config import bounded
 from htfl_dist.payload import Payload, PayloadSpec
@@ -101,4 +101,5 @@ class FedGHServer(PartServer):
 
 register_algorithm("fedgh", server=FedGHServer, client=FedGHClient, options=FedGHOptions,
                    summary="server trains a global head on client prototypes (Yi et al. 2023)",
-                   shares_parameters=True, private_release=True, evaluation_installs_knowledge=True)
+                   shares_parameters=True, private_release=True,
+                   conformance=ConformanceHints(ranks_covered_by="fedgen"))  # the same model-part block

@@ -11,7 +11,7 @@ clients' images, and the C pairs go down. The client side and the options are in
 """
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,8 @@ def kernel_bandwidths(queries: torch.Tensor, latents: torch.Tensor, mode: Bandwi
 
 def gaussian_kernels(distances: torch.Tensor, bandwidths: tuple[float, ...]) -> torch.Tensor:
     """Σ_k exp(−d² / (2σ_k²)) elementwise."""
-    return sum(torch.exp(-distances / (2 * sigma2)) for sigma2 in bandwidths)
+    # (sum() of tensors is typed "Tensor | Literal[0]"; there are always four bandwidths)
+    return cast(torch.Tensor, sum(torch.exp(-distances / (2 * sigma2)) for sigma2 in bandwidths))
 
 
 def mmd_loss(queries: torch.Tensor, latents: torch.Tensor, bandwidths: tuple[float, ...]) -> torch.Tensor:

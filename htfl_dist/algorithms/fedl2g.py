@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.func import functional_call
 
 from htfl_dist.algorithms.class_rows import ClassMeans, check_class_rows, class_row_fields
@@ -41,6 +40,7 @@ from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.config import bounded
 from htfl_dist.errors import ConfigError
+from htfl_dist.models.base import SplitModel
 from htfl_dist.payload import Payload, PayloadSpec
 from htfl_dist.seeding import torch_generator
 
@@ -114,7 +114,7 @@ def guided_objective(features: torch.Tensor, logits: torch.Tensor, labels: torch
     return F.cross_entropy(logits, labels) + guidance_loss(features, logits, labels, guides, guide)
 
 
-def _split_call(model: nn.Module, state: dict[str, torch.Tensor], x: torch.Tensor
+def _split_call(model: SplitModel, state: dict[str, torch.Tensor], x: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(features, logits) of a ``SplitModel`` evaluated at parameters/buffers ``state``."""
     def part(prefix: str) -> dict[str, torch.Tensor]:
@@ -124,7 +124,7 @@ def _split_call(model: nn.Module, state: dict[str, torch.Tensor], x: torch.Tenso
     return features, functional_call(model.head, part("head."), (features,))
 
 
-def guide_gradient(model: nn.Module, guides: torch.Tensor, study: list[tuple[torch.Tensor, torch.Tensor]],
+def guide_gradient(model: SplitModel, guides: torch.Tensor, study: list[tuple[torch.Tensor, torch.Tensor]],
                    quiz: list[tuple[torch.Tensor, torch.Tensor]], lr: float, guide: Guide) -> torch.Tensor:
     """∂/∂G of (1/|quiz|) Σ_q CE(θ′(G); x_q, y_q), θ′(G) = θ − lr·∇_θ (1/|study|) Σ_s L(θ; G, x_s, y_s).
 
@@ -133,12 +133,14 @@ def guide_gradient(model: nn.Module, guides: torch.Tensor, study: list[tuple[tor
     guides = guides.detach().clone().requires_grad_(True)
     params = dict(model.named_parameters())
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    study_loss = sum(guided_objective(*_split_call(model, {**params, **buffers}, x), y, guides, guide)
-                     for x, y in study) / len(study)
+    # (sum() of tensors is typed "Tensor | Literal[0]"; the batches are never empty)
+    study_loss = cast(torch.Tensor, sum(guided_objective(*_split_call(model, {**params, **buffers}, x), y, guides,
+                                                         guide) for x, y in study)) / len(study)
     names = list(params)
     grads = torch.autograd.grad(study_loss, [params[name] for name in names], create_graph=True, allow_unused=True)
     stepped = {name: params[name] if g is None else params[name] - lr * g for name, g in zip(names, grads, strict=True)}
-    quiz_loss = sum(F.cross_entropy(_split_call(model, {**stepped, **buffers}, x)[1], y) for x, y in quiz) / len(quiz)
+    quiz_loss = cast(torch.Tensor, sum(F.cross_entropy(_split_call(model, {**stepped, **buffers}, x)[1], y)
+                                       for x, y in quiz)) / len(quiz)
     (gradient,) = torch.autograd.grad(quiz_loss, guides, allow_unused=True)
     return torch.zeros_like(guides) if gradient is None else gradient.detach()
 

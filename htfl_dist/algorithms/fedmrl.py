@@ -35,7 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -195,6 +195,11 @@ class SmallModelPart(ModelPart):
 SMALL_MODEL = SmallModelPart()
 
 
+def _own_small(client: ClientState) -> SplitModel:
+    """The client's own G (``init_client`` puts it among the client's modules)."""
+    return cast(SplitModel, client.modules["small_model"])
+
+
 def build_projector(context: AlgorithmContext) -> nn.Linear:
     """P_k = Linear(d1 + K, K) from torch's global RNG (the runtime seeds it per client before
     ``init_client``), or, under ``model.init=htfllib``, drawn right after seeding torch with the run
@@ -215,7 +220,7 @@ class FedMRLClient(ClientAlgorithm):
         super().__init__(context)
         self.downloaded = DownloadedCopy(SMALL_MODEL, context)  # G for eval_extractor=global
         self.small_floats = SMALL_MODEL.floats(context)
-        self.evaluation_small: nn.Module | None = None  # the G^ex that predict fuses
+        self.evaluation_small: SplitModel | None = None  # the G^ex that predict fuses
 
     @classmethod
     def check_models(cls, context: AlgorithmContext) -> None:
@@ -232,12 +237,12 @@ class FedMRLClient(ClientAlgorithm):
             client.modules["small_model"] = SMALL_MODEL.initial(self.context).to(client.device)
 
     @torch.no_grad()
-    def small_model(self, client: ClientState, knowledge: Payload) -> nn.Module:
+    def small_model(self, client: ClientState, knowledge: Payload) -> SplitModel:
         """The downloaded G: its parameters loaded into the client's own G (local), or into a scratch
         G whose buffers are reset to the initial G's (global, as HtFLlib's server buffers never change)."""
         if self.options.eval_extractor == "global":
-            return self.downloaded.load(knowledge, client.device)
-        small = client.modules["small_model"]
+            return cast(SplitModel, self.downloaded.load(knowledge, client.device))  # SMALL_MODEL's G
+        small = _own_small(client)
         parameters.load_parameter_row(small, knowledge[SMALL_MODEL.name].to(client.device))
         return small
 
@@ -268,7 +273,7 @@ class FedMRLClient(ClientAlgorithm):
     def prepare_evaluation(self, client: ClientState, knowledge: Payload) -> None:
         """The G^ex that inference fuses: the downloaded G (global) or the client's own (local)."""
         self.evaluation_small = self.small_model(client, knowledge) if self.options.eval_extractor == "global" \
-            else client.modules["small_model"]
+            else _own_small(client)
 
     @torch.no_grad()
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
@@ -294,4 +299,4 @@ class FedMRLServer(PartAveragingServer):
 register_algorithm("fedmrl", server=FedMRLServer, client=FedMRLClient, options=FedMRLOptions,
                    summary="a shared small model fused with each local model through a personal projector, "
                            "Matryoshka representations with two heads (Yi et al. 2024)",
-                   shares_parameters=True, evaluation_installs_knowledge=True)
+                   shares_parameters=True)

@@ -25,7 +25,7 @@ from htfl_dist.algorithms.class_rows import class_prototypes, dense_prototypes
 from htfl_dist.algorithms.fedproto import PrototypeClient
 from htfl_dist.algorithms.fedtgp import TrainablePrototypeServer
 from htfl_dist.algorithms.interface import ClientAlgorithm, ClientState, TrainResult
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.config import bounded
 from htfl_dist.payload import Payload
@@ -192,4 +192,9 @@ class FedOCServer(TrainablePrototypeServer):
 
 register_algorithm("fedoc", server=FedOCServer, client=FedOCClient, options=FedOCOptions,
                    summary="trainable global prototypes with orthogonality constraints, cosine alignment "
-                           "(Guo et al. 2025)", private_release=True)
+                           "(Guo et al. 2025)", private_release=True,
+                   # 3 of 6 clients a round: the run tests/algorithms/test_fedoc.py also checks (and resumes on
+                   # mpirun), so the one-process run is shared
+                   conformance=ConformanceHints(overrides=("join_ratio=0.5",),
+                                                ranks_checked_in="tests/algorithms/test_fedoc.py, on mpirun -n 3 "
+                                                                 "stopped after round 1 and resumed"))

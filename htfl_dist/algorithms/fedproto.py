@@ -29,7 +29,7 @@ from htfl_dist.algorithms.interface import (
     ClientState,
     TrainResult,
 )
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import (
     Batch,
     batch_cross_entropy,
@@ -79,16 +79,18 @@ def prototype_regulariser(options: PrototypeOptions, features: torch.Tensor, lab
                           weights: torch.Tensor | None = None) -> torch.Tensor:
     """λ·φ between this batch's features and the global prototypes (0 where none exists).
     ``weights`` (``Batch.weights``: 0 for the padding rows of a batched step) leave rows out."""
+    reg_weight = options.reg_weight
+    assert reg_weight is not None  # validate() puts client_reg's default in its place
     if options.client_reg == "htfllib":
         target = torch.where(available[labels].unsqueeze(1), table[labels], features.detach())
         if weights is None:
-            return options.reg_weight * F.mse_loss(features, target)
-        return options.reg_weight * weighted_mean((features - target).pow(2).mean(dim=1), weights)
+            return reg_weight * F.mse_loss(features, target)
+        return reg_weight * weighted_mean((features - target).pow(2).mean(dim=1), weights)
     batch_protos, counts = batch_class_means(features, labels, table.shape[0], row_weights=weights,
                                              kept_classes=available)
     present = counts > 0
     distances = torch.linalg.vector_norm(batch_protos - table, dim=1) * present  # gradient 0 at 0
-    return options.reg_weight * distances.sum() / present.sum().clamp(min=1)
+    return reg_weight * distances.sum() / present.sum().clamp(min=1)
 
 
 class PrototypeClient(ClientAlgorithm):
@@ -216,4 +218,5 @@ class FedProtoServer(ClassMeanServer):
 
 register_algorithm("fedproto", server=FedProtoServer, client=FedProtoClient, options=FedProtoOptions,
                    summary="per-class mean of client prototypes (Tan et al. 2022)", private_release=True,
-                   batched_clients=True)
+                   conformance=ConformanceHints(
+                       ranks_checked_in="tests/e2e/test_runs.py, on 4 torchrun ranks and 3 mpirun ranks"))

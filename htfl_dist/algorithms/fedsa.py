@@ -23,7 +23,7 @@ last round (``inference=proto_last``, default).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,7 @@ from htfl_dist.algorithms.class_rows import (
 from htfl_dist.algorithms.fedproto import FedProtoClient, FedProtoServer
 from htfl_dist.algorithms.fedtgp import class_margins, margin_contrastive_loss
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState, ServerAlgorithm, TrainResult
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch
 from htfl_dist.config import bounded
 from htfl_dist.payload import Field, Payload, PayloadSpec
@@ -212,6 +212,9 @@ class PrototypeMemory(nn.Module):
     checkpoints them): its local margin d_i at the next one. With proto_from=post_update they are
     the class means of the current model, as the client has not changed since."""
 
+    protos: torch.Tensor  # buffers (register_buffer)
+    present: torch.Tensor
+
     def __init__(self, num_classes: int, feature_dim: int) -> None:
         super().__init__()
         self.register_buffer("protos", torch.zeros(num_classes, feature_dim))
@@ -229,6 +232,11 @@ class PrototypeMemory(nn.Module):
         self.present[ids] = True
 
 
+def _memory(client: ClientState) -> PrototypeMemory:
+    """The client's :class:`PrototypeMemory` (``init_client`` puts it among the client's modules)."""
+    return cast(PrototypeMemory, client.modules[MEMORY])
+
+
 class FedSAClient(FedProtoClient):
     """FedProto's upload (P_i^c for the classes held, counts when ``weighted``), FedSA's losses."""
 
@@ -240,7 +248,7 @@ class FedSAClient(FedProtoClient):
         rule = self.options.margin_rule
         global_margin = mean_margin(anchors, rule)
         assert global_margin is not None, "C >= 2 anchors"
-        return global_margin, mean_margin(client.modules[MEMORY].rows(), rule)
+        return global_margin, mean_margin(_memory(client).rows(), rule)
 
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
@@ -262,7 +270,7 @@ class FedSAClient(FedProtoClient):
             return loss
 
         class_ids, protos, loss_sum, seen = self.train_with_prototypes(client, loss_fn, generator)
-        client.modules[MEMORY].store(class_ids, protos)
+        _memory(client).store(class_ids, protos)
         return TrainResult(self.make_upload(client, class_ids, protos), loss_sum, seen)
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
@@ -286,7 +294,7 @@ class FedSAServer(ServerAlgorithm):
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         width = context.feature_dim
-        fields = (Field("class_ids", torch.int64), Field("anchors", torch.float32, (width,)))
+        fields: PayloadSpec = (Field("class_ids", torch.int64), Field("anchors", torch.float32, (width,)))
         if context.options.inference == "proto_last":
             fields += (Field("protos", torch.float32, (width,)), Field("proto_present", torch.bool))
         return fields
@@ -334,6 +342,7 @@ class FedSAServer(ServerAlgorithm):
         uploads whose nearest anchor is their own class's."""
         rule, num_classes = self.options.margin_rule, self.context.num_classes
         global_margin = mean_margin(self.anchors, rule)
+        assert global_margin is not None, "C >= 2 anchors"
         result: dict[str, float] = {"global_margin": float(global_margin)}
         local = [m for m in (mean_margin(uploads[cid]["protos"], rule) for cid in sorted(uploads)) if m is not None]
         if local:
@@ -358,4 +367,6 @@ class FedSAServer(ServerAlgorithm):
 
 register_algorithm("fedsa", server=FedSAServer, client=FedSAClient, options=FedSAOptions,
                    summary="semantic anchors moved by EMA; anchor regulariser, margin contrastive loss and "
-                           "classifier calibration (Zhou et al. 2025)", private_release=True)
+                           "classifier calibration (Zhou et al. 2025)", private_release=True,
+                   conformance=ConformanceHints(ranks_checked_in="tests/algorithms/test_fedsa.py, on 3 torchrun "
+                                                                 "ranks and mpirun -n 3"))

@@ -32,7 +32,7 @@ from htfl_dist.algorithms.class_rows import (
 )
 from htfl_dist.algorithms.fedproto import PrototypeClient, PrototypeOptions, prototype_fields
 from htfl_dist.algorithms.interface import AlgorithmContext, ServerAlgorithm
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import train_on_pairs
 from htfl_dist.config import bounded
 from htfl_dist.errors import ConfigError
@@ -279,4 +279,9 @@ class FedTGPServer(TrainablePrototypeServer):
 
 register_algorithm("fedtgp", server=FedTGPServer, client=PrototypeClient, options=FedTGPOptions,
                    summary="trainable global prototypes, adaptive-margin contrastive learning (Zhang et al. 2024)",
-                   private_release=True, batched_clients=True)
+                   private_release=True,
+                   # 3 of 6 clients a round and 20 server epochs instead of 100: the run tests/e2e/test_runs.py
+                   # also spreads over 4 ranks
+                   conformance=ConformanceHints(overrides=("join_ratio=0.5", "algo.server_epochs=20"),
+                                                ranks_checked_in="tests/e2e/test_runs.py, on 4 ranks with "
+                                                                 "partial participation"))

@@ -40,7 +40,7 @@ from htfl_dist.algorithms.interface import (
     TrainResult,
 )
 from htfl_dist.algorithms.losses import MutualKD, fml_losses
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.shared_model import (
     SHARED_MODEL,
     check_member_name,
@@ -124,4 +124,5 @@ class FMLServer(PartAveragingServer):
 
 register_algorithm("fml", server=FMLServer, client=FMLClient, options=FMLOptions,
                    summary="mutual learning of local models with an averaged shared model (Shen et al. 2020)",
-                   shares_parameters=True)
+                   shares_parameters=True,
+                   conformance=ConformanceHints(ranks_covered_by="fedmrl"))  # the same downloaded-copy block

@@ -15,13 +15,16 @@ pattern); the shared maths lives in ``class_rows``, ``training``, ``parameters``
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from htfl_dist.algorithms.batches import Batch
 from htfl_dist.config import TrainConfig
+from htfl_dist.models.base import SplitModel
 from htfl_dist.models.inputs import InputSpec
 from htfl_dist.payload import Payload, PayloadSpec
 from htfl_dist.seeding import seed_global_torch
@@ -56,13 +59,45 @@ class AlgorithmContext:
         return self.input_spec or InputSpec.image(self.in_channels, self.image_size)
 
 
+class PrivateTraining(Protocol):
+    """How a private client trains and what it releases (``privacy.enabled``; docs/privacy.md).
+
+    Installed on ``ClientState.private`` together with the client's privacy ledger
+    (``privacy.startup.attach_ledger``), so the shared helpers ask the client rather than the
+    privacy package: ``training.run_local_training`` trains through ``train`` and
+    ``class_rows.class_means`` clips and releases through the other two. The mechanisms (and
+    Opacus) stay outside the algorithms, and a run without privacy never imports them."""
+
+    def train(self, client: ClientState, context: AlgorithmContext, loss_fn: Callable[[Batch], torch.Tensor],
+              generator: torch.Generator, *, on_batch: Callable[[Batch], None] | None = None,
+              public_loss: Callable[[], torch.Tensor] | None = None,
+              public_optimizers: Sequence[torch.optim.Optimizer] = (),
+              before_step: Callable[[], None] | None = None) -> tuple[float, int]:
+        """``train.local_epochs`` epochs of DP-SGD over the client's training split, walking the
+        batches ``run_local_training`` walks; returns (loss sum, samples) as it does. A
+        ``public_loss`` reads no training sample (downloads and the current model only): its
+        gradient is added after the noise, ``public_optimizers`` step the modules it trains, and
+        ``before_step`` edits the finished gradients (FedKTL's transfer term and clipping)."""
+        ...
+
+    def clip_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row of ``rows`` [B, D] scaled to L2 norm at most ``privacy.feature_clip``, the bound
+        the release's sensitivity assumes (rows already inside are unchanged)."""
+        ...
+
+    def release_class_means(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What leaves the client of its class means (``sums`` [C, D] of clipped rows, ``counts`` [C]):
+        (class ids int64 [m], rows float32 [m, D]) on the CPU, noised, possibly none."""
+        ...
+
+
 @dataclass
 class ClientState:
     """One logical client's private state; lives on the rank that hosts it."""
 
     client_id: int
     architecture: str
-    model: nn.Module  # htfl_dist.models.SplitModel
+    model: SplitModel
     optimizer: torch.optim.Optimizer
     train_x: torch.Tensor
     train_y: torch.Tensor
@@ -72,6 +107,11 @@ class ClientState:
     modules: dict[str, nn.Module] = field(default_factory=dict)
     """Algorithm-owned modules that persist across rounds (FedKD's mentee and W_h); created by
     ``ClientAlgorithm.init_client`` and checkpointed with the client."""
+    private: PrivateTraining | None = None
+    """How this client trains and releases in a private run (``privacy.enabled``); None otherwise.
+    Its only state is the client's privacy ledger, kept among ``modules`` so that checkpoints and
+    parking carry it; every client the runtime builds (fresh, or to take a parked or checkpointed
+    state) gets it installed again with its ledger."""
 
     @property
     def classes(self) -> torch.Tensor:
@@ -132,8 +172,8 @@ class ClientAlgorithm:
                     generators: list[torch.Generator]) -> list[TrainResult]:
         """Train several participants of one architecture at once (``train.client_batching=vmap``);
         one result per client, in order, each ``generators[i]`` ordering client i's batches as in
-        ``train``. An override is the algorithm's batched path, declared to the registry
-        (``batched_clients=True``): its results must equal ``train``'s
+        ``train``. An override defined where ``train`` is defined, or below it, is the algorithm's
+        batched path (the registry derives ``batched_clients`` from that): its results must equal ``train``'s
         within float tolerance and must not depend on which other clients share the group (a
         group is what one rank hosts, so it changes with the world size). This default trains them
         one by one, seeded as the runtime seeds ``train``, so every algorithm accepts the call."""
@@ -149,9 +189,8 @@ class ClientAlgorithm:
 
     def prepare_evaluation(self, client: ClientState, knowledge: Payload) -> None:
         """Install downloaded knowledge before the client is evaluated (the head-sharing methods
-        evaluate the global head on the local base). An override that changes the client is
-        declared to the registry (``evaluation_installs_knowledge=True``), so the runtime keeps
-        the change."""
+        evaluate the global head on the local base). The registry sees an override
+        (``evaluation_installs_knowledge``, derived), so the runtime keeps the change."""
 
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
                 logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:

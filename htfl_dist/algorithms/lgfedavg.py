@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from htfl_dist.algorithms.blocks.model_part import HeadAveragingOptions, PartAveragingServer, PartSharingClient
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 
 
 @dataclass
@@ -26,4 +26,5 @@ class LGFedAvgClient(PartSharingClient):
 
 register_algorithm("lgfedavg", server=PartAveragingServer, client=LGFedAvgClient, options=LGFedAvgOptions,
                    summary="sample-weighted average of client heads, local bases (Liang et al. 2020)",
-                   shares_parameters=True, evaluation_installs_knowledge=True)
+                   shares_parameters=True,
+                   conformance=ConformanceHints(ranks_covered_by="fedgen"))  # the same model-part block

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from htfl_dist.algorithms.interface import ClientAlgorithm, ClientState, ServerAlgorithm, TrainResult
-from htfl_dist.algorithms.registry import register_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import batch_cross_entropy, run_batched_training, run_local_training
 from htfl_dist.payload import Payload
 
@@ -29,4 +29,6 @@ class LocalClient(ClientAlgorithm):
 
 
 register_algorithm("local", server=ServerAlgorithm, client=LocalClient, options=LocalOptions,
-                   summary="no federation: CE on local data only", batched_clients=True)
+                   summary="no federation: CE on local data only",
+                   # it trains the prototype client's half and sends nothing
+                   conformance=ConformanceHints(ranks_covered_by="fedproto"))

@@ -1,4 +1,10 @@
-"""The one registry of algorithms: name → (server, client, options, what it shares)."""
+"""The one registry of algorithms: name → (server, client, options, what it shares).
+
+Two capability flags follow from the classes and are derived at registration
+(``batched_clients``, ``evaluation_installs_knowledge``): a flag passed explicitly must agree with
+the classes, else registration is refused in one line. What the conformance checks
+(``htfl_dist.testing``) need to know of an algorithm beyond its classes is its
+``ConformanceHints``."""
 from __future__ import annotations
 
 import dataclasses
@@ -7,7 +13,40 @@ from typing import Any
 
 from htfl_dist.algorithms.interface import ClientAlgorithm, ServerAlgorithm
 from htfl_dist.config import build_section, check_bounds
-from htfl_dist.errors import ConfigError
+from htfl_dist.config.rules import unknown_name
+
+
+@dataclass(frozen=True)
+class ConformanceHints:
+    """What the conformance checks (``htfl_dist.testing``) need to know of one algorithm beyond its
+    classes. The defaults fit an algorithm that runs on the checks' small run as it is and is
+    launched on 3 ranks by the checks themselves."""
+
+    overrides: tuple[str, ...] = ()
+    """``key=value`` settings every check adds to its small run (two rounds of the smoke config:
+    6 HtCNN8 clients on 2 % of Fashion-MNIST): a model group the method needs (a FedPer:
+    ``model.group=cnn``), a cheaper setting (FedKD: a smaller mentee) or partial participation."""
+    ranks_covered_by: str = ""
+    """A registered algorithm whose 3-rank launch stands for this one's, because their messages
+    travel through the same code (LG-FedAvg and FedGH: FedGen's model-part block); what differs
+    between them is their maths, which the one-process checks cover per algorithm. Empty: the
+    launch runs this algorithm itself (unless ``ranks_checked_in`` says where else it runs)."""
+    ranks_checked_in: str = ""
+    """Where this algorithm's own tests launch it on several ranks and check more than equality
+    (a sentence naming the test file); the conformance launch then leaves it out."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.overrides, str) or not all(isinstance(item, str) and "=" in item
+                                                      for item in self.overrides):
+            raise ValueError(f"conformance overrides must be key=value strings, got {self.overrides!r}")
+        object.__setattr__(self, "overrides", tuple(self.overrides))
+        if self.ranks_covered_by and self.ranks_checked_in:
+            raise ValueError("conformance hints name both ranks_covered_by and ranks_checked_in; name one")
+
+    @property
+    def launched(self) -> bool:
+        """Whether the conformance launch (1 process = 3 ranks) runs this algorithm itself."""
+        return not (self.ranks_covered_by or self.ranks_checked_in)
 
 
 @dataclass(frozen=True)
@@ -27,34 +66,94 @@ class AlgorithmEntry:
     private_release: bool = False
     """True where everything a client uploads is class rows from ``class_rows.class_means`` and
     every gradient its local training takes from the client's samples goes through DP-SGD
-    (``training.run_local_training``, or ``privacy.dpsgd.train_privately`` with a public term
+    (``training.run_local_training``, or ``client.private.train`` with a public term
     computed from downloads only, FedKTL's): ``privacy.*`` then noises the rows and clips and
     noises those gradients (docs/privacy.md). Any other algorithm is refused at start-up when
     privacy is on."""
     batched_clients: bool = False
     """True where the client's ``train_group`` is a batched path of its ``train`` (the same loss,
     equal results within float tolerance, whoever shares the group): ``train.client_batching=vmap``
-    is accepted only then. A subclass that changes ``train`` but inherits a batched
-    ``train_group`` would batch the parent's loss, so the declaration is per registered client."""
+    is accepted only then. Derived at registration (``has_batched_path``): the class that
+    ``train_group`` resolves to defines its own and no class below it redefines ``train``. A
+    subclass that changes ``train`` but inherits a batched ``train_group`` would batch the parent's
+    loss, so it is not batched."""
     evaluation_installs_knowledge: bool = False
     """True where the client's ``prepare_evaluation`` changes the client (installs a downloaded
     head or shared model): the runtime then hands it a client it keeps, rather than a read-only
-    look at a parked one."""
+    look at a parked one. Derived at registration (``installs_knowledge``): the client overrides
+    ``ClientAlgorithm.prepare_evaluation``, a no-op."""
+    conformance: ConformanceHints = ConformanceHints()
+    """What the conformance checks need beyond the classes (``htfl_dist.testing``)."""
 
 
 _REGISTRY: dict[str, AlgorithmEntry] = {}
 
 
+def defined_by(cls: type, name: str) -> type:
+    """The class of ``cls``'s MRO whose own body defines attribute ``name`` (what a look-up finds)."""
+    return next(klass for klass in cls.__mro__ if name in vars(klass))
+
+
+def installs_knowledge(client: type[ClientAlgorithm]) -> bool:
+    """``evaluation_installs_knowledge`` of a client class: it overrides the base's no-op
+    ``prepare_evaluation``, so evaluating it may change it."""
+    return defined_by(client, "prepare_evaluation") is not ClientAlgorithm
+
+
+def has_batched_path(client: type[ClientAlgorithm]) -> bool:
+    """``batched_clients`` of a client class: the ``train_group`` it resolves to is an override
+    (not the base's one-by-one loop) written at or below the class whose ``train`` it resolves to.
+    FedOC and FedSA redefine ``train`` below the prototype client's batched ``train_group``:
+    batching them would train the parent's loss, so they have no batched path."""
+    group = defined_by(client, "train_group")
+    return group is not ClientAlgorithm and issubclass(group, defined_by(client, "train"))
+
+
+def _checked_flag(name: str, flag: str, declared: bool | None, derived: bool, reason: str) -> bool:
+    if declared is None or declared == derived:
+        return derived
+    if flag == "batched_clients" and declared is False:
+        return False  # declining a batched path is safe: the runtime then refuses train.client_batching=vmap
+    raise ValueError(f"algorithm {name!r} is registered with {flag}={declared}, but {reason}; leave {flag} out "
+                     f"(it is derived from the classes)")
+
+
 def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type[ClientAlgorithm],
                        options: type, summary: str, shares_parameters: bool = False,
-                       uses_generator: bool = False, private_release: bool = False, batched_clients: bool = False,
-                       evaluation_installs_knowledge: bool = False) -> None:
+                       uses_generator: bool = False, private_release: bool = False,
+                       batched_clients: bool | None = None, evaluation_installs_knowledge: bool | None = None,
+                       conformance: ConformanceHints | None = None) -> None:
     """Register an algorithm under ``name``, with what it declares it can do (AlgorithmEntry's
-    flags); the runtime reads the declarations and never inspects the classes."""
+    flags); the runtime reads the entry and never inspects the classes.
+
+    ``batched_clients`` and ``evaluation_installs_knowledge`` are derived from ``client``
+    (``has_batched_path``, ``installs_knowledge``); left out, they take the derived value. Passed,
+    they must agree with it, else a ValueError names the algorithm and the flag (an algorithm that
+    says it installs nothing at evaluation while it does would lose what it installs whenever its
+    clients are parked). ``batched_clients=False`` is always accepted: it declines a batched path."""
     if name in _REGISTRY:
         raise ValueError(f"algorithm {name!r} registered twice")
+    if not (isinstance(client, type) and issubclass(client, ClientAlgorithm)):
+        raise ValueError(f"algorithm {name!r}: client must be a ClientAlgorithm subclass, got {client!r}")
+    if conformance is not None and not isinstance(conformance, ConformanceHints):
+        raise ValueError(f"algorithm {name!r}: conformance must be a ConformanceHints, got {conformance!r}")
+    installs = installs_knowledge(client)
+    where = defined_by(client, "prepare_evaluation").__qualname__
+    evaluation_installs_knowledge = _checked_flag(
+        name, "evaluation_installs_knowledge", evaluation_installs_knowledge, installs,
+        f"its client {client.__qualname__} overrides prepare_evaluation ({where}.prepare_evaluation)" if installs
+        else f"its client {client.__qualname__} keeps the base prepare_evaluation, which installs nothing")
+    batched = has_batched_path(client)
+    group, train = defined_by(client, "train_group"), defined_by(client, "train")
+    batched_clients = _checked_flag(
+        name, "batched_clients", batched_clients, batched,
+        f"its client {client.__qualname__} trains a group one by one (train_group is the base's)"
+        if group is ClientAlgorithm else
+        f"its client {client.__qualname__} takes train from {train.__qualname__} but train_group from "
+        f"{group.__qualname__}, which batches another train")
     _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator,
-                                     private_release, batched_clients, evaluation_installs_knowledge)
+                                     private_release, batched_clients, evaluation_installs_knowledge,
+                                     conformance or ConformanceHints())
 
 
 def algorithm_names() -> list[str]:
@@ -64,7 +163,7 @@ def algorithm_names() -> list[str]:
 def get_algorithm(name: str) -> AlgorithmEntry:
     key = name.lower()
     if key not in _REGISTRY:
-        raise ConfigError(f"unknown algorithm {name!r}; allowed: {', '.join(algorithm_names())}")
+        raise unknown_name("algorithm", name, algorithm_names())
     return _REGISTRY[key]
 
 

@@ -1,5 +1,7 @@
-"""Unit tests for the algorithm registry (registration, look-up and its one-line error, option
-parsing and spelling out), the interface's defaults, and Local's plain cross-entropy training."""
+"""Unit tests for the algorithm registry (registration, the capability flags derived from the
+classes and the refusal of contradicting ones, the conformance hints, look-up and its one-line
+error, option parsing and spelling out), the interface's defaults, and Local's plain
+cross-entropy training."""
 from __future__ import annotations
 
 import math
@@ -21,8 +23,10 @@ from htfl_dist.algorithms import (
     registry,
     spelled_out_options,
 )
+from htfl_dist.algorithms.fedsa import FedSAClient
 from htfl_dist.algorithms.local import LocalClient, LocalOptions
-from htfl_dist.config import TrainConfig
+from htfl_dist.algorithms.registry import ConformanceHints, has_batched_path, installs_knowledge
+from htfl_dist.config import PLUGIN_HINT, TrainConfig
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import SplitModel
 from htfl_dist.seeding import torch_generator
@@ -61,19 +65,143 @@ def test_register_stores_every_field_and_defaults_to_sharing_nothing(scratch_reg
     assert other.shares_parameters is True and other.uses_generator is True
     assert (other.name, other.summary) == ("toy2", "another")
     assert not (entry.private_release or entry.batched_clients or entry.evaluation_installs_knowledge)
-    register_algorithm("toy3", server=_ToyServer, client=_ToyClient, options=_ToyOptions, summary="declared",
-                       private_release=True, batched_clients=True, evaluation_installs_knowledge=True)
+    assert entry.conformance == ConformanceHints() and entry.conformance.launched
+    hints = ConformanceHints(overrides=["model.group=cnn"], ranks_covered_by="toy")
+    register_algorithm("toy3", server=_ToyServer, client=_Batched, options=_ToyOptions, summary="declared",
+                       private_release=True, batched_clients=True, evaluation_installs_knowledge=False,
+                       conformance=hints)
     declared = get_algorithm("toy3")
-    assert declared.private_release and declared.batched_clients and declared.evaluation_installs_knowledge
+    assert declared.private_release and declared.batched_clients and not declared.evaluation_installs_knowledge
+    assert declared.conformance.overrides == ("model.group=cnn",) and not declared.conformance.launched
 
 
-def test_evaluation_installs_knowledge_is_declared_exactly_where_prepare_evaluation_is_overridden():
-    """The runtime hands ``prepare_evaluation`` a read-only look at a parked client unless the
-    registry says the algorithm installs knowledge: an undeclared override would lose what it installs."""
-    for name in algorithm_names():
+# ----------------------------------------------------------------------------- derived flags
+
+
+class _Batched(ClientAlgorithm):
+    def train(self, client, knowledge, round_index, generator):
+        raise NotImplementedError
+
+    def train_group(self, clients, knowledge, round_index, generators):
+        raise NotImplementedError
+
+
+class _ChangesTrain(_Batched):  # FedOC and FedSA below the prototype client
+    def train(self, client, knowledge, round_index, generator):
+        raise NotImplementedError
+
+
+class _ChangesAHook(_Batched):  # FedProto below the prototype client: train and train_group both call it
+    def make_upload(self):
+        return {}
+
+
+class _BatchesItsParentsTrain(_ChangesTrain):
+    def train_group(self, clients, knowledge, round_index, generators):
+        raise NotImplementedError
+
+
+class _Installs(ClientAlgorithm):
+    def prepare_evaluation(self, client, knowledge):
+        pass
+
+
+class _InheritsTheInstall(_Installs):
+    pass
+
+
+FLAGS_AS_DECLARED_BEFORE_THEY_WERE_DERIVED = {
+    "feddistill": (False, False), "fedgen": (False, True), "fedgh": (False, True), "fedkd": (False, True),
+    "fedktl": (False, False), "fedl2g": (False, False), "fedmrl": (False, True), "fedoc": (False, False),
+    "fedproto": (True, False), "fedsa": (False, False), "fedtgp": (True, False), "fml": (False, False),
+    "lgfedavg": (False, True), "local": (True, False),
+}
+"""(batched_clients, evaluation_installs_knowledge) as each registration passed them at c2990a8."""
+
+
+def test_derivation_gives_every_algorithm_the_flags_it_declared():
+    for name, flags in FLAGS_AS_DECLARED_BEFORE_THEY_WERE_DERIVED.items():
         entry = get_algorithm(name)
-        overrides = entry.client.prepare_evaluation is not ClientAlgorithm.prepare_evaluation
-        assert entry.evaluation_installs_knowledge == overrides, name
+        assert (entry.batched_clients, entry.evaluation_installs_knowledge) == flags, name
+        assert (has_batched_path(entry.client), installs_knowledge(entry.client)) == flags, name
+
+
+@pytest.mark.parametrize(("client", "batched", "installs"), [
+    (_ToyClient, False, False),  # the base's one-by-one train_group, the base's no-op prepare_evaluation
+    (_Batched, True, False),
+    (_ChangesTrain, False, False),  # it would batch its parent's train
+    (_ChangesAHook, True, False),
+    (_BatchesItsParentsTrain, True, False),  # a batched path written for the train it inherits
+    (_Installs, False, True),
+    (_InheritsTheInstall, False, True),
+    (FedSAClient, False, False),
+], ids=lambda value: getattr(value, "__name__", str(value)))
+def test_flags_follow_where_the_methods_are_defined(scratch_registry, client, batched, installs):
+    assert (has_batched_path(client), installs_knowledge(client)) == (batched, installs)
+    register_algorithm("toy", server=_ToyServer, client=client, options=_ToyOptions, summary="derived")
+    entry = get_algorithm("toy")
+    assert (entry.batched_clients, entry.evaluation_installs_knowledge) == (batched, installs)
+
+
+@pytest.mark.parametrize(("client", "flags", "message"), [
+    (_Installs, {"evaluation_installs_knowledge": False},
+     "algorithm 'toy' is registered with evaluation_installs_knowledge=False, but its client _Installs overrides "
+     "prepare_evaluation (_Installs.prepare_evaluation); leave evaluation_installs_knowledge out (it is derived "
+     "from the classes)"),
+    (_InheritsTheInstall, {"evaluation_installs_knowledge": False},
+     "algorithm 'toy' is registered with evaluation_installs_knowledge=False, but its client _InheritsTheInstall "
+     "overrides prepare_evaluation (_Installs.prepare_evaluation); leave evaluation_installs_knowledge out (it is "
+     "derived from the classes)"),
+    (_ToyClient, {"evaluation_installs_knowledge": True},
+     "algorithm 'toy' is registered with evaluation_installs_knowledge=True, but its client _ToyClient keeps the base "
+     "prepare_evaluation, which installs nothing; leave evaluation_installs_knowledge out (it is derived from the "
+     "classes)"),
+    (_ToyClient, {"batched_clients": True},
+     "algorithm 'toy' is registered with batched_clients=True, but its client _ToyClient trains a group one by one "
+     "(train_group is the base's); leave batched_clients out (it is derived from the classes)"),
+    (FedSAClient, {"batched_clients": True},
+     "algorithm 'toy' is registered with batched_clients=True, but its client FedSAClient takes train from "
+     "FedSAClient but train_group from PrototypeClient, which batches another train; leave batched_clients out "
+     "(it is derived from the classes)"),
+])
+def test_a_flag_that_contradicts_the_classes_is_refused_in_one_line(scratch_registry, client, flags, message):
+    with pytest.raises(ValueError) as info:
+        register_algorithm("toy", server=_ToyServer, client=client, options=_ToyOptions, summary="wrong", **flags)
+    assert str(info.value) == message
+    assert "toy" not in algorithm_names()
+
+
+def test_a_batched_path_may_be_declined_and_agreeing_flags_are_accepted(scratch_registry):
+    register_algorithm("toy", server=_ToyServer, client=_Batched, options=_ToyOptions, summary="declined",
+                       batched_clients=False)
+    assert get_algorithm("toy").batched_clients is False  # train.client_batching=vmap is then refused
+    register_algorithm("toy2", server=_ToyServer, client=_Installs, options=_ToyOptions, summary="agreeing",
+                       batched_clients=False, evaluation_installs_knowledge=True)
+    assert get_algorithm("toy2").evaluation_installs_knowledge is True
+
+
+@pytest.mark.parametrize(("arguments", "message"), [
+    ({"client": object}, "algorithm 'toy': client must be a ClientAlgorithm subclass, got <class 'object'>"),
+    ({"conformance": {"overrides": ()}},
+     "algorithm 'toy': conformance must be a ConformanceHints, got {'overrides': ()}"),
+])
+def test_a_client_or_hints_of_the_wrong_kind_are_refused(scratch_registry, arguments, message):
+    with pytest.raises(ValueError) as info:
+        register_algorithm("toy", **{"server": _ToyServer, "client": _ToyClient, "options": _ToyOptions,
+                                     "summary": "wrong", **arguments})
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("hints", "message"), [
+    ({"overrides": "model.group=cnn"}, "conformance overrides must be key=value strings, got 'model.group=cnn'"),
+    ({"overrides": ("model.group",)}, "conformance overrides must be key=value strings, got ('model.group',)"),
+    ({"ranks_covered_by": "fedgen", "ranks_checked_in": "tests/x.py"},
+     "conformance hints name both ranks_covered_by and ranks_checked_in; name one"),
+])
+def test_hints_that_cannot_be_followed_are_refused(hints, message):
+    with pytest.raises(ValueError) as info:
+        ConformanceHints(**hints)
+    assert str(info.value) == message
 
 
 def test_registering_a_name_twice_is_refused(scratch_registry):
@@ -96,7 +224,8 @@ def test_unknown_algorithm_is_a_one_line_error_listing_the_names():
     with pytest.raises(ConfigError) as info:
         get_algorithm("Nope")
     message = str(info.value)
-    assert message == f"unknown algorithm 'Nope'; allowed: {', '.join(sorted(algorithm_names()))}"
+    assert message == (f"config key 'algorithm' is 'Nope'; registered: {', '.join(sorted(algorithm_names()))} "
+                       f"({PLUGIN_HINT})")
 
 
 def test_options_without_validate_are_parsed_and_spelled_out():
@@ -109,7 +238,7 @@ def test_options_without_validate_are_parsed_and_spelled_out():
     assert spelled_out_options("feddistill", {"compat": "htfllib", "reg_weight": 2.0}) == {
         "compat": "htfllib", "distill_loss": "raw", "missing_rows": "self_target",
         "logits_from": "during_training", "reg_weight": 2.0}
-    with pytest.raises(ConfigError, match="unknown algorithm 'nope'"):
+    with pytest.raises(ConfigError, match="config key 'algorithm' is 'nope'; registered: "):
         spelled_out_options("nope", {})
     with pytest.raises(ConfigError, match=r"algo\.reg_weight"):
         spelled_out_options("feddistill", {"reg_weight": -1.0})

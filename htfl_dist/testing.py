@@ -1,0 +1,498 @@
+"""The conformance checks every algorithm is held to, for a plugin's own test suite as for ours.
+
+An algorithm registered anywhere (in this package or in a plugin, ``register_algorithm``) is
+checked by name, on a small real run: two rounds of the smoke config (6 HtCNN8 clients on 2 % of
+Fashion-MNIST, ``SMALL_RUN``) with the overrides its registration names
+(``ConformanceHints.overrides``). What is checked:
+
+- its registration: the capability flags agree with the classes, the hints name what exists
+  (``check_registration``);
+- declared payloads: what it sends is what it declares, every upload field bounded by
+  ``max_rows``, a download with every declared field (``check_declared_payloads``);
+- model parameters travel only where it is registered as sharing them
+  (``check_parameters_travel_as_registered``);
+- state round trip: server state and client modules through ``torch.load(weights_only=True)``,
+  as checkpoints go (``check_state_round_trip``);
+- a round whose uploads were all screened out keeps the knowledge (``check_empty_round_keeps_knowledge``);
+- bytes against theory: the floats each client uploads are the paper's count
+  (``theory_upload_floats``), and two rounds send that count plus at most the wire's framing
+  (``check_bytes_against_theory``);
+- 1 process = 3 ranks: two rounds in one process equal two rounds on 3 torchrun ranks (Gloo),
+  every metrics key but wall times and measured bytes, which differ by one message header per
+  rank (``check_world_size_invariance``). The only check that starts processes.
+
+A plugin's suite runs them all with one parametrised test (docs/adding-an-algorithm.md):
+
+    from htfl_dist.testing import conformance_cases
+
+    @pytest.mark.parametrize("case", conformance_cases(["myfedper"]))
+    def test_conformance(case, tmp_path):
+        case(tmp_path)
+
+Each check is also a function of its own, for a suite that plays the runs itself (ours:
+tests/e2e/test_conformance.py). A failed check raises ``ConformanceError`` (an AssertionError).
+This module never imports pytest at import time: only ``conformance_cases`` does.
+"""
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from htfl_dist.algorithms import ServerAlgorithm, algorithm_names, get_algorithm
+from htfl_dist.algorithms.registry import ConformanceHints, has_batched_path, installs_knowledge
+from htfl_dist.errors import ConfigError
+from htfl_dist.payload import Payload, PayloadSpec, max_message_bytes
+from htfl_dist.resolution import resolved_config
+from htfl_dist.runtime.exchange import RoundTraffic
+from htfl_dist.runtime.loop import Federation, RunContext
+from htfl_dist.runtime.startup import build_server
+from htfl_dist.runtime.transport import LocalTransport
+from htfl_dist.runtime.wire import BROADCAST_ENTRY, Encoded, decode, encode
+from htfl_dist.seeding import seed_global_torch, torch_generator
+
+__all__ = [
+    "CHECKS", "SMALL_RUN", "ConformanceCase", "ConformanceError", "ConformanceHints", "PlayedRound",
+    "check_bytes_against_theory", "check_declared_payloads", "check_empty_round_keeps_knowledge",
+    "check_parameters_travel_as_registered", "check_registration", "check_state_round_trip",
+    "check_world_size_invariance", "conformance_cases", "framing_bytes", "launch_env", "launch_run", "play_one_round",
+    "play_run", "run_overrides",
+]
+
+SMALL_RUN: tuple[str, ...] = (
+    "seed=0", "num_clients=6", "join_ratio=1.0", "eval_every=1", "checkpoint_every=0",
+    "data.dataset=fmnist", "data.partition=dirichlet", "data.beta=0.1", "data.subsample=0.02",
+    "data.min_samples_per_client=20", "model.group=HtCNN8", "model.feature_dim=512",
+    "train.batch_size=10", "train.lr=0.01", "train.local_epochs=1", "runtime.threads=1",
+)
+"""The checks' run when no config file is given: configs/smoke.yaml written as overrides (a
+plugin has no copy of the repository's configs/). It reads Fashion-MNIST from its default root
+(``launch/setup_env.sh`` installs it); pass ``overrides`` to run on something else."""
+
+ROUNDS = 2
+CHECKED_CLIENTS = (0, 1)
+"""The clients the one-round checks train by hand."""
+
+TIMING_KEYS = frozenset({"seconds", "client_s", "comm_s", "server_s", "rank_idle_share"})
+"""Metrics keys that are wall times, which differ from run to run."""
+
+
+class ConformanceError(AssertionError):
+    """An algorithm breaks a contract of the interface; the message names the algorithm."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConformanceError(message)
+
+
+def _server(federation: Federation) -> ServerAlgorithm:
+    """The played federation's server (the checks play in one process, which is rank 0)."""
+    server = federation.server
+    if server is None:
+        raise ConformanceError("the checks' federation has no server (it is not rank 0)")
+    return server
+
+
+def hints(name: str) -> ConformanceHints:
+    return get_algorithm(name).conformance
+
+
+def run_overrides(name: str) -> list[str]:
+    """``algorithm=NAME``, ``rounds=2`` and the algorithm's own ``ConformanceHints.overrides``:
+    every run of the checks, on top of the config (``SMALL_RUN`` without one)."""
+    return [f"algorithm={name}", f"rounds={ROUNDS}", *hints(name).overrides]
+
+
+def _arguments(name: str, config_file: str | os.PathLike | None, overrides: Sequence[str]) -> list[str]:
+    """Every run of the checks: one thread per process whatever the config says, as the launched
+    ranks have (OMP_NUM_THREADS=1): another thread count sums floats in another order, and the
+    one-process run would then differ from the 3-rank run in the last digits."""
+    return [*(SMALL_RUN if config_file is None else ()), "runtime.threads=1", *run_overrides(name), *overrides]
+
+
+def _same(a: Payload, b: Payload) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def _weights_only(state: Any) -> Any:
+    """``state`` through ``torch.save`` and ``torch.load(weights_only=True)``, as checkpoints go."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+# --------------------------------------------------------------------------- the registration
+
+
+def check_registration(name: str) -> None:
+    """The capability flags agree with the classes (``register_algorithm`` refuses a registration
+    that contradicts them; this holds an entry put in the registry any other way to it too), a
+    ``ranks_covered_by`` names another registered algorithm whose launch is checked somewhere, and
+    the hints' overrides load on the checks' run."""
+    entry = get_algorithm(name)
+    _require(entry.evaluation_installs_knowledge == installs_knowledge(entry.client),
+             f"{name}: evaluation_installs_knowledge={entry.evaluation_installs_knowledge}, but its client "
+             f"{'overrides' if installs_knowledge(entry.client) else 'keeps'} the base prepare_evaluation")
+    _require(not entry.batched_clients or has_batched_path(entry.client),
+             f"{name}: batched_clients=True, but its client's train_group is not a batched path of its train")
+    covering = entry.conformance.ranks_covered_by
+    if covering:
+        _require(covering != name, f"{name}: ranks_covered_by names the algorithm itself")
+        _require(covering.lower() in algorithm_names(),
+                 f"{name}: ranks_covered_by={covering!r} names no registered algorithm")
+        other = get_algorithm(covering)
+        _require(not other.conformance.ranks_covered_by,
+                 f"{name}: ranks_covered_by={covering!r}, whose own launch is covered by "
+                 f"{other.conformance.ranks_covered_by!r}: name that one")
+    try:
+        resolved_config(None, _arguments(name, None, ()))
+    except ConfigError as exc:
+        raise ConformanceError(f"{name}: the checks' run with its conformance overrides "
+                               f"{list(entry.conformance.overrides)} does not load: {exc}") from None
+
+
+# --------------------------------------------------------------------------- one round by hand
+
+
+@dataclass
+class PlayedRound:
+    """One round of an algorithm driven by hand in this process: the setup, two clients trained,
+    their uploads through the wire, the server's update. What the one-round checks read."""
+
+    algorithm: str
+    federation: Federation
+    message: Encoded
+    """The two clients' uploads, encoded as one rank sends them."""
+    theory_floats: dict[int, int]
+    """Per trained client, its ``theory_upload_floats`` (the paper's count)."""
+
+
+def play_one_round(name: str, out_dir: str | os.PathLike, *, config_file: str | os.PathLike | None = None,
+                   overrides: Sequence[str] = ()) -> PlayedRound:
+    """Round 1 of ``name`` on the checks' run (``config_file`` and ``overrides`` on top of
+    ``run_overrides``), in this process: what ``Federation.run`` does first in a fresh run, then
+    clients 0 and 1 trained as the runtime trains them, their uploads encoded (the wire refuses an
+    upload off its declaration), decoded, validated and given to the server."""
+    file = None if config_file is None else str(config_file)
+    config = resolved_config(file, _arguments(name, config_file, overrides))
+    federation = Federation(RunContext(config, LocalTransport(), torch.device("cpu"), Path(out_dir)))
+    federation.play_setup(RoundTraffic())
+    knowledge = federation.knowledge()
+    uploads, theory = {}, {}
+    for client_id in CHECKED_CLIENTS:
+        client = federation.clients[client_id]
+        seed_global_torch(config.seed, "train", client_id, 0)
+        result = federation.client_algorithm.train(client, knowledge, 0,
+                                                   torch_generator(config.seed, "batches", client_id, 0))
+        uploads[client_id] = result.upload
+        theory[client_id] = int(federation.client_algorithm.theory_upload_floats(client))
+    message = encode(federation.upload_spec, uploads)
+    received = decode(federation.upload_spec, message)
+    server = _server(federation)
+    for client_id, upload in received.items():
+        server.validate_upload(client_id, upload)
+    server.update(received, 0, torch_generator(config.seed, "server", 0))
+    return PlayedRound(name, federation, message, theory)
+
+
+def check_declared_payloads(played: PlayedRound) -> None:
+    """The download carries every declared field; every upload field declares ``max_rows`` (rank 0
+    refuses, before allocating, a message larger than the declared fields allow: without it only
+    ``runtime.max_message_mb`` bounds it), and the two clients' real uploads fit the bound for two
+    entries. (Uploads off their declaration were already refused when the round was played.)"""
+    name, federation = played.algorithm, played.federation
+    sent = encode(federation.download_spec, {BROADCAST_ENTRY: _server(federation).download()})
+    received = set(decode(federation.download_spec, sent)[BROADCAST_ENTRY])
+    declared = {field.name for field in federation.download_spec}
+    _require(received == declared, f"{name}: the download carries {sorted(received)}, declared {sorted(declared)}")
+    unbounded = [field.name for field in federation.upload_spec if field.max_rows is None]
+    _require(not unbounded, f"{name}: upload fields without max_rows: {unbounded}")
+    bound = max_message_bytes(federation.upload_spec, len(CHECKED_CLIENTS))
+    if bound is None:
+        raise ConformanceError(f"{name}: an upload field declares no max_rows")
+    _require(played.message.nbytes <= bound,
+             f"{name}: two uploads take {played.message.nbytes} bytes, more than their declaration allows ({bound})")
+
+
+def _class_knowledge_only(payload: Payload) -> bool:
+    """Every float tensor has one row per class id sent with it: class knowledge (prototypes,
+    logits), not a model part (a head, a shared model, a generator travel as unindexed rows)."""
+    floats = [tensor for tensor in payload.values() if tensor.is_floating_point()]
+    class_ids = payload.get("class_ids")
+    return all(class_ids is not None and tensor.shape[0] == class_ids.shape[0] for tensor in floats)
+
+
+def check_parameters_travel_as_registered(played: PlayedRound) -> None:
+    """Model parameters travel only for algorithms registered as sharing them
+    (``shares_parameters``, where the method's paper shares them); every other one sends class
+    knowledge only, and one registered as sharing them sends some."""
+    name, federation = played.algorithm, played.federation
+    payloads = [*decode(federation.upload_spec, played.message).values(), _server(federation).download()]
+    class_knowledge = all(_class_knowledge_only(payload) for payload in payloads)
+    if federation.entry.shares_parameters:
+        _require(not class_knowledge, f"{name} is registered as sharing parameters but sends none")
+    else:
+        _require(class_knowledge, f"{name} sends more than class knowledge; register it with shares_parameters=True "
+                                  f"only if its paper shares model parameters")
+
+
+def check_state_round_trip(played: PlayedRound) -> None:
+    """The server's state, loaded into a fresh server through ``torch.load(weights_only=True)``,
+    gives the same download; every client's modules come back equal through the same load."""
+    name, federation = played.algorithm, played.federation
+    server = _server(federation)
+    before = server.download()
+    fresh = build_server(federation.entry, federation.context, federation.config, {})
+    try:
+        state = _weights_only(server.state_dict())
+    except Exception as exc:  # pickle.UnpicklingError names the type weights_only refuses
+        raise ConformanceError(f"{name}: server state_dict() does not load with weights_only=True: {exc}") from exc
+    fresh.load_state_dict(state)
+    _require(_same(fresh.download(), before), f"{name}: a server loaded from the state sends another download")
+    for client_id in CHECKED_CLIENTS:
+        for module_name, module in federation.clients[client_id].modules.items():
+            _require(_same(_weights_only(module.state_dict()), module.state_dict()),
+                     f"{name}: client {client_id}'s module {module_name!r} does not round-trip")
+
+
+def check_empty_round_keeps_knowledge(played: PlayedRound) -> None:
+    """``update({})`` (every upload of a round screened out) leaves the download as it was. It
+    updates the played server: run it after the other one-round checks."""
+    name, server = played.algorithm, _server(played.federation)
+    before = server.download()
+    server.update({}, 1, torch_generator(played.federation.config.seed, "server", 1))
+    _require(_same(server.download(), before), f"{name}: a round without uploads changed the knowledge")
+
+
+# --------------------------------------------------------------------------- bytes against theory
+
+
+def framing_bytes(spec: PayloadSpec) -> int | None:
+    """The most bytes one client's upload adds to the paper's count: its share of the message
+    header (the message's entry count, at most one message per client, its id and one row count
+    per field) and every field that is not floats (class ids, counts), at ``max_rows``. None
+    when such a field declares no ``max_rows``."""
+    total = 8 * (2 + len(spec))
+    for field in spec:
+        if field.dtype.is_floating_point:
+            continue
+        if field.max_rows is None:
+            return None
+        total += field.max_rows * field.row_bytes()
+    return total
+
+
+def check_bytes_against_theory(played: PlayedRound, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The floats each client of the played round uploads are exactly the paper's count
+    (4 bytes each, ``theory_upload_floats``), and every round of the two-round run (``rows``, its
+    metrics) measured ``bytes_up`` between ``bytes_theory_up`` and that plus the framing of one
+    upload per client (``framing_bytes``); an algorithm that uploads nothing measures 0."""
+    name, federation = played.algorithm, played.federation
+    for client_id, upload in decode(federation.upload_spec, played.message).items():
+        floats = sum(tensor.numel() * tensor.element_size() for tensor in upload.values()
+                     if tensor.is_floating_point())
+        counted = 4 * played.theory_floats[client_id]
+        _require(floats == counted, f"{name}: client {client_id} uploads {floats} bytes of floats; the paper's count "
+                                    f"(theory_upload_floats) is {counted} bytes")
+    framing = framing_bytes(federation.upload_spec)
+    if framing is None:
+        raise ConformanceError(f"{name}: an upload field that is not floats declares no max_rows")
+    most = federation.config.num_clients * framing
+    _require(len(rows) > 0, f"{name}: the run wrote no metrics rows")
+    for row in rows:
+        measured, theory = row["bytes_up"], row["bytes_theory_up"]
+        if not federation.upload_spec:
+            _require(measured == 0 and theory == 0, f"{name} declares no upload but round {row['round']} "
+                                                    f"measured {measured} bytes (theory {theory})")
+            continue
+        _require(theory <= measured <= theory + most,
+                 f"{name}: round {row['round']} sent {measured} bytes; the paper's count is {theory} and the "
+                 f"framing of {federation.config.num_clients} uploads at most {most}")
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def play_run(name: str, out_dir: str | os.PathLike, *, config_file: str | os.PathLike | None = None,
+             overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
+    """The checks' two-round run of ``name`` played in this process (``runtime.simulate``: the
+    program's own round loop and outputs, without a process start); its metrics rows."""
+    from htfl_dist.runtime.simulate import simulate
+
+    return simulate(config_file, _arguments(name, config_file, overrides), out=out_dir)
+
+
+def launch_env() -> dict[str, str]:
+    """The environment of a launch: this one, one intra-op thread per rank, no rank variables
+    inherited, and this process's import path (what imports here, a plugin included, imports there)."""
+    env = dict(os.environ)
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env["OMP_NUM_THREADS"] = "1"
+    paths = [path for path in sys.path if path and Path(path).is_dir()]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, *filter(None, env.get("PYTHONPATH", "").split(
+        os.pathsep))]))
+    return env
+
+
+def launch_run(name: str, out_dir: str | os.PathLike, *, nproc: int = 3, config_file: str | os.PathLike | None = None,
+               overrides: Sequence[str] = (), imports: Sequence[str] = (), env: Mapping[str, str] | None = None,
+               timeout: float = 600) -> list[dict[str, Any]]:
+    """The checks' two-round run of ``name`` on ``nproc`` torchrun ranks over Gloo
+    (``torchrun --standalone -m htfl_dist.main``, the torchrun next to this Python); its metrics
+    rows. ``imports``: modules each rank imports first (``--import``), for an algorithm that an
+    installed plugin's entry point does not register; ``env``: the launch's environment
+    (default ``launch_env()``)."""
+    from htfl_dist.metrics.writer import read_rows
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        raise ConformanceError("torchrun is not installed next to this Python or on PATH")
+    out = Path(out_dir)
+    command = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "htfl_dist.main",
+               *(["--config", str(config_file)] if config_file is not None else []), "--out", str(out),
+               *[argument for module in imports for argument in ("--import", module)],
+               *_arguments(name, config_file, overrides), "runtime.backend=gloo", "runtime.device=cpu"]
+    result = subprocess.run(command, env=dict(env) if env is not None else launch_env(), capture_output=True,
+                            text=True, timeout=timeout)
+    _require(result.returncode == 0, f"{name} on {nproc} torchrun ranks exited with {result.returncode}:\n"
+                                     f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
+    return read_rows(out / "metrics.jsonl")
+
+
+def _maths(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A metrics row without wall times and measured bytes: what must not depend on the world size."""
+    return {key: value for key, value in row.items()
+            if key not in TIMING_KEYS and not (key.startswith("bytes_") and "theory" not in key)}
+
+
+def check_world_size_invariance(single: Sequence[Mapping[str, Any]], spread: Sequence[Mapping[str, Any]], *,
+                                ranks: int = 3, name: str = "") -> None:
+    """The rows of one process (``single``) and of ``ranks`` ranks (``spread``) are equal in every
+    key but wall times and measured bytes (the maths, the algorithm's diagnostics, the papers'
+    counts), and each measured upload (``bytes_up``, ``bytes_setup_up``) differs by the entry
+    count of one message per further rank at most (8 bytes each)."""
+    label = name or "the algorithm"
+    _require(len(single) == len(spread) > 0,
+             f"{label}: {len(single)} rows in one process, {len(spread)} on {ranks} ranks")
+    for one, many in zip(single, spread, strict=True):
+        left, right = _maths(one), _maths(many)
+        for key in sorted(left.keys() | right.keys()):
+            _require(left.get(key) == right.get(key), f"{label}: round {one.get('round')}: {key} is {left.get(key)!r} "
+                                                      f"in one process, {right.get(key)!r} on {ranks} ranks")
+        for key in ("bytes_up", "bytes_setup_up"):
+            if key in one or key in many:
+                extra = many.get(key, 0) - one.get(key, 0)
+                _require(0 <= extra <= 8 * (ranks - 1),
+                         f"{label}: round {one.get('round')}: {key} is {one.get(key)} in one process and "
+                         f"{many.get(key)} on {ranks} ranks; they may differ by one message header per rank")
+
+
+# --------------------------------------------------------------------------- the cases of a suite
+
+
+CHECKS = ("registration", "declared_payloads", "parameters_travel", "state_round_trip", "bytes_against_theory",
+          "empty_round", "three_ranks")
+"""Every case of one algorithm, in the order they run (the empty round updates the played server,
+so it comes after the other one-round checks)."""
+
+RUN_CHECKS = frozenset({"bytes_against_theory", "three_ranks"})
+"""The cases that play a whole run in the test process (``play_run``)."""
+
+_ROUND_CHECKS = {
+    "declared_payloads": check_declared_payloads,
+    "parameters_travel": check_parameters_travel_as_registered,
+    "state_round_trip": check_state_round_trip,
+    "empty_round": check_empty_round_keeps_knowledge,
+}
+
+def _fresh(workdir: Path, what: str) -> Path:
+    """A new empty directory under ``workdir`` for one run."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{what}-", dir=workdir))
+
+
+_played: dict[Any, PlayedRound] = {}
+_runs: dict[Any, list[dict[str, Any]]] = {}
+
+
+@dataclass(frozen=True)
+class ConformanceCase:
+    """One check of one algorithm; call it with a directory to run in. The round played by hand
+    and the one-process run are played once per algorithm and process, and shared by its cases
+    (an algorithm's cases follow each other, so only the last round played is kept)."""
+
+    algorithm: str
+    check: str
+
+    def __call__(self, workdir: str | os.PathLike, *, config_file: str | os.PathLike | None = None,
+                 overrides: Sequence[str] = (), imports: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None) -> None:
+        """Run the check in ``workdir``; ``config_file`` and ``overrides`` change the checks' run
+        (for every case of the algorithm alike: the played runs are shared by their settings),
+        ``imports`` and ``env`` are the launch's (``launch_run``)."""
+        workdir = Path(workdir)
+        name = self.algorithm
+        key = (get_algorithm(name), None if config_file is None else str(config_file), tuple(overrides))
+        if self.check == "registration":
+            check_registration(name)
+        elif self.check in _ROUND_CHECKS:
+            _ROUND_CHECKS[self.check](self._round(key, workdir, config_file, overrides))
+        elif self.check == "bytes_against_theory":
+            check_bytes_against_theory(self._round(key, workdir, config_file, overrides),
+                                       self._run(key, workdir, config_file, overrides))
+        elif self.check == "three_ranks":
+            single = self._run(key, workdir, config_file, overrides)
+            spread = launch_run(name, _fresh(workdir, "3-ranks") / "run", config_file=config_file, overrides=overrides,
+                                imports=imports, env=env)
+            check_world_size_invariance(single, spread, name=name)
+        else:
+            raise ValueError(f"no conformance check {self.check!r}; the checks: {', '.join(CHECKS)}")
+
+    def _round(self, key, workdir, config_file, overrides) -> PlayedRound:
+        if key not in _played:
+            _played.clear()  # one algorithm's round at a time: the next algorithm's cases follow
+            _played[key] = play_one_round(self.algorithm, _fresh(workdir, "round"), config_file=config_file,
+                                          overrides=overrides)
+        return _played[key]
+
+    def _run(self, key, workdir, config_file, overrides) -> list[dict[str, Any]]:
+        if key not in _runs:
+            _runs[key] = play_run(self.algorithm, _fresh(workdir, "1-process") / "run", config_file=config_file,
+                                  overrides=overrides)
+        return [dict(row) for row in _runs[key]]
+
+
+def conformance_cases(names: Iterable[str], *, launch: bool = True, launch_marks: Sequence[Any] = (),
+                      run_marks: Sequence[Any] = ()) -> list[Any]:
+    """Every conformance case of each algorithm in ``names``, as ``pytest.param`` values for one
+    ``@pytest.mark.parametrize("case", ...)`` (ids ``NAME-CHECK``). ``launch=False`` leaves out
+    the case that starts processes (``three_ranks``); ``launch_marks`` mark it (our suite's
+    ``pytest.mark.launch``), and ``run_marks`` mark the cases that play a whole run in the test
+    process (``bytes_against_theory``, ``three_ranks``: our suite's ``pytest.mark.integration``).
+    The launching case is also left out for an algorithm registered now whose hints say its
+    launches are covered elsewhere (``ConformanceHints.launched``)."""
+    import pytest
+
+    params = []
+    for name in names:
+        for check in CHECKS:
+            marks = list(run_marks) if check in RUN_CHECKS else []
+            if check == "three_ranks":
+                registered = name.lower() in algorithm_names()
+                if not launch or (registered and not hints(name).launched):
+                    continue
+                marks += list(launch_marks)
+            params.append(pytest.param(ConformanceCase(name, check), id=f"{name}-{check}", marks=marks))
+    return params
