@@ -39,7 +39,7 @@ def replaced_atomically(path: str | os.PathLike, size: int | None = None) -> Ite
             os.unlink(tmp)
 
 
-def publish_bytes(path: str | os.PathLike, data: bytes) -> None:
+def publish_bytes(path: str | os.PathLike, data: bytes | memoryview) -> None:
     """Publish ``data`` at ``path`` all at once, its bytes on disk before the rename (a manifest
     or a later prune may rely on the file surviving a node crash)."""
     with replaced_atomically(path, len(data)) as tmp, open(tmp, "wb") as handle:

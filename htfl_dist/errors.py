@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import os
 import reprlib
+from typing import TypeGuard
 
 EXIT_USER_ERROR = 2
 EXIT_FAILURE = 1
@@ -85,12 +86,13 @@ class DiskFullError(HtflError):
                          f"free space (or point --out elsewhere), then run again with --resume auto")
 
 
-def is_disk_full(exc: BaseException) -> bool:
+def is_disk_full(exc: BaseException) -> TypeGuard[OSError]:
     return isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS
 
 
 def disk_full_reason(exc: OSError) -> str:
-    return {errno.EDQUOT: "quota exceeded", errno.EFBIG: "file size limit"}.get(exc.errno, "no space left")
+    reasons: dict[int | None, str] = {errno.EDQUOT: "quota exceeded", errno.EFBIG: "file size limit"}
+    return reasons.get(exc.errno, "no space left")
 
 
 def _size(count: int) -> str:

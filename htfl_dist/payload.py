@@ -40,11 +40,13 @@ class Field:
 def max_message_bytes(spec: tuple[Field, ...], entries: int) -> int | None:
     """The largest encoded message (header and body, see ``runtime/wire.py``) that ``entries``
     entries of ``spec`` can make, or None when a field declares no ``max_rows``."""
-    if any(field.max_rows is None for field in spec):
-        return None
+    entry_bytes = 0
+    for field in spec:
+        if field.max_rows is None:
+            return None
+        entry_bytes += field.max_rows * field.row_bytes()
     header_values = 1 + entries * (1 + len(spec))
-    body = entries * sum(field.max_rows * field.row_bytes() for field in spec)
-    return header_values * 8 + body
+    return header_values * 8 + entries * entry_bytes
 
 
 PayloadSpec = tuple[Field, ...]

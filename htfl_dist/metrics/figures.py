@@ -62,8 +62,8 @@ def plot_class_margins(runs: Sequence[RunRecord], out: Path, rounds: Sequence[in
     labels = run_labels(runs)
     chosen = []
     for label, run in zip(labels, runs, strict=True):
-        rows = margin_rows(run)
-        chosen.append([rows[r] for r in _chosen_rounds(sorted(rows), rounds, label,
+        by_round = margin_rows(run)
+        chosen.append([by_round[r] for r in _chosen_rounds(sorted(by_round), rounds, label,
                                                         "per-class margins (logged by fedtgp)")])
     figure, axes = _grid([len(rows) for rows in chosen])
     for label, rows, row_axes in zip(labels, chosen, axes, strict=True):

@@ -8,6 +8,7 @@ architecture-specific) and ``head`` (R^K -> R^C, the same shape on every client)
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 
 from torch import Tensor, nn
 
@@ -65,7 +66,7 @@ def natural_key(name: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def check_new_name(kind: str, name: str, taken: dict[str, object]) -> None:
+def check_new_name(kind: str, name: str, taken: Mapping[str, object]) -> None:
     """Shared rule of the architecture and head registries: a name is registered once, and holds
     neither ':' (it separates ARCH:HEAD) nor ',' (it separates the members of a custom group)."""
     if name in taken:

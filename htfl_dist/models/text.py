@@ -133,6 +133,8 @@ class BiLSTM(nn.Module):
 class PositionalEncoding(nn.Module):
     """The sinusoidal table of the PyTorch tutorial HtFLlib's Transformer follows, then dropout."""
 
+    table: Tensor  # a buffer (register_buffer)
+
     def __init__(self, width: int, length: int) -> None:
         super().__init__()
         self.dropout = nn.Dropout(TRANSFORMER_DROPOUT)

@@ -153,7 +153,7 @@ class ClientStore(Mapping[int, ClientState]):
         self._resident: OrderedDict[int, ClientState] = OrderedDict()
         self._parked: set[int] = set()
         self._unchanged: set[int] = set()
-        self._parking = None
+        self._parking: _HostParking | _DiskParking | None = None
         if self.bounded:
             in_memory = device.type == "cuda" if park_in_memory is None else park_in_memory
             self._parking = _HostParking() if in_memory else _DiskParking(scratch_dir, rank)
@@ -167,6 +167,12 @@ class ClientStore(Mapping[int, ClientState]):
     @property
     def bounded(self) -> bool:
         return self.limit > 0
+
+    @property
+    def _parking_area(self) -> _HostParking | _DiskParking:
+        """Where parked records go; only a bounded store parks (an unbounded one keeps every client resident)."""
+        assert self._parking is not None, "an unbounded store parks nothing"
+        return self._parking
 
     def __len__(self) -> int:
         return len(self.client_ids)
@@ -210,7 +216,7 @@ class ClientStore(Mapping[int, ClientState]):
             self.built += 1
             return self._build(client_id, False)
         client = self._build(client_id, True)
-        restore_client(client, self._parking.get(client_id, self.device), f"parked client {client_id}")
+        restore_client(client, self._parking_area.get(client_id, self.device), f"parked client {client_id}")
         self.unparked += 1
         return client
 
@@ -221,7 +227,7 @@ class ClientStore(Mapping[int, ClientState]):
         if client_id in self._unchanged:
             self._unchanged.discard(client_id)
         else:
-            self._parking.put(client_id, client_record(client))
+            self._parking_area.put(client_id, client_record(client))
             self._parked.add(client_id)
             self.parked_count += 1
         del client  # the last reference: its tensors are freed before the trim below
@@ -235,7 +241,7 @@ class ClientStore(Mapping[int, ClientState]):
         if client is not None:
             return client_record(client)
         if client_id in self._parked:
-            return self._parking.get(client_id, torch.device("cpu"))
+            return self._parking_area.get(client_id, torch.device("cpu"))
         return client_record(self._build(client_id, False))
 
     def restore(self, client_id: int, record: ClientRecord, origin: str) -> None:
@@ -247,7 +253,7 @@ class ClientStore(Mapping[int, ClientState]):
             return
         shell = self._build(client_id, True)
         restore_client(shell, record, origin)  # checks architecture and modules before parking
-        self._parking.put(client_id, client_record(shell))
+        self._parking_area.put(client_id, client_record(shell))
         self._parked.add(client_id)
 
     def close(self) -> None:

@@ -131,7 +131,10 @@ class Exchange:
         """The server's ``download`` (rank 0; None elsewhere) to every rank, decoded on each."""
         if not spec:
             return {}  # the algorithm shares nothing server → clients: nothing travels
-        message = encode(spec, {BROADCAST_ENTRY: download}) if self.transport.rank == 0 else None
+        message = None
+        if self.transport.rank == 0:
+            assert download is not None, "rank 0 passes the server's download"
+            message = encode(spec, {BROADCAST_ENTRY: download})
         received = self.transport.broadcast(message)
         traffic.down += received.nbytes * len(client_ranks(self.transport.world_size))
         return decode(spec, received, self.device)[BROADCAST_ENTRY]

@@ -48,6 +48,7 @@ def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, sk
     """The row of an evaluation round: pooled accuracy (Σ correct / Σ samples over every client),
     the std of the per-client accuracies, the training loss over the participants, bytes, times,
     ε columns (privacy) and the server's diagnostics."""
+    assert outcome.reports is not None, "rank 0's outcome"
     reports, traffic = outcome.reports.clients, outcome.traffic
     evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])
     trains = np.array([r["train"][0].tolist() for r in reports.values() if r["train"].shape[0]])
@@ -103,6 +104,7 @@ class RoundRecords:
 
     def record(self, outcome: RoundOutcome, round_seconds: list[float]) -> None:
         """The row of an evaluation round (and its sinks) and every round's progress line."""
+        assert outcome.reports is not None, "rank 0's outcome"
         ranks = outcome.reports.ranks
         outcome.traffic.theory_up = int(sum(r.theory_up_bytes for r in ranks))
         self._skipped_since_row.extend(outcome.skipped)

@@ -19,6 +19,7 @@ from htfl_dist.algorithms import (
     AlgorithmEntry,
     ClientAlgorithm,
     ClientState,
+    ServerAlgorithm,
     algorithm_names,
     get_algorithm,
 )
@@ -30,6 +31,7 @@ from htfl_dist.generators import build_generator
 from htfl_dist.metrics.writer import progress
 from htfl_dist.models import (
     InputSpec,
+    SplitModel,
     architecture_for_client,
     build_model,
     check_group_inputs,
@@ -159,7 +161,8 @@ def place_clients(config: Config, partition: Any, transport: Transport, device: 
     return plan_placement(config.runtime.placement, transport.world_size, work, unit)
 
 
-def build_server(entry: AlgorithmEntry, context: AlgorithmContext, config: Config, extra_summary: dict[str, Any]):
+def build_server(entry: AlgorithmEntry, context: AlgorithmContext, config: Config,
+                 extra_summary: dict[str, Any]) -> ServerAlgorithm:
     """The server half (rank 0); FedKTL's gets the pre-trained generator, loaded here, and its
     provenance goes into summary.json."""
     resources = {}
@@ -213,7 +216,7 @@ class ClientFactory:
                                                     (raw.train_x, raw.train_y, raw.test_x, raw.test_y))
         return split
 
-    def initial_model(self, client_id: int, shell: bool) -> torch.nn.Module:
+    def initial_model(self, client_id: int, shell: bool) -> SplitModel:
         """Client ``client_id``'s initial model. A ``shell`` (about to receive a parked state) is
         built on the meta device and only allocated. With ``model.init=htfllib`` every client of
         a member starts from the same weights (seeded by ``seed`` alone), so they are drawn once
@@ -223,7 +226,7 @@ class ClientFactory:
         buffers outside it is always built in full."""
         config, info = self.config, self.partition
 
-        def build() -> torch.nn.Module:
+        def build() -> SplitModel:
             return initial_client_model(
                 config.model.group, client_id, config.seed, num_classes=info.num_classes,
                 feature_dim=config.model.feature_dim, inputs=info.inputs(), init=config.model.init,
@@ -237,7 +240,7 @@ class ClientFactory:
             held = set(model.state_dict())
             if all(name in held for name, _ in (*model.named_parameters(), *model.named_buffers())):
                 model = model.to_empty(device=self.device)
-                if not shell:
+                if not shell and shared is not None:  # (not shell: shared is not None)
                     model.load_state_dict(shared)
                 return model
         model = build().to(self.device)

@@ -17,6 +17,7 @@ import datetime
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -102,6 +103,12 @@ def _sizes(message: Encoded) -> torch.Tensor:
     return torch.tensor([message.header.numel(), message.body.numel()], dtype=torch.int64)
 
 
+def _sent(message: Encoded | None) -> Encoded:
+    """The message rank 0 broadcasts (the other ranks pass None)."""
+    assert message is not None, "rank 0 passes the message it broadcasts"
+    return message
+
+
 class TorchTransport(Transport):
     """torch.distributed; tensors travel on ``comm_device`` (a GPU for NCCL, CPU for Gloo)."""
 
@@ -113,7 +120,7 @@ class TorchTransport(Transport):
         self.rank, self.world_size, self.name = rank, world_size, backend
         self.comm_device = comm_device
         self.address = address
-        kwargs = {"device_id": comm_device} if backend == "nccl" else {}
+        kwargs: dict[str, Any] = {"device_id": comm_device} if backend == "nccl" else {}
         serve = rank == 0 and address.hosted_by_rank0
         store = open_store(address, rank, world_size, timeout_s, serve=serve)
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size, store=store,
@@ -125,11 +132,12 @@ class TorchTransport(Transport):
     def broadcast(self, message: Encoded | None) -> Encoded:
         self.waiting_for = None if self.rank == 0 else 0
         dist = self._dist
-        sizes = self._to_comm(_sizes(message) if self.rank == 0 else torch.zeros(2, dtype=torch.int64))
+        sizes = self._to_comm(_sizes(_sent(message)) if self.rank == 0 else torch.zeros(2, dtype=torch.int64))
         dist.broadcast(sizes, src=0)
         header_len, body_len = (int(v) for v in sizes.tolist())
         if self.rank == 0:
-            header, body = self._to_comm(message.header), self._to_comm(message.body)
+            sent = _sent(message)
+            header, body = self._to_comm(sent.header), self._to_comm(sent.body)
         else:
             header = torch.empty(header_len, dtype=torch.int64, device=self.comm_device)
             body = torch.empty(body_len, dtype=torch.uint8, device=self.comm_device)
@@ -188,10 +196,11 @@ class MPITransport(Transport):
     def broadcast(self, message: Encoded | None) -> Encoded:
         self.waiting_for = None if self.rank == 0 else 0
         comm = self._comm
-        sizes = _sizes(message).numpy() if self.rank == 0 else np.zeros(2, dtype=np.int64)
+        sizes = _sizes(_sent(message)).numpy() if self.rank == 0 else np.zeros(2, dtype=np.int64)
         comm.Bcast(sizes, root=0)
         if self.rank == 0:
-            header, body = message.header.numpy(), message.body.numpy()
+            sent = _sent(message)
+            header, body = sent.header.numpy(), sent.body.numpy()
         else:
             header = np.empty(int(sizes[0]), dtype=np.int64)
             body = np.empty(int(sizes[1]), dtype=np.uint8)

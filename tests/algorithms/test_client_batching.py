@@ -301,6 +301,7 @@ def test_a_batched_run_is_world_size_invariant(batched, tmp_path, cache_dir):
     _close(rows, batched)
 
 
+@pytest.mark.integration
 def test_groups_larger_than_the_resident_clients_train_in_chunks(one_by_one, tmp_path, cache_dir):
     """Groups of three with at most two clients resident: trained as a group of two and one."""
     rows = run_smoke("single", 1, tmp_path, cache_dir, *GROUPED, "train.client_batching=vmap",

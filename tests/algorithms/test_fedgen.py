@@ -217,6 +217,7 @@ def test_heterogeneous_heads_and_batches_of_one_are_refused():
         entry.client.check_models(context)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("overrides,persist", [((), True), (("algo.persist_generator=false",), False)])
 def test_real_run(single_run, overrides, persist):
     """The paper's default persists G (the conformance test's run, shared); HtFLlib's quirk does not."""

@@ -133,6 +133,7 @@ def test_bad_options_name_their_key(options, key):
         parse_options(get_algorithm("fedgh"), options)
 
 
+@pytest.mark.integration
 def test_real_run(single_run):
     rows = launch_smoke(single_run, "fedgh")
     assert all(r["server_pairs"] > 0 for r in rows)

@@ -382,6 +382,7 @@ SMALL_MENTEE = ("algo.shared_model=htcnn2",)
 round in float64 SVDs of its 512x4608 layer. The conformance test runs the same two rounds."""
 
 
+@pytest.mark.integration
 def test_real_run(single_run):
     """The paper's defaults, mentee included (htcnn1), once."""
     rows = launch_smoke(single_run, "fedkd")
@@ -391,11 +392,13 @@ def test_real_run(single_run):
     assert rows[0]["bytes_theory_down"] == 0 and rows[1]["bytes_theory_down"] > 0  # nothing sent before round 1
 
 
+@pytest.mark.integration
 def test_real_run_htfllib(single_run):
     rows = launch_smoke(single_run, "fedkd", "algo.compat=htfllib", *SMALL_MENTEE)
     assert rows[0]["ranks_down"][0] > 0  # the conv weight travels as per-slice factors
 
 
+@pytest.mark.integration
 def test_resume_matches_the_uninterrupted_run(single_run, tmp_path, cache_dir):
     """Mentee, W_h and the sync record are checkpointed with the client; the server's download too."""
     uninterrupted = launch_smoke(single_run, "fedkd", *SMALL_MENTEE)

@@ -706,6 +706,7 @@ def test_mpirun_three_ranks_and_a_resume_equal_one_uninterrupted_process(single,
     assert maths_only(read_metrics(tmp_path)) == maths_only(single)
 
 
+@pytest.mark.integration
 def test_single_client_mode(tmp_path, cache_dir):
     """One server, one client; one local epoch per round, so the loop runs once per epoch."""
     rows = _run("single", 1, tmp_path, cache_dir, "num_clients=1")

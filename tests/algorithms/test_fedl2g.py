@@ -311,12 +311,14 @@ def test_bad_options_are_one_line_errors(options, match):
 # --------------------------------------------------------------------------- a real run
 
 
+@pytest.mark.integration
 def test_two_rounds_learn_and_send_the_papers_count(single_run):
     """The conformance test's one-process run (shared): learning, bytes within 5 % of W·m_i."""
     rows = launch_smoke(single_run, "fedl2g")
     assert all(row["guide_classes"] >= 1 for row in rows)
 
 
+@pytest.mark.integration
 def test_logit_guide_resumes_from_a_checkpoint_exactly(tmp_path, cache_dir):
     """The logit guide with HtFLlib's options and one warm-up round, 3 rounds checkpointed every
     round; round 1's checkpoint (G after one server step, the clients' untouched models) resumed

@@ -361,6 +361,7 @@ def test_predict_needs_the_batch_inputs_after_prepare_evaluation():
     with pytest.raises(ValueError, match="inputs, after prepare_evaluation"):
         algorithm.predict(client, knowledge, features, logits)
 
+@pytest.mark.integration
 def test_real_run(single_run):
     rows = launch_smoke(single_run, "fedmrl")
     assert all(r["small_model_uploads"] == 6 for r in rows)

@@ -393,6 +393,7 @@ def test_three_ranks_give_the_metrics_of_one_process(reference, tmp_path, cache_
         assert [r.get(key) for r in rows] == [r.get(key) for r in reference], key
 
 
+@pytest.mark.integration
 def test_resume_matches_the_uninterrupted_run(reference, tmp_path, cache_dir):
     """Anchors and P̄ (server), each client's last prototypes (its local margin) are checkpointed."""
     first = _run("single", 1, tmp_path, cache_dir, "rounds=1", "checkpoint_every=1")

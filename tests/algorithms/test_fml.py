@@ -244,6 +244,7 @@ def test_g_buffers_restart_from_the_initial_g_every_round(monkeypatch):
         assert torch.equal(buffer, initial[name]), name
 
 
+@pytest.mark.integration
 def test_real_run(single_run):
     rows = launch_smoke(single_run, "fml")
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)  # inference is M_i's own argmax

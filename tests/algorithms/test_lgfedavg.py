@@ -128,6 +128,7 @@ def test_bad_options_name_their_key(options, key):
         parse_options(get_algorithm("lgfedavg"), options)
 
 
+@pytest.mark.integration
 def test_real_run(single_run):
     rows = launch_smoke(single_run, "lgfedavg")
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)

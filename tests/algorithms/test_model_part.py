@@ -118,6 +118,7 @@ def test_the_server_refuses_two_rows_and_bad_counts():
     assert torch.equal(fresh.row, torch.ones(1, width))
 
 
+@pytest.mark.integration
 def test_fedper_on_the_block_plays_real_rounds(fedper, tmp_path, cache_dir):
     rows = simulate(SMOKE, ["algorithm=fedper", "model.group=cnn", "rounds=2", "num_clients=4",
                             f"data.cache_dir={cache_dir}"], out=tmp_path)

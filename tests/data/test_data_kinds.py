@@ -177,6 +177,7 @@ def _command(directory: Path, group: str, out: Path, cache: Path, *extra: str) -
 WRITERS = {"sensor": write_har, "text": write_agnews, "tabular": write_amazon}
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(("kind", "group", "extra"), [
     ("sensor", "HtFE-sen-2", ()),
     ("sensor", "HtFE-sen-8", ()),
@@ -192,6 +193,7 @@ def test_each_new_group_trains_one_round(tmp_path, kind, group, extra):
     assert 0.0 <= rows[0]["test_acc"] <= 1.0 and np.isfinite(rows[0]["train_loss"])
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["lgfedavg", "fedgh", "fedgen", "fml", "fedkd"])
 def test_model_sharing_algorithms_build_their_shared_parts_from_the_data(tmp_path, algorithm):
     """The shared head, shared model or mentee is built for the data's inputs (token rows here),

@@ -55,6 +55,7 @@ def test_outputs_and_bytes(reference):
     assert (out / "config.yaml").is_file()
 
 
+@pytest.mark.integration
 def test_local_sends_nothing(single_run):
     _, rows = single_run("algorithm=local", "rounds=2")  # the conformance test's run, shared
     assert all(r["bytes_up"] == 0 and r["bytes_theory_up"] == 0 for r in rows)
@@ -127,6 +128,7 @@ def test_diverged_client_ends_every_rank_loudly(launcher, tmp_path, cache_dir):
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.integration
 def test_diverged_clients_are_skipped_and_the_run_goes_on(tmp_path, cache_dir):
     """on_bad_upload=skip (default): NaN uploads are left out with a warning naming the client
     (rank 0 screens every upload, so one process shows what any world size does)."""

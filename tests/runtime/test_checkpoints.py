@@ -36,6 +36,7 @@ def test_resume_from_a_checkpoint_path_into_a_new_run(checkpointed, tmp_path, ca
     assert [r["test_acc"] for r in read_metrics(tmp_path)] == [r["test_acc"] for r in read_metrics(checkpointed)]
 
 
+@pytest.mark.integration
 def test_resume_of_another_experiment_is_refused(checkpointed, tmp_path, cache_dir):
     args = _args(tmp_path, cache_dir, "seed=1", "data.partition=pathological")
     result = run_program([*args, "--resume", str(checkpointed)])
@@ -45,6 +46,7 @@ def test_resume_of_another_experiment_is_refused(checkpointed, tmp_path, cache_d
     assert "seed: 0 -> 1" in lines[0] and "data.partition: 'dirichlet' -> 'pathological'" in lines[0]
 
 
+@pytest.mark.integration
 def test_corrupt_checkpoint_is_one_line_and_damages_nothing(checkpointed, tmp_path, cache_dir):
     import shutil
 
@@ -68,6 +70,7 @@ def _copy_run(source, destination):
     return destination
 
 
+@pytest.mark.integration
 def test_resume_auto_without_a_checkpoint_starts_over(checkpointed, tmp_path, cache_dir):
     """A run that died before its first checkpoint: --resume auto starts fresh and its rows
     replace the dead run's (even a half-written last line), instead of being appended to them."""
@@ -85,6 +88,7 @@ def test_resume_auto_without_a_checkpoint_starts_over(checkpointed, tmp_path, ca
     assert [r["test_acc"] for r in rows] == [r["test_acc"] for r in read_metrics(checkpointed)]
 
 
+@pytest.mark.integration
 def test_resume_past_the_planned_rounds_is_refused(checkpointed, tmp_path, cache_dir):
     copy = _copy_run(checkpointed, tmp_path / "run")
     before = {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()}
@@ -105,6 +109,7 @@ def test_resume_from_elsewhere_never_overwrites_an_existing_run(checkpointed, tm
     assert {p: p.read_bytes() for p in copy.rglob("*") if p.is_file()} == before
 
 
+@pytest.mark.integration
 def test_extending_a_finished_run_rewrites_its_summary(checkpointed, tmp_path, cache_dir):
     import json
 
@@ -178,6 +183,7 @@ def test_manifests_of_older_versions_still_match_their_experiment():
     assert _changes_since({"experiment": old}, config) == ["seed: 7 -> 0"]
 
 
+@pytest.mark.integration
 def test_foreign_directories_among_checkpoints_are_ignored_and_kept(checkpointed, tmp_path, cache_dir):
     """A user's backup copy (round_00003.bak) and a stray round_old are not checkpoints: resume
     uses the real newest one, and saving and pruning leave them alone."""
@@ -195,6 +201,7 @@ def test_foreign_directories_among_checkpoints_are_ignored_and_kept(checkpointed
     assert sorted(p.name for p in root.iterdir()) == ["round_00003", "round_00003.bak", "round_00004", "round_old"]
 
 
+@pytest.mark.integration
 def test_manifest_that_is_not_a_mapping_is_one_line(checkpointed, tmp_path, cache_dir):
     import shutil
 

@@ -197,6 +197,7 @@ def test_close_removes_the_scratch_directory(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["fedproto", "lgfedavg", "fedkd"])
 def test_a_bounded_store_gives_the_metrics_of_an_all_resident_run(algorithm, tmp_path, cache_dir):
     """8 clients, half of them per round, at most 2 resident: FedProto (evaluation only reads),

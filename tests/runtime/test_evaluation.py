@@ -76,6 +76,7 @@ def federation(monkeypatch, tmp_path) -> Federation:
     return _federation(monkeypatch, tmp_path)
 
 
+@pytest.mark.integration
 def test_accuracy_is_pooled_over_all_clients_with_the_updated_knowledge(federation, tmp_path):
     """Round 1 starts with no global prototypes (every prediction would be −1, accuracy 0): the
     accuracies of TEST_SPLITS hold only with the prototypes the server made from this round's
@@ -91,6 +92,7 @@ def test_accuracy_is_pooled_over_all_clients_with_the_updated_knowledge(federati
     torch.testing.assert_close(federation.server.download()["protos"], expected)
 
 
+@pytest.mark.integration
 def test_every_client_is_evaluated_in_eval_mode_with_the_download(federation):
     """What each client reports: [correct by nearest prototype, correct by the head, samples]."""
     federation.run()
@@ -98,6 +100,7 @@ def test_every_client_is_evaluated_in_eval_mode_with_the_download(federation):
     assert rows == {0: [3.0, 3.0, 4.0], 1: [1.0, 5.0, 6.0], 2: [2.0, 1.0, 2.0], 3: [0.0, 2.0, 4.0]}
 
 
+@pytest.mark.integration
 def test_a_round_without_evaluation_still_hands_its_knowledge_to_the_next(monkeypatch, tmp_path):
     """eval_every = 2: round 1 ends without the broadcast that evaluation does, yet round 2's
     participants must train towards the prototypes of round 1, not the empty round-0 download."""
@@ -115,6 +118,7 @@ def test_a_round_without_evaluation_still_hands_its_knowledge_to_the_next(monkey
     assert [row["round"] for row in read_metrics(tmp_path)] == [2]
 
 
+@pytest.mark.integration
 def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch, tmp_path, capsys):
     """The message of rank 0 (the only rank) claims client 999 instead of its participants: with
     on_bad_upload=skip the round goes on without them, named in a warning and in the row;

@@ -99,6 +99,7 @@ def test_htfllib_h5_matches_the_metrics(two_rounds_then_resume):
     assert not list(out.glob(".*.tmp"))  # the atomic rewrite leaves no temp file behind
 
 
+@pytest.mark.integration
 def test_resume_auto_without_checkpoint_says_it_starts_over(tmp_path, cache_dir):
     result = run_program(["--config", str(SMOKE), "--out", str(tmp_path), "--resume", "auto", "rounds=1",
                          f"data.cache_dir={cache_dir}"])

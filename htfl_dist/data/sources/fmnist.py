@@ -34,9 +34,9 @@ def _find_idx_file(root: str, stem: str) -> str | None:
     return None
 
 
-def fmnist_files(root: str) -> list[str]:
+def fmnist_files(root: str | None) -> list[str]:
     """Paths of the four IDX files under ``root``; DataError naming what is missing."""
-    if not os.path.isdir(root):
+    if root is None or not os.path.isdir(root):
         raise DataError(
             f"Fashion-MNIST not found at {root}: install it with `apt-get install "
             f"dataset-fashion-mnist` or set data.root=DIR holding train-images-idx3-ubyte.gz, "
@@ -101,7 +101,7 @@ def parse_idx(path: str, expected_ndim: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(dims)
 
 
-def load_fmnist(root: str) -> DatasetArrays:
+def load_fmnist(root: str | None) -> DatasetArrays:
     train_x, train_y, test_x, test_y = fmnist_files(root)
     images, labels = [], []
     for img_path, lab_path in ((train_x, train_y), (test_x, test_y)):
