@@ -106,8 +106,14 @@ def resolve(config: Config, imports: Sequence[str] = ()) -> Config:
     default explicitly does not make a different experiment)."""
     from htfl_dist.algorithms import spelled_out_options
 
-    load_plugins([*imports, *config.plugins])
-    check_registered_names(config)
+    loaded = load_plugins([*imports, *config.plugins])
+    try:
+        check_registered_names(config)
+    except ConfigError as exc:
+        if not loaded:
+            raise
+        # a plugin that was imported but registered nothing of that name: say which were loaded
+        raise ConfigError(f"{exc}; plugins loaded: {', '.join(loaded)}") from None
     config.algo = spelled_out_options(config.algorithm, config.algo)
     return config
 

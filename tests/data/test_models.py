@@ -554,3 +554,20 @@ def test_torchvision_is_imported_only_when_a_torchvision_architecture_is_built()
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.split() == ["False", "True"]
+
+
+def test_a_plugin_registers_a_model_group_of_registered_members(monkeypatch):
+    """register_model_group: members must name registered architectures (and heads); a name is
+    taken once, and not by an architecture; the group then resolves like a built-in one."""
+    from htfl_dist.models import register_model_group, registry
+
+    monkeypatch.setattr(registry, "_MODEL_GROUPS", dict(registry._MODEL_GROUPS))  # undone after the test
+    register_model_group("pair", ("htcnn1", "htcnn2:fc512"))
+    assert [architecture_for_client("pair", i) for i in range(3)] == ["htcnn1", "htcnn2:fc512", "htcnn1"]
+    with pytest.raises(ConfigError, match="unknown architecture 'nocnn' in model group 'broken'"):
+        register_model_group("broken", ("htcnn1", "nocnn"))
+    with pytest.raises(ValueError, match="model group 'pair' is already registered"):
+        register_model_group("pair", ("htcnn1",))
+    with pytest.raises(ValueError, match="clashes with an architecture name"):
+        register_model_group("htcnn1", ("htcnn2",))
+    assert "broken" not in registry.model_groups()

@@ -106,3 +106,7 @@ def test_an_unregistered_name_says_how_a_plugin_adds_one(tmp_path):
         result = launch("single", 1, ["--out", str(tmp_path / "run"), key, "rounds=1"])
         assert result.returncode == 2 and "--import MODULE" in result.stderr, (key, result.stderr)
         assert len(result.stderr.strip().splitlines()) == 1
+    with_plugin = launch("single", 1, ["--out", str(tmp_path / "run"), "--import", "htfl_example_plugin",
+                                       "algorithm=example_fedpar", "rounds=1"], pythonpath=(str(EXAMPLE),))
+    assert with_plugin.returncode == 2  # a plugin that registered other names: which plugins were loaded
+    assert with_plugin.stderr.strip().endswith("; plugins loaded: htfl_example_plugin"), with_plugin.stderr

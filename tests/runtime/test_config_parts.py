@@ -17,7 +17,7 @@ from htfl_dist.algorithms import algorithm_names, get_algorithm
 from htfl_dist.algorithms.fedktl import FedKTLOptions
 from htfl_dist.algorithms.fedoc import FedOCOptions
 from htfl_dist.algorithms.fedtgp import FedTGPOptions
-from htfl_dist.config import config_from_dict, load_config
+from htfl_dist.config import PLUGIN_HINT, config_from_dict, load_config
 from htfl_dist.errors import ConfigError
 from htfl_dist.main import main
 from htfl_dist.resolution import algorithm_options, resolve, resolved_config
@@ -61,6 +61,29 @@ def test_an_unknown_option_or_algorithm_is_refused_by_load_config():
     assert _refusal(["algorithm=fedfoo"]).startswith("config key 'algorithm' is 'fedfoo'; registered: ")
     with pytest.raises(ConfigError, match=r"^config key 'algo.ema_decay' must be in \[0, 1\], got 2.0$"):
         resolve(config_from_dict({"algorithm": "fedsa", "algo": {"ema_decay": 2.0}}))
+
+
+@pytest.mark.parametrize("override, start", [
+    ("algorithm=fedfoo", "config key 'algorithm' is 'fedfoo'; registered: feddistill, "),
+    ("data.dataset=mnist", "config key 'data.dataset' is 'mnist'; registered: fmnist, cifar10, "),
+    ("model.group=HtFE7", "unknown model group 'HtFE7'; allowed: HtCNN8, "),
+    ("generator.name=stylegan9", "config key 'generator.name' is 'stylegan9'; registered: dcgan_faces, "),
+])
+def test_every_registry_named_key_is_resolved_at_load_with_the_plugin_hint(override, start):
+    """The four keys a registry holds are all refused by the resolution step, before anything
+    starts, each line saying how a plugin adds a name; loading alone (no registry) accepts them."""
+    message = _refusal([override])
+    assert message.startswith(start) and message.endswith(f"{PLUGIN_HINT})"), message
+    assert load_config(SMOKE, [override]) is not None
+
+
+def test_the_plugins_key_takes_a_name_or_a_list_of_names():
+    assert load_config(SMOKE, ["plugins=[' my_plugin ', other.mod]"]).plugins == ["my_plugin", "other.mod"]
+    assert load_config(SMOKE, ["plugins=one_module"]).plugins == ["one_module"]
+    assert load_config(SMOKE, []).plugins == []
+    for bad in ("plugins=[1, 2]", "plugins={a: 1}", "plugins=['']"):
+        with pytest.raises(ConfigError, match=r"^config key 'plugins' must be a list of names, got "):
+            load_config(SMOKE, [bad])
 
 
 @pytest.mark.parametrize("overrides", [
