@@ -23,8 +23,9 @@ PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every"
 """Not part of the experiment: plumbing, the run length (a resumed run may extend `rounds`) and the
 plugin modules (they provide names; the names and options they resolve to are the experiment, so
 moving a plugin to another module keeps a run's hash)."""
-DATA_LOCATION_KEYS = ("root", "cache_dir")
-"""Where the data lives: moving it (another node, a new cache) is the same run."""
+DATA_LOCATION_KEYS = ("root", "cache_dir", "allow_changed")
+"""Where the data lives: moving it (another node, a new cache) is the same run; and the consent to
+resume on changed data (the data themselves are checked against the checkpoint's, not hashed)."""
 TRAIN_STOPPING_KEYS = ("max_diverged_rounds",)
 """When a run gives up, not what its rounds compute."""
 

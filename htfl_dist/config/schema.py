@@ -86,6 +86,10 @@ class DataConfig:
     """partition=pfllib: a PFLlib/HtFLlib dataset directory (config.json, train/, test/)."""
     allow_pickle: bool = False
     """partition=pfllib: PFLlib's .npz files hold pickled arrays; loading them needs consent."""
+    allow_changed: bool = False
+    """Resume on data other than the checkpoint's (another source, other files, another split) on
+    purpose: without it such a resume is refused; with it the run goes on and summary.json records
+    the change. Not part of the experiment's hash."""
     vocab_size: int | None = bounded(None, at_least=1, optional=True, note="or null: the data's largest id + 1")
     """Text data: the vocabulary the text models embed (token ids 0 .. vocab_size - 1); unset: the
     largest id in the data + 1. HtFLlib sets 32000 for AG News (the tokenizer's ``max_tokens``)."""

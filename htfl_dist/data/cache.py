@@ -25,6 +25,7 @@ starting at once) each write their own temp file and the last rename wins, with 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,13 @@ class PartitionInfo:
     """The dataset's name; for a converted PFLlib directory, that directory's name."""
     pfllib_dir: str = ""
     """The PFLlib directory the cache was converted from (absolute); "" for a split drawn here."""
+
+    @property
+    def identity(self) -> str:
+        """What the clients train on, as a name: the cache file's stem, whose hash covers the
+        source files' fingerprint and every key that shapes the split. A checkpoint keeps it, so a
+        resume that would read other data is noticed (the data's location is not part of it)."""
+        return os.path.splitext(os.path.basename(self.path))[0]
 
     def inputs(self) -> InputSpec:
         """One sample's kind and shape (square pictures when ``input_shape`` was not given)."""

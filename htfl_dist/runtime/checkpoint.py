@@ -69,10 +69,12 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transport, *,
-         clients: ClientStore, server: ServerAlgorithm | None, metric_rounds: list[int] | None = None) -> None:
+         clients: ClientStore, server: ServerAlgorithm | None, metric_rounds: list[int] | None = None,
+         data_identity: str = "") -> None:
     """Every rank writes the clients it hosts (and rank 0 the server); rank 0 publishes the
     manifest after a barrier, then prunes all but the newest ``config.checkpoint_keep``.
-    ``metric_rounds``: the rounds whose metrics rows rank 0 has written so far."""
+    ``metric_rounds``: the rounds whose metrics rows rank 0 has written so far; ``data_identity``:
+    what the clients trained on (``PartitionInfo.identity``), checked by a resume."""
     expected_clients = list(range(config.num_clients))
     directory = _round_dir(out_dir, completed_rounds)
     try:
@@ -90,7 +92,7 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
         write_json(directory / "MANIFEST.json", {
             "round": completed_rounds, "config_hash": config.config_hash(), "experiment": config.experiment(),
             "clients": expected_clients, "files": sorted(p.name for p in directory.glob("*.pt")),
-            "metric_rounds": list(metric_rounds or []),
+            "metric_rounds": list(metric_rounds or []), "data": data_identity,
         })
         # the manifest's name and the round directory's, durable before older checkpoints are deleted
         for synced in (directory, directory.parent):
@@ -172,6 +174,15 @@ def _changes_since(manifest: dict, config: Config) -> list[str]:
     return experiment_differences(saved, config.experiment())
 
 
+def data_change(manifest: dict, data_identity: str) -> str:
+    """'SAVED -> NOW' when the checkpoint's clients trained on other data than ``data_identity``;
+    '' when they match or either side is unknown."""
+    saved = manifest.get("data")
+    if not isinstance(saved, str) or not saved or not data_identity or saved == data_identity:
+        return ""
+    return f"{saved} -> {data_identity}"
+
+
 def find_checkpoint(source: Path) -> Path | None:
     """``source`` is a run directory (newest complete checkpoint in it) or one checkpoint
     directory holding a MANIFEST.json."""
@@ -182,8 +193,11 @@ def find_checkpoint(source: Path) -> Path | None:
 
 
 def load(directory: Path, config: Config, *, clients: ClientStore, server: ServerAlgorithm | None,
-         device: torch.device) -> int:
-    """Restore the checkpoint in ``directory``; returns its completed-round count."""
+         device: torch.device, data_identity: str = "") -> tuple[int, str]:
+    """Restore the checkpoint in ``directory``; returns its completed-round count and the data
+    change ('' for none, see ``data_change``). A checkpoint whose clients trained on other data than
+    ``data_identity`` is refused unless ``data.allow_changed`` (a manifest written before the data
+    were recorded is not checked)."""
     try:
         manifest = json.loads((directory / "MANIFEST.json").read_text())
         completed_rounds = int(manifest["round"])  # a list or a string here is a foreign file
@@ -197,8 +211,13 @@ def load(directory: Path, config: Config, *, clients: ClientStore, server: Serve
             f"({'; '.join(changes[:4])}); "
             f"resume with the same config or use a new --out directory"
         )
+    changed = data_change(manifest, data_identity)
+    if changed and not config.data.allow_changed:
+        raise HtflError(f"checkpoint {directory} was trained on other data ({changed}): the source files or the "
+                        f"split changed; resume on the data it trained on, or set data.allow_changed=true to go on "
+                        f"with these on purpose (summary.json records it)")
     for client_id in clients:
         clients.restore(client_id, _load(directory / f"client_{client_id}.pt", device), f"checkpoint {directory}")
     if server is not None:
         server.load_state_dict(_load(directory / "server.pt", torch.device("cpu"))["server"])
-    return completed_rounds
+    return completed_rounds, changed

@@ -407,7 +407,8 @@ class Federation:
         metrics = self.records.metrics if self.records else None
         checkpoint.save(self.run_context.out_dir, completed_rounds, self.config, self.transport,
                         clients=self.clients, server=self.server,
-                        metric_rounds=[row["round"] for row in metrics.rows] if metrics else None)
+                        metric_rounds=[row["round"] for row in metrics.rows] if metrics else None,
+                        data_identity=self.partition.identity)
 
     def restore(self) -> int:
         """Load the newest complete checkpoint of ``resume_from`` (clients, server, metrics so far)
@@ -422,8 +423,13 @@ class Federation:
                     progress(f"resume: no complete checkpoint in {source}; starting from round 1")
                 metrics.load_existing(0)  # rows of a run that died before its first checkpoint
             return 0
-        completed = checkpoint.load(directory, self.config, clients=self.clients, server=self.server,
-                                    device=self.device)
+        completed, changed = checkpoint.load(directory, self.config, clients=self.clients, server=self.server,
+                                             device=self.device, data_identity=self.partition.identity)
+        if changed:  # data.allow_changed: on purpose, and said
+            self.run_context.extra_summary["data_changed_on_resume"] = {"after_round": completed, "data": changed}
+            if self.is_server:
+                progress(f"htfl_dist: warning: resume: the clients trained on other data until round {completed} "
+                         f"({changed}); going on with these (data.allow_changed=true)")
         if completed > self.config.rounds:
             raise HtflError(f"checkpoint {directory} is after round {completed} but rounds={self.config.rounds}; "
                             f"pass rounds={completed} or more to continue it")

@@ -212,3 +212,60 @@ def test_manifest_that_is_not_a_mapping_is_one_line(checkpointed, tmp_path, cach
     assert result.returncode == 2 and "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "MANIFEST.json is unreadable" in lines[0]
+
+
+FMNIST_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz",
+                "t10k-labels-idx1-ubyte.gz")
+
+
+def _fmnist_copy(directory, shuffle_training_labels: bool):
+    """Fashion-MNIST's four IDX files copied (times kept: a moved dataset), or with the training
+    labels shuffled (the same sizes, another file)."""
+    import gzip
+    import shutil
+
+    import numpy as np
+
+    from htfl_dist.config import DEFAULT_FMNIST_ROOT
+
+    directory.mkdir()
+    for name in FMNIST_FILES:
+        shutil.copy2(f"{DEFAULT_FMNIST_ROOT}/{name}", directory / name)
+    if shuffle_training_labels:
+        path = directory / "train-labels-idx1-ubyte.gz"
+        raw = bytearray(gzip.decompress(path.read_bytes()))
+        labels = np.frombuffer(bytes(raw[8:]), dtype=np.uint8).copy()
+        np.random.default_rng(0).shuffle(labels)
+        raw[8:] = labels.tobytes()
+        path.write_bytes(gzip.compress(bytes(raw)))
+    return directory
+
+
+@pytest.mark.integration
+def test_a_resume_on_other_data_is_refused_unless_allowed(checkpointed, tmp_path, cache_dir):
+    """The checkpoint keeps what its clients trained on. Resumed with data.root at a copy of
+    Fashion-MNIST whose training labels were shuffled, the run is refused in one line naming the
+    change; with data.allow_changed=true it goes on and summary.json says so; a moved copy of the
+    same files is the same data."""
+    import json
+    import shutil
+
+    source = checkpointed / "checkpoints" / "round_00003"
+    moved = _fmnist_copy(tmp_path / "moved", shuffle_training_labels=False)
+    same = _args(tmp_path / "same", cache_dir, f"data.root={moved}", "rounds=4")
+    result = run_program([*same, "--resume", str(source)])
+    assert result.returncode == 0, result.stderr
+    shuffled = _fmnist_copy(tmp_path / "shuffled", shuffle_training_labels=True)
+    args = _args(tmp_path / "other", cache_dir, f"data.root={shuffled}", "rounds=4")
+    refused = run_program([*args, "--resume", str(source)])
+    assert refused.returncode == 2
+    lines = refused.stderr.strip().splitlines()
+    assert len(lines) == 1 and "was trained on other data (fmnist-dirichlet-" in lines[0]
+    assert "data.allow_changed=true" in lines[0] and not (tmp_path / "other" / "metrics.jsonl").exists()
+    shutil.rmtree(tmp_path / "other")
+    allowed = run_program([*args, "data.allow_changed=true", "--resume", str(source)])
+    assert allowed.returncode == 0, allowed.stderr
+    summary = json.loads((tmp_path / "other" / "summary.json").read_text())
+    assert summary["data_changed_on_resume"]["after_round"] == 3
+    assert summary["data_changed_on_resume"]["data"].startswith("fmnist-dirichlet-")
+    assert "going on with these (data.allow_changed=true)" in allowed.stdout
