@@ -15,7 +15,9 @@ setup(
     # cryptography: the secret noise's ChaCha20 stream (htfl_dist/privacy/noise.py)
     # ruff, mypy, types-PyYAML: .ci/run's `ruff check .` and `mypy` (mypy.ini), pinned to a minor
     # release so that a new release's rules do not fail CI unannounced; types-PyYAML: yaml's types.
-    extras_require={"test": ["pytest", "pytest-xdist", "tensorboard", "ruff~=0.17.6", "mypy~=2.4.1", "types-PyYAML"],
+    # setuptools: the tests and .ci/run pip-install the example plugin without build isolation
+    extras_require={"test": ["pytest", "pytest-xdist", "tensorboard", "ruff~=0.17.6", "mypy~=2.4.1", "types-PyYAML",
+                             "setuptools>=61"],
                     "mpi": ["mpich"], "tensorboard": ["tensorboard"],
                     "privacy": ["opacus>=1.5", "cryptography>=42"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
