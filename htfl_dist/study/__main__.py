@@ -12,6 +12,7 @@ import argparse
 import os
 import shlex
 import sys
+import typing
 from pathlib import Path
 
 from htfl_dist.errors import HtflError
@@ -21,9 +22,15 @@ EXIT_USER_ERROR = 2
 EXIT_FAILED_BASE = 100
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:
+        """One line in the study's format (exit 2), not argparse's usage block."""
+        raise plan.StudyError(f"{message} (python -m htfl_dist.study --help lists the options)")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m htfl_dist.study", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _ArgumentParser(prog="python -m htfl_dist.study", description=__doc__,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("study", help="study file (see studies/)")
     parser.add_argument("--out", required=True, help="study directory: DIR/cells/<key>-seed<s>/, DIR/table.md")
     parser.add_argument("--jobs", type=int, default=None,
@@ -53,7 +60,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--wait", action="store_true", help="with --slurm: wait for the array, then write the table")
     parser.add_argument("--dry-run", action="store_true", help="validate every cell and print the commands")
     parser.add_argument("--table-only", action="store_true", help="write the table from DIR as it is")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for option, value in (("--jobs", args.jobs), ("--cores", args.cores), ("--ranks", args.ranks)):
+        if value is not None and value < 1:  # 0 would silently mean the default; refused before anything is written
+            raise plan.StudyError(f"{option} must be >= 1, got {value} (leave {option} out for the default)")
+    return args
 
 
 def visible_gpus(option: str | None) -> list[int]:

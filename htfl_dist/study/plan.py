@@ -114,8 +114,14 @@ def _resolve_file(study_dir: Path, text: str, where: str) -> Path:
 def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise StudyError(f"study file {str(path)!r} does not exist")
+    from htfl_dist.config import RefusedYaml, load_yaml
+
     try:
-        loaded = yaml.safe_load(path.read_text())
+        loaded = load_yaml(path.read_bytes().decode("utf-8"))  # the config loader: duplicate keys, alias caps
+    except RefusedYaml as exc:
+        raise StudyError(f"study file {str(path)!r} is refused: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise StudyError(f"study file {str(path)!r} is not UTF-8 text (offset {exc.start}); save it as UTF-8") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         raise StudyError(f"study file {str(path)!r} is not valid YAML"

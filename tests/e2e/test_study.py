@@ -95,6 +95,39 @@ def test_a_bad_cell_stops_the_study_before_any_starts_with_one_line(tmp_path, ca
     assert "cell 0-seed0: config key 'train.batch_size' must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--jobs", "0"], "--jobs must be >= 1, got 0 (leave --jobs out for the default)"),
+    (["--cores", "0"], "--cores must be >= 1, got 0"),
+    (["--jobs", "-1"], "--jobs must be >= 1, got -1"),
+    (["--ranks", "0"], "--ranks must be >= 1, got 0"),
+    (["--bogus"], "unrecognized arguments: --bogus (python -m htfl_dist.study --help lists the options)"),
+])
+def test_a_study_command_line_mistake_is_one_line_before_anything_is_written(tmp_path, capsys, arguments, message):
+    path = write_study(tmp_path, grid={"algorithm": ["fedproto"]})
+    out = tmp_path / "out"
+    assert study_main([str(path), "--out", str(out), *arguments]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"htfl_dist.study: error: {message}"), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("title: a\ntitle: b\nbase: ../c.yaml\n", "key 'title' appears twice in one mapping, at lines 1 and 2"),
+    ("a: &a [x, x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]\nd: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]\n"
+     "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]\n", "its aliases expand to more than"),
+    (b"title: \xff\n", "is not UTF-8 text"),
+])
+def test_a_study_file_is_read_by_the_bounded_loader(tmp_path, capsys, text, message):
+    """A key given twice, an alias bomb (five levels of tenfold aliases: 10^5 values from a few
+    hundred bytes) and bytes that are not UTF-8 are refused in one line, as in a config file."""
+    path = tmp_path / "study.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    assert study_main([str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and message in err, err
+
+
 def test_dry_run_prints_each_cell_command(tmp_path, capsys):
     path = write_study(tmp_path, grid={"algorithm": ["fedproto", "local"]})
     assert study_main([str(path), "--out", str(tmp_path / "out"), "--dry-run", "--ranks", "3"]) == 0
