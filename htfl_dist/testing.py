@@ -114,10 +114,10 @@ def run_overrides(name: str) -> list[str]:
 
 
 def _arguments(name: str, config_file: str | os.PathLike | None, overrides: Sequence[str]) -> list[str]:
-    """Every run of the checks: one thread per process whatever the config says, as the launched
+    """Every run of the checks: one thread per process whatever the config says (SMALL_RUN has it), as the launched
     ranks have (OMP_NUM_THREADS=1): another thread count sums floats in another order, and the
     one-process run would then differ from the 3-rank run in the last digits."""
-    return [*(SMALL_RUN if config_file is None else ()), "runtime.threads=1", *run_overrides(name), *overrides]
+    return [*(SMALL_RUN if config_file is None else ("runtime.threads=1",)), *run_overrides(name), *overrides]
 
 
 def _same(a: Payload, b: Payload) -> bool:

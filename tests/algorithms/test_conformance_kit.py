@@ -158,7 +158,7 @@ def test_the_launch_imports_the_plugin_on_every_rank(plugin, monkeypatch, tmp_pa
     command, env = seen["command"], seen["env"]
     assert command[1:5] == ["--standalone", "--nproc_per_node=3", "-m", "htfl_dist.main"]
     assert command[5:9] == ["--out", str(tmp_path / "out"), "--import", PLUGIN]
-    assert command[9:] == [*testing.SMALL_RUN, "runtime.threads=1", f"algorithm={PLUGIN}", "rounds=2",
+    assert command[9:] == [*testing.SMALL_RUN, f"algorithm={PLUGIN}", "rounds=2",
                            "model.group=cnn", "runtime.backend=gloo", "runtime.device=cpu"]
     assert env["OMP_NUM_THREADS"] == "1" and "RANK" not in env
     assert str(REPO / "tests") in env["PYTHONPATH"].split(os.pathsep)  # where this process found the plugin
