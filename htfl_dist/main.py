@@ -94,8 +94,9 @@ def _out_dir(out: str | None, config) -> Path:
 def _prepare_out_dir(out: Path, resume_from: Path | None):
     """Rank 0 takes the run directory: its lock first (one writer at a time), then refuse to write
     over another run: an existing run directory may only be continued from its own checkpoints
-    (``--resume auto``, or a path inside it). Returns the held lock."""
-    from htfl_dist.runtime.bootstrap import lock_run_directory
+    (``--resume auto``, or a path inside it), and refuse a directory whose outputs could not be
+    written (``check_run_directory``) before anything in it changes. Returns the held lock."""
+    from htfl_dist.runtime.bootstrap import check_run_directory, lock_run_directory
 
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -104,6 +105,7 @@ def _prepare_out_dir(out: Path, resume_from: Path | None):
         raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); "
                         f"pass --out DIR you can write to") from None
     try:
+        check_run_directory(out, {PREEMPTED_MARKER: "its preemption marker"})
         continuing_itself = resume_from is not None and (resume_from == out or out in resume_from.parents)
         if (out / "metrics.jsonl").exists() and not continuing_itself:
             how = "--resume auto" if resume_from is None else f"a new --out (resuming from {resume_from})"

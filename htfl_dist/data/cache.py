@@ -33,7 +33,7 @@ import h5py
 import numpy as np
 import torch
 
-from htfl_dist.atomic import replaced_atomically
+from htfl_dist.atomic import OutputError, replaced_atomically
 from htfl_dist.errors import DataError
 from htfl_dist.models.inputs import InputSpec
 
@@ -139,10 +139,10 @@ def write_cache(
     try:
         with replaced_atomically(path) as tmp:
             _write_clients(tmp, attrs, num_clients, num_classes, client_arrays)
-    except OSError as exc:
+    except (OSError, OutputError) as exc:
         raise DataError(
-            f"cannot write the partition cache {path} ({exc.strerror or exc}); set data.cache_dir=DIR "
-            f"to a writable directory with free space"
+            f"cannot write the partition cache {path}: {exc}; set data.cache_dir=DIR to a writable directory "
+            f"with free space"
         ) from None
 
 

@@ -44,6 +44,9 @@ from .partition import (
 )
 from .partition_pfllib import PFLLIB_BATCH_SIZE, pfllib_client_splits, pfllib_least_samples
 from .pfllib import (
+    MAX_VOCAB_SIZE,
+    check_class_count,
+    check_labels,
     input_kind_of,
     pfllib_fingerprint,
     pickle_refusal,
@@ -226,15 +229,15 @@ def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> Parti
         return read_partition_info(path)
 
     report(f"data: converting the PFLlib split {directory} into the partition cache {path}")
-    shape, x_dtype = _pfllib_sample_format(directory, num_clients)
+    shape, x_dtype = _pfllib_sample_format(directory, num_clients, data.vocab_size)
     kind = input_kind_of(np.zeros((0, *shape), dtype=x_dtype))
-    largest_id = [-1]
+    largest = {"id": -1, "label": -1}
 
     def client_arrays(cid: int) -> ClientArrays:
         out = []
         for part in ("train", "test"):
             path_ = os.path.join(directory, part, f"{cid}.npz")
-            x, y = read_pfllib_file(path_, True, directory)
+            x, y = read_pfllib_file(path_, True, directory, vocab_size=data.vocab_size)
             if x.shape[0] == 0:
                 x = np.zeros((0, *shape), dtype=x_dtype)
             if x.shape[1:] != shape or x.dtype != x_dtype:
@@ -242,15 +245,14 @@ def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> Parti
                     f"{path_}: x is {_describe_format(x.shape[1:], x.dtype)} but the first client's is "
                     f"{_describe_format(shape, x_dtype)}; all clients must hold the same data format"
                 )
-            if y.size and (y.min() < 0 or y.max() >= num_classes):
-                raise DataError(
-                    f"{path_}: label {int(y.max())} outside 0..{num_classes - 1} "
-                    f"(config.json says num_classes={num_classes})"
-                )
+            check_labels(path_, y, num_classes)
+            largest["label"] = max(largest["label"], int(y.max()) if y.size else -1)
             if kind == "text" and x.size:
-                largest_id[0] = max(largest_id[0], int(x[:, :-1].max()))
-                attrs["vocab_size"] = largest_id[0] + 1
+                largest["id"] = max(largest["id"], int(x[:, :-1].max()))
+                attrs["vocab_size"] = largest["id"] + 1
             out.extend([x, y])
+        if cid == num_clients - 1:  # every label read, the cache not yet in place
+            check_class_count(directory, num_classes, largest["label"])
         return out[0], out[1], out[2], out[3]
 
     square = kind == "image" and shape[1] == shape[2]
@@ -269,10 +271,12 @@ def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> Parti
     return read_partition_info(path)
 
 
-def _pfllib_sample_format(directory: str, num_clients: int) -> tuple[tuple[int, ...], np.dtype]:
+def _pfllib_sample_format(directory: str, num_clients: int,
+                          vocab_size: int | None) -> tuple[tuple[int, ...], np.dtype]:
     """Shape and dtype of one sample, from the first client whose train file is not empty."""
     for cid in range(num_clients):
-        x, _ = read_pfllib_file(os.path.join(directory, "train", f"{cid}.npz"), True, directory)
+        x, _ = read_pfllib_file(os.path.join(directory, "train", f"{cid}.npz"), True, directory,
+                                vocab_size=vocab_size)
         if x.shape[0]:
             return x.shape[1:], x.dtype
     raise DataError(f"PFLlib dataset directory {directory}: every client's train file is empty")
@@ -290,8 +294,14 @@ def _describe_format(shape: tuple[int, ...], dtype: np.dtype) -> str:
 
 def _apply_vocab_size(info: PartitionInfo, data: DataConfig) -> PartitionInfo:
     """``data.vocab_size``: a larger vocabulary than the data's largest id + 1 (HtFLlib's
-    ``-vs 32000``, the tokenizer's size); smaller would leave ids without an embedding."""
+    ``-vs 32000``, the tokenizer's size); smaller would leave ids without an embedding. Unset, the
+    data's vocabulary must stay within the cap a conversion checks (a cache converted before the
+    cap existed may not)."""
     if data.vocab_size is None:
+        if info.input_kind == "text" and info.vocab_size > MAX_VOCAB_SIZE:
+            raise DataError(f"partition cache {info.path} holds token id {info.vocab_size - 1}, outside the "
+                            f"vocabulary of {MAX_VOCAB_SIZE} (the most accepted while data.vocab_size is unset); "
+                            f"delete it and fix the PFLlib files it was converted from")
         return info
     if info.input_kind != "text":
         raise ConfigError(f"config key 'data.vocab_size' is {data.vocab_size} but the data is "

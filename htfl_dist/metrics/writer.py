@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from htfl_dist.atomic import publish_bytes
-from htfl_dist.errors import DiskFullError, HtflError, disk_full_reason, is_disk_full
+from htfl_dist.atomic import os_errors, publish_bytes
+from htfl_dist.errors import HtflError
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -35,7 +35,9 @@ def read_rows(metrics: Path) -> list[dict[str, Any]]:
     """The rows of ``metrics.jsonl``. A running job appends whole lines, but a reader can catch
     the last one half-written: an unparsable last line is skipped. Anywhere else it means the
     file is damaged, which is an error naming the line."""
-    text = metrics.read_bytes().decode("utf-8", errors="replace")  # a cut can split a character
+    with os_errors(f"read {metrics}", metrics):
+        data = metrics.read_bytes()
+    text = data.decode("utf-8", errors="replace")  # a cut can split a character
     numbered = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
     rows = []
     for position, (number, line) in enumerate(numbered):
@@ -82,18 +84,18 @@ class MetricsLog:
         write_atomic(self.path, "".join(json.dumps(row, sort_keys=True) + "\n" for row in self.rows))
 
     def append(self, row: dict[str, Any]) -> None:
-        """One whole line or nothing: a write cut short by a full disk is truncated away again."""
+        """One whole line or nothing: a write cut short (a full disk) is truncated away again, and
+        any OS error is one line naming the file (:func:`~htfl_dist.atomic.os_errors`)."""
         data = (json.dumps(row, sort_keys=True) + "\n").encode()
-        with open(self.path, "ab", buffering=0) as handle:
+        with os_errors(f"append a row to {self.path}", self.path, len(data)), \
+                open(self.path, "ab", buffering=0) as handle:
             start = handle.seek(0, os.SEEK_END)
             try:
                 written = 0
                 while written < len(data):
                     written += handle.write(data[written:])
-            except OSError as exc:
+            except OSError:
                 handle.truncate(start)
-                if is_disk_full(exc):
-                    raise DiskFullError(self.path, len(data), disk_full_reason(exc)) from None
                 raise
         self.rows.append(row)
 

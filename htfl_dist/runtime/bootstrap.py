@@ -20,12 +20,15 @@ import importlib.metadata
 import json
 import os
 import platform
+import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from htfl_dist.atomic import os_errors
 from htfl_dist.config import RuntimeConfig
 from htfl_dist.errors import ConfigError, HtflError, RefusedByRank0
 from htfl_dist.runtime.liveness import Liveness, StoreAddress
@@ -274,9 +277,18 @@ class RunDirectoryLock:
             self._fd = None
 
 
-def lock_run_directory(directory: Path) -> RunDirectoryLock:
+class DirectoryInUse(HtflError):
+    """``lock_run_directory`` refused: a live process holds the lock; ``holder`` says which."""
+
+    def __init__(self, message: str, holder: str) -> None:
+        super().__init__(message)
+        self.holder = holder
+
+
+def lock_run_directory(directory: Path, what: str = "run") -> RunDirectoryLock:
     """Take ``directory``'s lock (the directory must exist), or raise one HtflError line naming the
-    run that holds it."""
+    run that holds it (``DirectoryInUse``). ``what`` names the directory in that line: a study
+    (``python -m htfl_dist.study``) locks its DIR with this very lock, ``what="study"``."""
     path = directory / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -285,9 +297,9 @@ def lock_run_directory(directory: Path) -> RunDirectoryLock:
         holder = _holder(fd)
         os.close(fd)
         if exc.errno in (errno.EACCES, errno.EAGAIN):
-            raise HtflError(f"run directory {directory} is in use by {holder}; wait for that run to end "
-                            f"(or stop it), or pass a new --out") from None
-        raise HtflError(f"cannot lock the run directory {directory} ({exc.strerror}): its file system has no "
+            raise DirectoryInUse(f"{what} directory {directory} is in use by {holder}; wait for that {what} to end "
+                                 f"(or stop it), or pass a new --out", holder) from None
+        raise HtflError(f"cannot lock the {what} directory {directory} ({exc.strerror}): its file system has no "
                         f"working fcntl locks; pass an --out on one that has") from None
     return RunDirectoryLock(fd, directory)
 
@@ -299,6 +311,58 @@ def _holder(fd: int) -> str:
         return f"pid {int(record['pid'])} on host {str(record['host'])[:100]} (started {str(record['started'])[:40]})"
     except (OSError, ValueError, KeyError, TypeError):
         return "another process (it is still starting)"
+
+
+_FIX = "pass a new --out"
+
+
+def check_run_directory(directory: Path, files: dict[str, str] | None = None) -> None:
+    """Rank 0, after taking the lock and before writing anything (the lock's record included):
+    every entry the run will write is of its kind, so that a run which would fail rounds later,
+    on its first metrics row or its first checkpoint, is refused now with one line and nothing
+    changed. metrics.jsonl, summary.json, config.yaml and ``files`` (name: what the run keeps
+    there), which the run rewrites by rename, reads back or removes, must be regular files;
+    ``checkpoints/`` a directory the run can list and create files in (a probe file, removed
+    again), whatever checkpoint_every says: a SIGTERM saves a checkpoint in any run. A failing OS
+    call is an ``OutputError`` naming path, operation and errno."""
+    from htfl_dist.metrics.report import CONFIG_FILE, METRICS_FILE, SUMMARY_FILE
+    from htfl_dist.runtime.checkpoint import CHECKPOINT_DIR  # here: the lock alone needs no torch models
+
+    run_files = {METRICS_FILE: "its metrics rows", SUMMARY_FILE: "its summary", CONFIG_FILE: "its resolved config"}
+    for name, role in {**run_files, **(files or {})}.items():
+        _check_kind(directory, name, role, "regular file")
+    checkpoints = directory / CHECKPOINT_DIR
+    if _check_kind(directory, CHECKPOINT_DIR, "its checkpoints", "directory"):
+        hint = f"make it writable (the run keeps its checkpoints there), or {_FIX}"
+        with os_errors(f"list the directory {checkpoints}", checkpoints, hint=hint):
+            os.listdir(checkpoints)
+        with os_errors(f"create a file in {checkpoints}", checkpoints, hint=hint):
+            fd, probe = tempfile.mkstemp(dir=checkpoints, prefix=".write-test.")
+            os.close(fd)
+            os.unlink(probe)
+
+
+def _check_kind(directory: Path, name: str, role: str, wanted: str) -> bool:
+    """Whether ``directory/name`` exists; refused (one line) when it is not a ``wanted``."""
+    path = directory / name
+    with os_errors(f"inspect {path}", path, hint=_FIX):
+        kind = _kind_of(path)
+    if kind is not None and kind != wanted:
+        raise HtflError(f"run directory {directory}: {name} is a {kind}, not a {wanted}; the run keeps {role} "
+                        f"there: move it away, or {_FIX}")
+    return kind is not None
+
+
+def _kind_of(path: Path) -> str | None:
+    """What ``path`` names, symbolic links followed ('regular file', 'directory', ...); None: nothing
+    (a dangling link too: the run replaces or follows it, as it would create the file)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return None
+    kinds = ((stat.S_ISREG, "regular file"), (stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "named pipe"),
+             (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"))
+    return next((kind for test, kind in kinds if test(mode)), "special file")
 
 
 VERDICT_SPEC = (Field("refused", torch.int64),)

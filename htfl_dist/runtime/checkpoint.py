@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from htfl_dist.algorithms import ServerAlgorithm, spelled_out_options
-from htfl_dist.atomic import publish_bytes
+from htfl_dist.atomic import OutputError, os_errors, publish_bytes
 from htfl_dist.config import Config, experiment_differences, experiment_view
 from htfl_dist.errors import DiskFullError, HtflError
 from htfl_dist.metrics.writer import write_json
@@ -35,10 +35,12 @@ from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.transport import Transport
 
 _ROUND_DIR = re.compile(r"round_(\d+)")
+CHECKPOINT_DIR = "checkpoints"
+"""In the run directory: one ``round_NNNNN`` directory per kept checkpoint."""
 
 
 def _round_dir(out_dir: Path, completed_rounds: int) -> Path:
-    return out_dir / "checkpoints" / f"round_{completed_rounds:05d}"
+    return out_dir / CHECKPOINT_DIR / f"round_{completed_rounds:05d}"
 
 
 def _save_atomic(obj, path: Path) -> None:
@@ -63,7 +65,8 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
+            with os_errors(f"sync the directory {directory}", directory):
+                raise
     finally:
         os.close(fd)
 
@@ -79,7 +82,7 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
     directory = _round_dir(out_dir, completed_rounds)
     try:
         _save_own_files(directory, clients, server)
-    except DiskFullError:
+    except (DiskFullError, OutputError):
         shutil.rmtree(directory, ignore_errors=True)  # never a partial round_NNNNN/ beside the good one
         raise
     transport.barrier()
@@ -102,7 +105,8 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
 
 
 def _save_own_files(directory: Path, clients: ClientStore, server: ServerAlgorithm | None) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+    with os_errors(f"create the checkpoint directory {directory}", directory):
+        directory.mkdir(parents=True, exist_ok=True)
     for client_id in clients:  # parked clients' records come from the store, one at a time
         _save_atomic(clients.record(client_id), directory / f"client_{client_id}.pt")
     if server is not None:
@@ -123,7 +127,7 @@ def metric_rounds(directory: Path, eval_every: int) -> list[int]:
 def _checkpoint_dirs(out_dir: Path) -> list[tuple[int, Path]]:
     """(round, directory) of every ``round_<digits>`` directory; anything else a user or a tool
     left there (``round_00003.bak``, ``round_old``) is not ours and is ignored, never deleted."""
-    root = out_dir / "checkpoints"
+    root = out_dir / CHECKPOINT_DIR
     if not root.is_dir():
         return []
     found = []

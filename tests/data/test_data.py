@@ -921,3 +921,51 @@ def test_pfllib_num_clients_mismatch_and_missing_files(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         prepare_partition(DataConfig(partition="pfllib", pfllib_dir=str(tmp_path / "x"),
                                      allow_pickle=True, cache_dir=str(tmp_path / "c")), 3, 0)
+
+
+def _pfllib_error(source, tmp_path) -> str:
+    cfg = DataConfig(partition="pfllib", pfllib_dir=str(source), allow_pickle=True, cache_dir=str(tmp_path / "c"))
+    with pytest.raises(DataError) as exc:
+        prepare_partition(cfg, 3, seed=0)
+    assert not (tmp_path / "c").exists() or not list((tmp_path / "c").glob("*.h5")), "no cache is left"
+    return _one_line(exc)
+
+
+def _set_num_classes(source, num_classes: int) -> None:
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "num_classes": num_classes}))
+
+
+def test_pfllib_num_classes_beyond_the_cap_is_refused_before_anything_is_read(tmp_path):
+    """config.json's num_classes sizes the class-count table (a billion: 44.7 GiB) and every head."""
+    source = tmp_path / "pfl"
+    _fake_pfllib(source)
+    _set_num_classes(source, 1_000_000_000)
+    (source / "train" / "0.npz").write_bytes(b"not read")  # refused before any client file is opened
+    assert _pfllib_error(source, tmp_path) == (
+        f"PFLlib directory {source}: config.json num_classes=1000000000 exceeds 100000, the most classes "
+        f"accepted; correct config.json (PFLlib's generators write the dataset's class count there)")
+
+
+def test_pfllib_num_classes_far_above_the_labels_is_refused(tmp_path):
+    """Labels 0..3 and num_classes 5000: a typo or another dataset's config.json (at most
+    max(1000, 10 x (largest label + 1)) is accepted; 1000 is, whatever the labels)."""
+    source = tmp_path / "pfl"
+    largest = max(int(y.max()) for _, y in _fake_pfllib(source).values())
+    _set_num_classes(source, 5000)
+    assert _pfllib_error(source, tmp_path) == (
+        f"PFLlib directory {source}: config.json num_classes=5000 exceeds 1000, the most accepted when the "
+        f"largest label is {largest} (10 x {largest + 1} classes, at least 1000); correct config.json to the "
+        f"dataset's class count")
+    _set_num_classes(source, 1000)
+    cfg = DataConfig(partition="pfllib", pfllib_dir=str(source), allow_pickle=True, cache_dir=str(tmp_path / "c"))
+    assert prepare_partition(cfg, 3, seed=0).num_classes == 1000
+
+
+def test_pfllib_label_outside_num_classes_names_it(tmp_path):
+    source = tmp_path / "pfl"
+    _fake_pfllib(source)
+    x = np.zeros((3, 1, 8, 8), dtype=np.float32)
+    np.savez_compressed(source / "test" / "2.npz", data={"x": x, "y": np.array([1, -1, 2])})
+    assert _pfllib_error(source, tmp_path) == (f"{source / 'test' / '2.npz'}: label -1 in y is outside 0..3 "
+                                               f"(config.json says num_classes=4)")

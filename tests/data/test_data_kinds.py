@@ -225,3 +225,49 @@ def test_text_run_gives_the_same_metrics_on_three_ranks(tmp_path):
         runs[launcher] = maths_only(read_metrics(out))
     assert len(runs["single"]) == 2
     assert runs["single"] == runs["torchrun"]
+
+
+# ---------------------------------------------------------------- token ids bounded by the vocabulary
+
+
+def _with_token(directory: Path, cid: int, token: int) -> None:
+    """Client ``cid``'s train file as a damaged one would hold it: one id of its first row is ``token``."""
+    with np.load(directory / "train" / f"{cid}.npz", allow_pickle=True) as archive:
+        payload = archive["data"].item()
+    ids, length = payload["x"][0]
+    payload["x"][0] = ([*ids[:3], token, *ids[4:]], length)
+    with open(directory / "train" / f"{cid}.npz", "wb") as handle:
+        np.savez_compressed(handle, data=payload)
+
+
+@pytest.mark.parametrize(("token", "options", "expected"), [
+    pytest.param(10**12, {}, "token id 1000000000000 in x is outside the vocabulary of 1000000 (the most accepted "
+                             "while data.vocab_size is unset)", id="beyond-the-cap"),
+    pytest.param(5000, {"vocab_size": 5000}, "token id 5000 in x is outside the vocabulary of 5000 (data.vocab_size)",
+                 id="beyond-data.vocab_size"),
+    pytest.param(-1, {}, "token id -1 in x is outside the vocabulary of 1000000", id="negative"),
+    pytest.param(10**20, {}, "text pairs must hold integer token ids", id="beyond-int64"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_file(tmp_path, token, options, expected):
+    """One wild id sizes every text model's embedding (ids x feature_dim floats): 10**12 asked for
+    2 PB at model build. It is refused while the directory is read, naming the file, and no cache
+    is left behind."""
+    write_agnews(tmp_path / "AGNews")
+    _with_token(tmp_path / "AGNews", 3, token)
+    with pytest.raises(DataError) as info:
+        _prepare(tmp_path / "AGNews", tmp_path, **options)
+    assert str(info.value).startswith(f"{tmp_path / 'AGNews' / 'train' / '3.npz'}: ")
+    assert expected in str(info.value) and "\n" not in str(info.value)
+    assert not list((tmp_path / "cache").glob("*.h5"))
+
+
+def test_a_cache_converted_before_the_cap_is_refused_not_embedded(tmp_path, monkeypatch):
+    """A cache converted by a version without the cap keeps its vocabulary; reused, it is one line."""
+    import htfl_dist.data.prepare as prepare
+
+    write_agnews(tmp_path / "AGNews", largest_id=57)
+    _prepare(tmp_path / "AGNews", tmp_path)
+    monkeypatch.setattr(prepare, "MAX_VOCAB_SIZE", 40)
+    with pytest.raises(DataError, match=r"holds token id 57, outside the vocabulary of 40 \(the most accepted while "
+                                        r"data\.vocab_size is unset\); delete it"):
+        _prepare(tmp_path / "AGNews", tmp_path)

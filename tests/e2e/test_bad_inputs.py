@@ -4,10 +4,13 @@ directory. In-process through ``htfl_dist.main.main`` (the same code a launch ru
 interpreter start); tests/e2e/test_cli_errors.py launches the few that need a real process."""
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import SMOKE
@@ -197,6 +200,46 @@ def test_truncated_dataset_file(tmp_path, capsys):
              leaves={})
 
 
+def _pfllib_text(directory: Path, *, wild_id: int | None = None, num_classes: int = 4) -> Path:
+    """A 2-client PFLlib text directory as generate_AGNews.py writes it ((ids padded to 8, length)
+    pairs in a pickled dict), with ``wild_id`` among client 1's train ids."""
+    rng = np.random.default_rng(0)
+    for part in ("train", "test"):
+        (directory / part).mkdir(parents=True)
+        for cid in range(2):
+            rows = [[2, *rng.integers(4, 50, 7).tolist()] for _ in range(8)]
+            if wild_id is not None and (part, cid) == ("train", 1):
+                rows[0][3] = wild_id
+            x = np.array([(ids, len(ids)) for ids in rows], dtype=object)
+            np.savez_compressed(directory / part / f"{cid}.npz", data={"x": x, "y": rng.integers(0, 4, 8)})
+    (directory / "config.json").write_text(json.dumps({"num_clients": 2, "num_classes": num_classes}))
+    return directory
+
+
+PFLLIB_MISTAKES = [
+    ("token-id-beyond-the-vocabulary", {"wild_id": 10**12}, [],
+     ["train/1.npz: token id 1000000000000 in x is outside the vocabulary of 1000000 (the most accepted while "
+      "data.vocab_size is unset)"]),
+    ("token-id-beyond-data.vocab_size", {"wild_id": 5000}, ["data.vocab_size=5000"],
+     ["train/1.npz: token id 5000 in x is outside the vocabulary of 5000 (data.vocab_size)"]),
+    ("billion-classes", {"num_classes": 1_000_000_000}, [],
+     ["config.json num_classes=1000000000 exceeds 100000, the most classes accepted"]),
+]
+
+
+@pytest.mark.parametrize("files,overrides,needles", [pytest.param(f, o, n, id=name) for name, f, o, n in
+                                                     PFLLIB_MISTAKES])
+def test_pfllib_directory_mistakes(tmp_path, capsys, files, overrides, needles):
+    """A number in the files that would size an allocation (a 2 PB embedding, a 44.7 GiB class-count
+    table) is refused while the directory is read, naming the file and the field."""
+    source = _pfllib_text(tmp_path / "AGNews", **files)
+    out = tmp_path / "run"
+    _refused(capsys, ["--out", str(out), "--config", str(SMOKE), "data.partition=pfllib", f"data.pfllib_dir={source}",
+                      "data.allow_pickle=true", "data.subsample=1", "num_clients=2", "model.group=HtFE-txt-2",
+                      f"data.cache_dir={tmp_path / 'cache'}", *overrides], out, 2, needles, leaves={})
+    assert not list((tmp_path / "cache").glob("*.h5"))
+
+
 # ------------------------------------------------------------------ mistakes about an existing run directory
 
 
@@ -243,3 +286,90 @@ def test_run_directory_in_use(finished_run, capsys, cache_dir):
     finally:
         holder.kill()
         holder.wait()
+
+
+# ------------------------------------------------------------------ a run directory the run could not write
+
+HOLDER = '{"host": "node7", "pid": 4242, "started": "2026-01-01 00:00:00 UTC"}\n'
+"""The lock file's record of an earlier run: a refused start leaves it as it was."""
+
+
+def _occupied(run: Path, name: str, kind: str) -> Path:
+    """``run`` with a ``kind`` ('directory' or 'file') where the run keeps ``name``, and a lock record."""
+    target = run / name
+    run.mkdir(exist_ok=True)
+    if target.is_dir():
+        shutil.rmtree(target)
+    target.unlink(missing_ok=True)
+    if kind == "directory":
+        (target / "kept").mkdir(parents=True)
+        (target / "kept" / "note.txt").write_text("the user's")
+    else:
+        target.write_text("the user's")
+    (run / LOCK_FILE).write_text(HOLDER)
+    return run
+
+
+@pytest.mark.parametrize("name,kind,needle", [
+    ("metrics.jsonl", "directory", "metrics.jsonl is a directory, not a regular file; the run keeps its metrics rows"),
+    ("summary.json", "directory", "summary.json is a directory, not a regular file"),
+    ("PREEMPTED", "directory", "PREEMPTED is a directory, not a regular file; the run keeps its preemption marker"),
+    ("checkpoints", "file", "checkpoints is a regular file, not a directory; the run keeps its checkpoints"),
+])
+def test_run_directory_entry_of_the_wrong_kind(tmp_path, capsys, cache_dir, name, kind, needle):
+    """Found when rank 0 takes the directory, not rounds later at the first row or checkpoint (or at
+    the end): one line, and nothing in the directory changed, the lock's record included."""
+    run = _occupied(tmp_path / "run", name, kind)
+    _refused(capsys, _resume_args(run, cache_dir, "checkpoint_every=1"), run, 2,
+             [f"run directory {run}: {needle}", "move it away, or pass a new --out"])
+    assert (run / LOCK_FILE).read_text() == HOLDER
+
+
+def test_resume_into_metrics_replaced_by_a_directory(finished_run, capsys, cache_dir):
+    """Was an IsADirectoryError traceback, the lock file's record rewritten."""
+    run = _occupied(finished_run, "metrics.jsonl", "directory")
+    _refused(capsys, _resume_args(run, cache_dir, "--resume", "auto", "rounds=3"), run, 2,
+             [f"run directory {run}: metrics.jsonl is a directory, not a regular file"])
+    assert (run / LOCK_FILE).read_text() == HOLDER
+
+
+def _writable_despite_mode(directory: Path) -> bool:
+    """Whether this process writes into ``directory`` whatever its mode says (root, with
+    CAP_DAC_OVERRIDE): chmod cannot make a directory read-only for it."""
+    probe = directory / ".probe"
+    try:
+        probe.write_text("")
+    except PermissionError:
+        return False
+    probe.unlink()
+    return True
+
+
+def test_read_only_checkpoints_directory(finished_run, capsys, cache_dir):
+    """Was a PermissionError traceback at the first checkpoint, after the round's row was written.
+    Root (os.geteuid() 0) writes there anyway: tests/runtime/test_checkpoints.py plays the OS's
+    refusal instead, and this runs under ``capsh --drop=cap_dac_override``."""
+    checkpoints = finished_run / "checkpoints"
+    checkpoints.chmod(0o555)
+    try:
+        if _writable_despite_mode(checkpoints):
+            pytest.skip(f"euid {os.geteuid()} writes into a read-only directory")
+        _refused(capsys, _resume_args(finished_run, cache_dir, "--resume", "auto", "rounds=3", "checkpoint_every=1"),
+                 finished_run, 2, [f"cannot create a file in {checkpoints}: Permission denied (EACCES)",
+                                   "make it writable"])
+    finally:
+        checkpoints.chmod(0o755)
+
+
+@pytest.mark.integration
+def test_checkpoint_blocked_mid_run_is_one_line(tmp_path, capsys, cache_dir):
+    """What the start cannot see (here a file where round 1's checkpoint directory goes) still ends
+    the run with one line naming path, operation and errno, and the lock's record put back."""
+    run = _occupied(tmp_path / "run", "checkpoints", "directory")
+    (run / "checkpoints" / "round_00001").write_text("the user's")
+    assert main(_resume_args(run, cache_dir, "rounds=1", "checkpoint_every=1")) == 2
+    line = _stderr_line(capsys)
+    assert line.endswith(f"cannot create the checkpoint directory {run / 'checkpoints' / 'round_00001'}: "
+                         f"File exists (EEXIST)"), line
+    assert (run / "checkpoints" / "round_00001").read_text() == "the user's"
+    assert (run / LOCK_FILE).read_text() == HOLDER

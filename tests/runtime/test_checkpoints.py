@@ -1,6 +1,8 @@
 """Checkpoints: keep-k, resume from a path, refusal of another experiment, corrupt files."""
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from conftest import SMOKE, launch, read_metrics, run_program
@@ -269,3 +271,60 @@ def test_a_resume_on_other_data_is_refused_unless_allowed(checkpointed, tmp_path
     assert summary["data_changed_on_resume"]["after_round"] == 3
     assert summary["data_changed_on_resume"]["data"].startswith("fmnist-dirichlet-")
     assert "going on with these (data.allow_changed=true)" in allowed.stdout
+
+
+# ------------------------------------------------------------------ a run directory that cannot take checkpoints
+
+
+def test_a_checkpoint_that_cannot_be_created_is_one_line(tmp_path):
+    """Found rounds into a run (the up-front check cannot see round directories): one line naming
+    the directory, the operation and errno, not a NotADirectoryError traceback."""
+    from htfl_dist.atomic import OutputError
+    from htfl_dist.runtime.checkpoint import _save_own_files
+
+    (tmp_path / "checkpoints").write_text("a file where the checkpoints belong")
+    directory = tmp_path / "checkpoints" / "round_00001"
+    with pytest.raises(OutputError) as info:
+        _save_own_files(directory, [], None)  # type: ignore[arg-type]
+    assert str(info.value) == f"cannot create the checkpoint directory {directory}: Not a directory (ENOTDIR)"
+
+
+def test_a_checkpoints_directory_the_run_cannot_write_is_refused_up_front(tmp_path, monkeypatch):
+    """chmod cannot make a directory unwritable for root, so the OS's refusal is played: the
+    check's probe file gets EACCES, as a read-only ``checkpoints/`` gives it to other users."""
+    import errno
+    import tempfile
+
+    from htfl_dist.atomic import OutputError
+    from htfl_dist.runtime.bootstrap import check_run_directory
+
+    (tmp_path / "checkpoints").mkdir()
+    check_run_directory(tmp_path)  # writable: accepted, and the probe is gone again
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+
+    def refused(*args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", kwargs.get("dir"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refused)
+    with pytest.raises(OutputError) as info:
+        check_run_directory(tmp_path)
+    assert str(info.value) == (f"cannot create a file in {tmp_path / 'checkpoints'}: Permission denied (EACCES); "
+                               f"make it writable (the run keeps its checkpoints there), or pass a new --out")
+
+
+@pytest.mark.parametrize(("name", "make", "kind", "wanted"), [
+    ("checkpoints", lambda path: path.write_text("x"), "regular file", "directory"),
+    ("metrics.jsonl", lambda path: path.mkdir(), "directory", "regular file"),
+    ("summary.json", lambda path: os.mkfifo(path), "named pipe", "regular file"),  # reading it would block
+    ("config.yaml", lambda path: path.symlink_to(path.parent / "elsewhere", target_is_directory=True) or
+     (path.parent / "elsewhere").mkdir(), "directory", "regular file"),  # links are followed
+])
+def test_run_directory_entries_of_the_wrong_kind_are_refused(tmp_path, name, make, kind, wanted):
+    from htfl_dist.errors import HtflError
+    from htfl_dist.runtime.bootstrap import check_run_directory
+
+    make(tmp_path / name)
+    with pytest.raises(HtflError) as info:
+        check_run_directory(tmp_path)
+    assert str(info.value).startswith(f"run directory {tmp_path}: {name} is a {kind}, not a {wanted}; the run keeps ")
+    assert str(info.value).endswith("there: move it away, or pass a new --out")

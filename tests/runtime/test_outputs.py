@@ -145,3 +145,30 @@ def test_generated_image_grids_are_written_when_the_images_change(tmp_path):
     assert grids.save(4, {"images": -images}) is not None
     assert sorted(p.name for p in (tmp_path / "generated").iterdir()) == ["round_00002.png", "round_00004.png"]
     assert not GeneratedImageGrids(tmp_path, (Field("protos", torch.float32, (8,)),)).enabled
+
+
+# ------------------------------------------------------------------ OS errors on the outputs: one line each
+
+
+def test_os_errors_on_run_outputs_name_the_path_the_operation_and_errno(tmp_path):
+    """A directory where metrics.jsonl belongs (or a file where a directory belongs) used to end
+    the run with an IsADirectoryError traceback; every writer and reader of the run's files says
+    instead what it attempted, on which path, and the OS's reason."""
+    from htfl_dist.atomic import OutputError
+    from htfl_dist.metrics.writer import MetricsLog, read_rows, write_json
+
+    metrics, eisdir = tmp_path / "metrics.jsonl", "Is a directory (EISDIR)"
+    metrics.mkdir()
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a directory belongs")
+    attempts = [
+        (lambda: MetricsLog(metrics).append({"round": 1}), f"cannot append a row to {metrics}: {eisdir}"),
+        (lambda: read_rows(metrics), f"cannot read {metrics}: {eisdir}"),
+        (lambda: write_json(metrics, {}), f"cannot replace {metrics}: {eisdir}"),
+        (lambda: write_json(blocker / "x.json", {}), f"cannot create the directory {blocker}: File exists (EEXIST)"),
+    ]
+    for attempt, line in attempts:
+        with pytest.raises(OutputError) as info:
+            attempt()
+        assert str(info.value) == line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blocker", "metrics.jsonl"]  # no temp file left
