@@ -2,7 +2,8 @@
 [--gpus-per-cell G | --gpu-memory-per-cell GIB] [--slurm [--wait]] [--dry-run] [--table-only]``:
 a paper's table in one command (docs/studies.md).
 
-Exit status: 0 every cell finished; 2 a mistake in the study, a cell's config or DIR (one line);
+Exit status: 0 every cell finished; 2 a mistake in the study, a cell's config or DIR, or DIR in
+use by another study (one line);
 75 stopped by SIGTERM/Ctrl-C after the running cells checkpointed (run the same command again);
 100 + n when n cells failed or were stopped alone (at most 199); the others still ran.
 """
@@ -107,23 +108,39 @@ def run(argv: list[str] | None = None) -> int:
     study = plan.validate(plan.expand(Path(args.study), args.overrides, args.seeds, tuple(args.imports)), args.ranks)
     if args.dry_run:
         return _dry_run(study, out, args.ranks)
-    if args.table_only:
+    if args.table_only:  # no lock: a look at a study that may be running
         print(table.write_outputs(study, out), flush=True)
         return 0
-    plan.claim_directory(out, study)
-    pending = [cell for cell in study.cells if not plan.finished(cell, out)]
-    print(f"study: {study.title}: {len(study.cells)} cells, {len(study.cells) - len(pending)} already finished; "
-          f"directory {out}", flush=True)
-    if args.slurm:
-        return _slurm(study, out, pending, args)
+    slots = None if args.slurm else _slots(args)  # a mistake in the devices or cores: before anything is written
+    plan.check_directory(out, study)
+    lock = plan.lock_directory(out)  # one study at a time in DIR: a second is refused here, in one line
+    try:
+        plan.claim_directory(out, study)
+        lock.record_holder()
+        pending = [cell for cell in study.cells if not plan.finished(cell, out)]
+        print(f"study: {study.title}: {len(study.cells)} cells, {len(study.cells) - len(pending)} already finished; "
+              f"directory {out}", flush=True)
+        if slots is None:
+            return _slurm(study, out, pending, args)
+        return _run_here(study, out, pending, slots, args)
+    finally:
+        lock.release()
+
+
+def _slots(args: argparse.Namespace) -> list[schedule.Slot]:
     gpus = visible_gpus(args.gpus)
     jobs = args.jobs or (sys.maxsize if gpus else 1)  # with GPUs, by default every place
     device_gib = device_memory_gib(gpus) if args.gpu_memory_per_cell is not None else None
-    slots = schedule.assign_slots(jobs, args.cores or default_cores(), args.ranks, gpus, args.gpus_per_cell,
-                                  args.gpu_memory_per_cell, device_gib)
+    return schedule.assign_slots(jobs, args.cores or default_cores(), args.ranks, gpus, args.gpus_per_cell,
+                                 args.gpu_memory_per_cell, device_gib)
+
+
+def _run_here(study: plan.Study, out: Path, pending: list[plan.Cell], slots: list[schedule.Slot],
+              args: argparse.Namespace) -> int:
     capped = f", {slots[0].memory_gib:.6g} GiB per rank" if slots[0].memory_gib else ""
+    places = f", GPUs {' | '.join(','.join(map(str, s.gpus)) for s in slots)}" if slots[0].gpus else " on CPU"
     print(f"study: {len(slots)} at once, {args.ranks} rank(s) x {slots[0].threads} thread(s) per cell{capped}"
-          f"{', GPUs ' + ' | '.join(','.join(map(str, s.gpus)) for s in slots) if gpus else ' on CPU'}", flush=True)
+          f"{places}", flush=True)
     runner = schedule.LocalRunner(out, slots, args.ranks, args.progress_every, study.cells)
     outcome = runner.run(pending, len(study.cells) - len(pending))
     print(runner.progress_line(0), flush=True)

@@ -11,11 +11,14 @@ import json
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from htfl_dist.errors import ConfigError, HtflError
+
+if TYPE_CHECKING:
+    from htfl_dist.runtime.bootstrap import RunDirectoryLock
 
 STUDY_KEYS = ("title", "base", "set", "grid", "seeds", "cells", "paper")
 CONFIG_AXIS = "config"
@@ -263,14 +266,16 @@ def validate(study: Study, ranks_per_cell: int = 1) -> Study:
     return Study(study.path, study.title, checked, study.keys, study.paper)
 
 
-def claim_directory(out: Path, study: Study) -> None:
-    """Refuse a DIR that holds another study's cells; record this study's cells in DIR/study.json.
+def check_directory(out: Path, study: Study) -> dict[str, str]:
+    """Refuse a DIR that holds another study's cells (writes nothing); returns the cells DIR/study.json
+    records (name: config hash).
 
     A cell name recorded with another config hash, or a recorded cell this study lacks, means the
     directory belongs to another study (more seeds or cells may be added; rounds may grow: they are
-    not part of the hash). A non-empty directory without the record is refused too."""
+    not part of the hash). A non-empty directory without the record is refused too (a lock file
+    alone, left by a study killed as it began, does not count)."""
     from htfl_dist.metrics.report import read_summary
-    from htfl_dist.metrics.writer import write_json
+    from htfl_dist.runtime.bootstrap import LOCK_FILE
 
     record_file = out / STUDY_RECORD
     ours = {cell.name: cell.config_hash for cell in study.cells}
@@ -280,7 +285,7 @@ def claim_directory(out: Path, study: Study) -> None:
             recorded = json.loads(record_file.read_text())["cells"]
         except (ValueError, KeyError, TypeError):
             raise StudyError(f"{record_file} is damaged; pass a new --out") from None
-    elif out.is_dir() and any(out.iterdir()):
+    elif out.is_dir() and any(entry.name != LOCK_FILE for entry in out.iterdir()):
         raise StudyError(f"--out {out} is not empty and holds no {STUDY_RECORD}: not a study directory; "
                          f"pass a new --out")
     for name, config_hash in recorded.items():
@@ -293,8 +298,33 @@ def claim_directory(out: Path, study: Study) -> None:
         if summary is not None and summary.get("config_hash") != cell.config_hash:
             raise StudyError(f"--out {out} holds cells of another study (cell {cell.name}: config hash "
                              f"{summary.get('config_hash')} there, {cell.config_hash} in this study); pass a new --out")
+    return recorded
+
+
+def lock_directory(out: Path) -> RunDirectoryLock:
+    """Take DIR for this study's life with the run directory's lock (``DIR/.htfl_dist.lock``, the
+    kernel's ``fcntl`` lock: a killed study's lock never blocks the next), or refuse in one line
+    naming the study that holds it, before anything is written. The holder's record is written by
+    the caller once the directory is claimed."""
+    from htfl_dist.runtime.bootstrap import lock_run_directory
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        return lock_run_directory(out, what="study")
+    except OSError as exc:
+        raise StudyError(f"cannot write the study directory {out} ({exc.strerror}); pass --out DIR you can "
+                         f"write to") from None
+
+
+def claim_directory(out: Path, study: Study) -> None:
+    """Refuse a DIR that holds another study's cells (:func:`check_directory`); record this study's
+    cells in DIR/study.json. Under the study's lock (:func:`lock_directory`)."""
+    from htfl_dist.metrics.writer import write_json
+
+    recorded = check_directory(out, study)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(record_file, {"study": str(study.path), "cells": {**recorded, **ours}})
+    write_json(out / STUDY_RECORD, {"study": str(study.path),
+                                    "cells": {**recorded, **{cell.name: cell.config_hash for cell in study.cells}}})
 
 
 def finished(cell: Cell, out: Path) -> bool:

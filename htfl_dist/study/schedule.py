@@ -3,13 +3,24 @@ packed k cells per device (or g devices per cell), multi-rank cells under torchr
 
 Each cell is a child process in its own session, so a Ctrl-C at the terminal reaches only the
 study, which then asks every running cell to checkpoint (SIGTERM, which the program turns into a
-checkpoint at the round boundary and exit status 75). A rerun of the same command reads finished
-cells back and continues the others from their checkpoints (``--resume auto``).
+checkpoint at the round boundary and exit status 75). A study that dies without a word (SIGKILL,
+a closed terminal) takes its cells along the same way: each cell's first process asks Linux for
+SIGTERM when the study dies (``leader.py``). A rerun of the same command reads finished cells back
+and continues the others from their checkpoints (``--resume auto``); a cell whose run directory a
+live process still holds (one a killed study left checkpointing, or a run started by hand) is
+waited for, then read back or resumed.
+
+Each attempt of a cell writes its own ``output.log`` in the cell's directory; an earlier attempt's
+is set aside first (``output.log.1``, ``.2``, ... oldest first), so a process of that attempt
+still writing cannot mix its lines in, and a failed cell is named with its own last line.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -21,10 +32,12 @@ from typing import TextIO
 
 from htfl_dist.metrics.writer import _clock as clock
 from htfl_dist.metrics.writer import read_rows
-from htfl_dist.study.plan import Cell, StudyError
+from htfl_dist.study.plan import Cell, StudyError, finished
 
 EXIT_PREEMPTED = 75  # the program's own status for "checkpointed on SIGTERM"
 CELL_LOG = "output.log"
+LEADER = Path(__file__).with_name("leader.py")
+REASON_TAIL_BYTES = 64 * 1024
 
 
 CUDA_CONTEXT_GIB = 0.5
@@ -161,6 +174,8 @@ class LocalRunner:
         self.all_cells = all_cells
         self.outcome = Outcome()
         self.running: list[Running] = []
+        self.held: dict[str, tuple[Cell, str]] = {}
+        """Cells whose run directory another live process holds, by name: the cell and its holder."""
         self.signals = 0
 
     def run(self, pending: list[Cell], already_done: int) -> Outcome:
@@ -171,10 +186,13 @@ class LocalRunner:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
         last_line = time.monotonic()
         try:
-            while self.running or (pending and not self.outcome.stopped):
+            while self.running or ((pending or self.held) and not self.outcome.stopped):
+                self._take_back_released(pending)
                 free = [slot for slot in self.slots if all(r.slot is not slot for r in self.running)]
                 while free and pending and not self.outcome.stopped:
-                    self._start(pending.pop(0), free.pop(0))
+                    cell = pending.pop(0)
+                    if not self._held_elsewhere(cell):
+                        self._start(cell, free.pop(0))
                 time.sleep(0.3)
                 self._reap()
                 if self.progress_every_s and time.monotonic() - last_line >= self.progress_every_s:
@@ -183,6 +201,11 @@ class LocalRunner:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            for entry in self.running:  # only when an exception ends the study early: the cells checkpoint
+                if entry.process.poll() is None:
+                    entry.process.send_signal(signal.SIGTERM)
+        self.outcome.interrupted.extend(cell for cell, _ in self.held.values())  # stopped while waiting
+        self.held.clear()
         return self.outcome
 
     def _on_signal(self, signum: int, frame) -> None:
@@ -197,24 +220,51 @@ class LocalRunner:
             if entry.process.poll() is None:
                 entry.process.send_signal(signal.SIGTERM)
 
+    def _held_elsewhere(self, cell: Cell, holder: str | None = None) -> bool:
+        """Whether a live process other than this study's holds the cell's run directory (its lock);
+        if so the cell waits, named in one line, until that process ends."""
+        holder = holder or run_directory_holder(cell.run_dir(self.out))
+        if holder is None:
+            return False
+        self.held[cell.name] = (cell, holder)
+        print(f"study: cell {cell.name}: its run directory is held by {holder}, a cell an earlier study left "
+              f"checkpointing or a run started by hand; the cell goes on when that process ends (stop it to go on "
+              f"sooner)", file=sys.stderr, flush=True)
+        return True
+
+    def _take_back_released(self, pending: list[Cell]) -> None:
+        """Held cells whose holder has ended: read back when it finished them, else first in line."""
+        for name, (cell, _) in list(self.held.items()):
+            if run_directory_holder(cell.run_dir(self.out)) is not None:
+                continue
+            del self.held[name]
+            if finished(cell, self.out):
+                self.outcome.done.append(cell)
+                print(f"study: cell {name} was finished by that process", flush=True)
+            else:
+                pending.insert(0, cell)
+
     def _start(self, cell: Cell, slot: Slot) -> None:
         run_dir = cell.run_dir(self.out)
         run_dir.mkdir(parents=True, exist_ok=True)
         command, env = cell_command(cell, self.out, slot, self.ranks)
-        log = open(run_dir / CELL_LOG, "a")  # noqa: SIM115 (closed when the cell ends)
-        log.write(f"study: {' '.join(command)}\n")
+        log = open_cell_log(run_dir)
+        log.write(f"study: {shlex.join(command)}\n")
         log.flush()
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen([sys.executable, "-I", str(LEADER), str(os.getpid()), *command], env=env,
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.running.append(Running(cell, slot, process, log))
 
     def _reap(self) -> None:
         for entry in list(self.running):
-            code = entry.process.poll()
-            if code is None:
+            if not _has_exited(entry.process):
                 continue
+            _kill_group(entry.process.pid)  # what the cell's first process left behind goes with it
+            code = entry.process.wait()
             entry.log.close()
             self.running.remove(entry)
             cell, run_dir = entry.cell, entry.cell.run_dir(self.out)
+            log = run_dir / CELL_LOG
             if code == 0:
                 self.outcome.done.append(cell)
             elif code == EXIT_PREEMPTED or (self.outcome.stopped and (run_dir / "PREEMPTED").exists()):
@@ -222,10 +272,13 @@ class LocalRunner:
                 if not self.outcome.stopped:  # a SIGTERM that reached the cell alone
                     print(f"study: cell {cell.name} stopped after a checkpoint (exit status {code}); the same "
                           f"command again continues it", file=sys.stderr, flush=True)
+            elif not self.outcome.stopped and self._held_elsewhere(
+                    cell, refused_by_holder(reason := failure_reason(log), run_dir)):
+                pass  # another process took the directory between the look and the cell's start: wait for it
             else:
                 self.outcome.failed.append(cell)
-                print(f"study: cell {cell.name} failed (exit status {code}): {_last_line(run_dir / CELL_LOG)}; "
-                      f"log {run_dir / CELL_LOG}", file=sys.stderr, flush=True)
+                print(f"study: cell {cell.name} failed ({exit_status_text(code)}): {reason}; log {log}",
+                      file=sys.stderr, flush=True)
 
     def _rounds_done(self) -> int:
         total = 0
@@ -243,13 +296,90 @@ class LocalRunner:
         rounds_now = self._rounds_done()
         rate = (rounds_now - self.rounds_at_start) / max(time.monotonic() - self.began, 1e-9)
         eta = f"ETA {clock((planned - rounds_now) / rate)}" if rate > 0 else "ETA unknown"
+        held = f" ({len(self.held)} held by other processes)" if self.held else ""
         return (f"study: {done}/{len(self.all_cells)} cells done, {len(self.running)} running, "
-                f"{len(self.outcome.failed)} failed, {waiting} waiting; rounds {rounds_now}/{planned}; {eta}")
+                f"{len(self.outcome.failed)} failed, {waiting + len(self.held)} waiting{held}; "
+                f"rounds {rounds_now}/{planned}; {eta}")
 
 
-def _last_line(log: Path) -> str:
+def run_directory_holder(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock ('pid P on host H (started T)'), or None when nobody
+    does: no lock file, or one a dead process left (the kernel dropped its lock). The look takes
+    the lock for a moment (bootstrap's own lock, the only way to ask it), so it is made only for
+    a cell this study is not running."""
+    from htfl_dist.runtime.bootstrap import LOCK_FILE, DirectoryInUse, lock_run_directory
+
+    if not (run_dir / LOCK_FILE).is_file():
+        return None
     try:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        lock = lock_run_directory(run_dir)
+    except DirectoryInUse as exc:
+        return exc.holder
+    lock.release()
+    return None
+
+
+def refused_by_holder(reason: str, run_dir: Path) -> str | None:
+    """The holder named by the program's refusal of a locked run directory, else None."""
+    match = re.search(rf"run directory {re.escape(str(run_dir))} is in use by (.+?); wait for that run", reason)
+    return match[1] if match else None
+
+
+def open_cell_log(run_dir: Path) -> TextIO:
+    """A new ``output.log`` for this attempt of the cell, the earlier attempt's set aside first
+    (``output.log.N``, the next free N): a process of that attempt still writing (a rank left
+    over by a killed study) writes on into the file set aside, never into this one."""
+    log = run_dir / CELL_LOG
+    if log.exists():
+        number = 1
+        while (run_dir / f"{CELL_LOG}.{number}").exists():
+            number += 1
+        log.rename(run_dir / f"{CELL_LOG}.{number}")
+    return open(log, "x")  # closed when the cell ends
+
+
+_PROGRAM_LINE = re.compile(r"htfl_dist(?:\.study)?: (?:error\b|\S.* failed: )")
+_NOT_MEANINGFUL = re.compile(r"[\W_]*")  # blank, or a rule of '=' or '-' (torchrun's summary)
+
+
+def failure_reason(log: Path) -> str:
+    """Why a cell failed, from this attempt's own log: the program's last error line (torchrun
+    repeats rank 0's after 'traceback :'), else the last line that says something (a traceback's
+    exception line); never the study's own header line."""
+    try:
+        with open(log, "rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - REASON_TAIL_BYTES))
+            lines = [line.strip() for line in file.read().decode(errors="replace").splitlines()]
     except OSError:
         return "no log"
-    return lines[-1].strip() if lines else "no output"
+    lines = [line for line in lines if not _NOT_MEANINGFUL.fullmatch(line) and not line.startswith("study: ")]
+    for line in reversed(lines):
+        match = _PROGRAM_LINE.search(line)
+        if match:
+            return line[match.start():]
+    return lines[-1] if lines else "no output"
+
+
+def exit_status_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
+def _has_exited(process: subprocess.Popen) -> bool:
+    """Whether the cell's first process has ended, left unreaped: until it is reaped its pid, and
+    so its process group's id, cannot pass to another process."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)

@@ -1,8 +1,10 @@
 """Studies (python -m htfl_dist.study): grid expansion and cell keys, per-cell validation, packing,
-the table's folding over seeds, the refusal of a foreign directory, and a study killed with
-SIGTERM and run again (its cells' metrics equal an uninterrupted study's)."""
+the table's folding over seeds, the refusal of a foreign directory, a study killed with SIGTERM
+or SIGKILL and run again (its cells' metrics equal an uninterrupted study's; a SIGKILLed study's
+cells die with it), one study at a time per directory, and each cell's log and failure its own."""
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -282,6 +284,36 @@ def test_cell_command_gets_its_slot(monkeypatch):
     assert "runtime.gpu_memory_gib=6.5" not in command and env["CUDA_VISIBLE_DEVICES"] == "7"
 
 
+def test_a_failed_cell_is_named_with_the_last_meaningful_line_of_its_own_log(tmp_path):
+    """The program's error line (under torchrun, the one its summary repeats after rules of '='),
+    else a traceback's last line; never the study's header. Each attempt writes a log of its own,
+    the earlier one set aside; a refusal of a held run directory names the holder."""
+    run = tmp_path / "cell"
+    run.mkdir()
+    log = run / schedule.CELL_LOG
+    log.write_text("study: python -m htfl_dist.main ...\nTraceback (most recent call last):\n  File x\n"
+                   "ValueError: boom\n\n")
+    assert schedule.failure_reason(log) == "ValueError: boom"
+    log.write_text("htfl_dist: error on rank 0: no data at /x\n" + "-" * 60 + "\nRoot Cause:\n  exitcode  : 2\n"
+                   "  traceback : htfl_dist: error on rank 0: no data at /x\n" + "=" * 60 + "\n")
+    assert schedule.failure_reason(log) == "htfl_dist: error on rank 0: no data at /x"
+    log.write_text("study: python -m htfl_dist.main ...\n")
+    assert schedule.failure_reason(log) == "no output"
+    assert schedule.failure_reason(run / "missing.log") == "no log"
+    with schedule.open_cell_log(run) as first:
+        first.write("first attempt\n")
+    with schedule.open_cell_log(run) as second:
+        second.write("second attempt\n")
+    assert log.read_text() == "second attempt\n"
+    assert (run / "output.log.1").read_text() == "study: python -m htfl_dist.main ...\n"
+    assert (run / "output.log.2").read_text() == "first attempt\n"
+    line = (f"htfl_dist: error: run directory {run} is in use by pid 7 on host h (started T); wait for that run "
+            f"to end (or stop it), or pass a new --out")
+    assert schedule.refused_by_holder(line, run) == "pid 7 on host h (started T)"
+    assert schedule.refused_by_holder(line, tmp_path / "other") is None
+    assert schedule.exit_status_text(-9) == "killed by SIGKILL" and schedule.exit_status_text(1) == "exit status 1"
+
+
 # ------------------------------------------------------------------------------------ the table
 
 def _record(name: str, accuracies: list[float], seconds: float = 2.0, server: float = 0.5) -> RunRecord:
@@ -360,3 +392,177 @@ def test_a_killed_study_resumes_to_the_metrics_of_an_uninterrupted_one(tmp_path,
     third = _launch_study(path, killed)  # all finished: read back, nothing launched
     output = third.communicate(timeout=60)[0]
     assert third.returncode == 0 and "2 cells, 2 already finished" in output, output
+
+
+# ------------------------------------------------------------------------------------ a study's safety
+
+STRAIGHT_ROUNDS = 8
+"""Enough rounds that a cell left running by a killed study would outlive the checks by far."""
+
+
+def _study_settings(cache_dir: Path) -> dict:
+    return {"rounds": STRAIGHT_ROUNDS, "num_clients": 4, "data.cache_dir": str(cache_dir), "data.subsample": 0.01}
+
+
+def _lock_record(directory: Path) -> dict:
+    from htfl_dist.runtime.bootstrap import LOCK_FILE
+
+    try:
+        return json.loads((directory / LOCK_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _cell_processes(out: Path) -> list[str]:
+    """The live processes (pid and command line) of cells in ``out``, wherever they are in the process tree."""
+    needle = f"{out}/cells/".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if needle in cmdline:
+            command = cmdline.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{entry.name}: {command[:200]}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def undisturbed(tmp_path_factory, cache_dir):
+    """Two cells run straight through by a study process; while it runs, a second study on its
+    directory (what that one printed and returned, and the directory's study record and lock
+    record around it, kept for the lock's test)."""
+    folder = tmp_path_factory.mktemp("undisturbed")
+    path = write_study(folder, set=_study_settings(cache_dir), grid={"algorithm": ["fedproto", "local"]})
+    out = folder / "out"
+    first = _launch_study(path, out)
+    deadline = time.monotonic() + 120
+    while not (out / "study.json").is_file() and time.monotonic() < deadline and first.poll() is None:
+        time.sleep(0.05)  # the first study has claimed the directory; its cells are about to start
+    deadline = time.monotonic() + 5
+    while _lock_record(out).get("pid") != first.pid and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = ((out / "study.json").read_bytes(), _lock_record(out))
+    second = subprocess.run([sys.executable, "-m", "htfl_dist.study", str(path), "--out", str(out), "--jobs", "2"],
+                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    after = ((out / "study.json").read_bytes(), _lock_record(out))
+    still_running = first.poll() is None
+    output = first.communicate(timeout=300)[0]
+    return {"path": path, "out": out, "code": first.returncode, "output": output, "pid": first.pid,
+            "second": second, "before": before, "after": after, "first_still_running": still_running}
+
+
+@pytest.mark.launch
+def test_a_second_study_on_a_running_studys_directory_is_refused_in_one_line(undisturbed):
+    """The study's directory has the run directory's lock: a second study on it ends at once with
+    one line naming the first (exit status 2, as a second run on a run's directory) and writes
+    nothing, and the first goes on undisturbed, its cells' logs its own."""
+    second, out = undisturbed["second"], undisturbed["out"]
+    assert undisturbed["first_still_running"], undisturbed["output"]
+    assert second.returncode == 2 and second.stdout == "", second.stdout + second.stderr
+    assert second.stderr.startswith(f"htfl_dist.study: error: study directory {out} is in use by pid "
+                                    f"{undisturbed['pid']} on host "), second.stderr
+    assert len(second.stderr.splitlines()) == 1 and second.stderr.rstrip().endswith("or pass a new --out")
+    assert undisturbed["after"] == undisturbed["before"]  # neither the study record nor the lock's holder
+    assert undisturbed["code"] == 0, undisturbed["output"]
+    for name in ("fedproto-seed0", "local-seed0"):
+        log = (out / "cells" / name / "output.log").read_text()
+        assert log.count("study: ") == 1 and log.startswith("study: "), log  # one study started it
+        assert not (out / "cells" / name / "output.log.1").exists()
+
+
+@pytest.mark.launch
+def test_a_sigkilled_study_takes_its_cells_along_and_its_rerun_equals_an_undisturbed_one(undisturbed, tmp_path):
+    """SIGKILL to the study while its cells run: the cells get the parent-death SIGTERM, checkpoint
+    at their round boundary and are gone within seconds (not running on to the end as orphans that
+    hold their run directories); the same command again exits 0 with each row once, its
+    accuracies and every cell's metrics those of the study that ran straight through."""
+    out = tmp_path / "killed"
+    first = _launch_study(undisturbed["path"], out)
+    metrics = out / "cells" / "fedproto-seed0" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and metrics.read_text().strip()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert first.poll() is None, first.communicate()[0]
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=30)
+    killed_at = time.monotonic()
+    while _cell_processes(out) and time.monotonic() - killed_at < 20:
+        time.sleep(0.1)
+    assert _cell_processes(out) == [], f"cells outlived their study: {_cell_processes(out)}"
+    gone_after_s = time.monotonic() - killed_at
+    # stopped by the SIGTERM at its round boundary, with a checkpoint: not finished by an orphan
+    cell = out / "cells" / "fedproto-seed0"
+    assert (cell / "PREEMPTED").exists(), (cell / "output.log").read_text()
+    assert len(read_metrics(cell)) < STRAIGHT_ROUNDS
+    second = _launch_study(undisturbed["path"], out)
+    output = second.communicate(timeout=300)[0]
+    assert second.returncode == 0, output
+    assert " failed (" not in output and "run directory is held by" not in output, output
+    rows = list(csv.DictReader((out / "table.csv").read_text().splitlines()))
+    straight = list(csv.DictReader((undisturbed["out"] / "table.csv").read_text().splitlines()))
+    assert [row["cell"] for row in rows] == ["fedproto", "local"]
+    accuracy = ("cell", "seeds", "best_mean", "best_std", "last_mean", "last_std", "rounds_done", "rounds_planned")
+    assert [{k: row[k] for k in accuracy} for row in rows] == [{k: row[k] for k in accuracy} for row in straight]
+    for name in ("fedproto-seed0", "local-seed0"):
+        assert maths_only(read_metrics(out / "cells" / name)) == \
+            maths_only(read_metrics(undisturbed["out"] / "cells" / name))
+    # the killed attempt's log set aside, the resumed attempt's its own
+    assert "SIGTERM received" in (out / "cells" / "fedproto-seed0" / "output.log.1").read_text()
+    assert (out / "cells" / "fedproto-seed0" / "output.log").read_text().count("study: ") == 1
+    print(f"cells gone {gone_after_s:.1f} s after the study's SIGKILL")
+
+
+@pytest.mark.launch
+def test_a_cell_held_by_a_live_process_is_waited_for_and_fails_with_its_own_reason(tmp_path, cache_dir):
+    """A rerun finds one cell's run directory held by a live process (what a killed study's
+    checkpointing cell is for a moment) and another's lock left by a dead one. The stale lock
+    does not matter; the held cell waits, named in a line, and starts once the holder lets go.
+    The holder goes on writing error lines into the cell's old log after that; the cell, which
+    fails (its data root does not exist), is named with its own last line, not the holder's."""
+    from htfl_dist.runtime.bootstrap import LOCK_FILE
+
+    path = write_study(tmp_path, set={**_study_settings(cache_dir), "rounds": 3},
+                       grid={"algorithm": ["local", "lgfedavg"]},
+                       cells={"lgfedavg": {"data.root": str(tmp_path / "no-such-data")}})
+    out = tmp_path / "out"
+    plan.claim_directory(out, plan.validate(plan.expand(path)))  # an earlier study's directory
+    stale, held = out / "cells" / "local-seed0", out / "cells" / "lgfedavg-seed0"
+    stale.mkdir(parents=True)
+    (stale / LOCK_FILE).write_text('{"host": "node7", "pid": 4242, "started": "2026-01-01 00:00:00 UTC"}\n')
+    held.mkdir(parents=True)
+    code = ("import sys, time; from pathlib import Path; from htfl_dist.runtime.bootstrap import lock_run_directory; "
+            "d = Path(sys.argv[1]); lock = lock_run_directory(d); lock.record_holder(); "
+            "log = open(d / 'output.log', 'a'); print('held', flush=True); sys.stdin.readline(); lock.release()\n"
+            "while True:\n"
+            "    log.write('htfl_dist: error: a line of the process that held the cell\\n'); log.flush(); "
+            "time.sleep(0.05)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(held)], cwd=REPO, env=_env(), text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        study = _launch_study(path, out)
+        lines = []
+        for line in study.stdout:
+            lines.append(line)
+            if f"study: cell lgfedavg-seed0: its run directory is held by pid {holder.pid} on host " in line:
+                break
+        else:
+            raise AssertionError("".join(lines))
+        holder.stdin.write("\n")
+        holder.stdin.flush()  # it lets go of the directory and writes on into the cell's old log
+        output = "".join(lines) + study.communicate(timeout=300)[0]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert study.returncode == 101, output
+    failed = [line for line in output.splitlines() if " failed (" in line]
+    assert len(failed) == 1 and failed[0].startswith("study: cell lgfedavg-seed0 failed (exit status "), output
+    assert "no-such-data" in failed[0] and "held the cell" not in failed[0], output
+    assert len(read_metrics(stale)) == 3 and json.loads((stale / "summary.json").read_text())["rounds"] == 3
+    own = (held / "output.log").read_text()
+    assert own.startswith("study: ") and "held the cell" not in own and "no-such-data" in own, own
+    assert "held the cell" in (held / "output.log.1").read_text()
