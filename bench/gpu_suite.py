@@ -1,0 +1,538 @@
+"""The GPU suite: what a lent GPU machine should spend its minutes on, in order of value, each step
+under its own time cap, with ``OUT/summary.md`` rewritten after every step so that a run cut off
+still leaves its figures. Run it through ``bench/gpu_suite.sh DIR OUT`` (docs/running.md).
+
+Steps (the figures each gives):
+1. side by side: HtFLlib's FedProto (unmodified, ``bench/htfllib_run.py``) and ours on the same
+   PFLlib FMNIST Dirichlet split (20 HtCNN8 clients): s/round, GPU utilisation and memory; ours as
+   1 process, torchrun with 3 and 5 ranks sharing the GPU, and ``train.client_batching=vmap``.
+2. determinism: the 1-process and 3-rank runs of step 1, round by round (equal or not).
+3. paper-size models: HtFE8 on generated CIFAR-100-sized data (20 clients, 100 classes): each
+   member's step time and peak memory, FedTGP's s/round on 5 ranks sharing the GPU, and a
+   projection (stated as such) of FedTGP Table 1's CIFAR-100 1000-round run on one 8-GPU node.
+4. FedTGP's server update on the device, and its share of step 3's round.
+5. DP-SGD against plain training (client seconds per round), and study packing: 4 cells at once
+   on one device against one after another.
+
+``--tiny --device cpu`` runs every step at toy sizes on a CPU (the test suite's launch tier does,
+so the suite keeps working as the code changes); its figures mean nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+FEDPROTO = REPO / "configs" / "fmnist_htcnn8_fedproto_dirichlet.yaml"
+FEDTGP_CIFAR100 = REPO / "configs" / "cifar100_htfe8_fedtgp_dirichlet.yaml"
+RESERVE_S = 10.0
+"""Kept back from the budget for writing the summary after the last step."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What a step runs at: the issue's sizes on a GPU, toy ones for the CPU dry run."""
+
+    clients: int
+    fmnist_subsample: float
+    rounds: int
+    ranks: tuple[int, ...]
+    cifar_samples: int
+    cifar_rounds: int
+    arch_steps: int
+    server_epochs: int
+    study_cells: int
+    dp_rounds: int
+
+    @staticmethod
+    def pick(tiny: bool) -> Sizes:
+        if tiny:
+            return Sizes(clients=4, fmnist_subsample=0.05, rounds=2, ranks=(2, 3), cifar_samples=2000,
+                         cifar_rounds=1, arch_steps=3, server_epochs=5, study_cells=4, dp_rounds=1)
+        return Sizes(clients=20, fmnist_subsample=1.0, rounds=3, ranks=(3, 5), cifar_samples=60000,
+                     cifar_rounds=2, arch_steps=50, server_epochs=100, study_cells=4, dp_rounds=2)
+
+
+@dataclasses.dataclass
+class Launch:
+    """One command's outcome: exit status, wall seconds, and what the GPU did while it ran."""
+
+    rc: int
+    seconds: float
+    samples: list[tuple[float, float, float]] = dataclasses.field(default_factory=list)
+    """(epoch seconds, utilisation %, memory used MiB), every 200 ms; empty without nvidia-smi."""
+    ended: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.rc == 0
+
+    @property
+    def gpu_mem_mib(self) -> float | None:
+        return max(s[2] for s in self.samples) if self.samples else None
+
+    def gpu_util(self, last_s: float | None = None) -> float | None:
+        """Mean utilisation over the run's last ``last_s`` seconds (the timed rounds, so that
+        start-up, data loading and teardown do not dilute it), or over all of it."""
+        since = self.ended - last_s if last_s else 0.0
+        window = [s[1] for s in self.samples if s[0] >= since]
+        return statistics.fmean(window) if window else None
+
+
+class GpuSampler:
+    """Samples utilisation and used memory of GPU 0 every 200 ms through nvidia-smi (absent on a
+    CPU machine: then there are no samples and every GPU figure is n/a)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> GpuSampler:
+        if shutil.which("nvidia-smi"):
+            self.process = subprocess.Popen(
+                ["nvidia-smi", "--id=0", "--query-gpu=timestamp,utilization.gpu,memory.used",
+                 "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=self.path.open("w"), stderr=subprocess.DEVNULL)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.process:
+            self.process.terminate()
+            self.process.wait()
+
+    def samples(self) -> list[tuple[float, float, float]]:
+        if not self.process or not self.path.exists():
+            return []
+        rows = []
+        for line in self.path.read_text().splitlines():
+            match = re.fullmatch(r"\s*(\d{4}/\d\d/\d\d \d\d:\d\d:\d\d)(\.\d+)?\s*,\s*([\d.]+)\s*,\s*([\d.]+)\s*", line)
+            if match:
+                stamp = time.mktime(time.strptime(match[1], "%Y/%m/%d %H:%M:%S")) + float(match[2] or 0)
+                rows.append((stamp, float(match[3]), float(match[4])))
+        return rows
+
+
+class Suite:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.prepared: Path = args.dir.resolve()
+        self.out: Path = args.out.resolve()
+        self.work: Path = (args.work or Path(os.environ.get("TMPDIR", "/tmp")) / "htfl_gpu_suite").resolve()
+        self.sizes = Sizes.pick(args.tiny)
+        self.began = time.monotonic()
+        self.sections: list[str] = []
+        self.results: dict[str, dict] = {}
+        self.python = sys.executable
+
+    # ------------------------------------------------------------------ time and launching
+
+    def left(self) -> float:
+        return self.args.budget_s - RESERVE_S - (time.monotonic() - self.began)
+
+    def launch(self, name: str, command: list[str], cap_s: float, env: dict[str, str] | None = None,
+               cwd: Path | None = None) -> Launch:
+        """Run ``command`` with its output in ``logs/<name>.log``, stopped (its whole process group)
+        after ``cap_s`` seconds or when the budget ends, whichever comes first."""
+        log = self.out / "logs" / f"{name}.log"
+        timeout = max(1.0, min(cap_s, self.left()))
+        began = time.monotonic()
+        with log.open("w") as handle, GpuSampler(self.out / "logs" / f"{name}.gpu.csv") as sampler:
+            handle.write(f"$ {' '.join(command)}\n")
+            handle.flush()
+            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd,
+                                       env={**os.environ, **(env or {})}, start_new_session=True)
+            try:
+                rc = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                rc = 124
+                handle.write(f"\n[gpu_suite: stopped after {timeout:.0f} s: the step's cap or the budget]\n")
+        return Launch(rc, time.monotonic() - began, sampler.samples(), ended=time.time())
+
+    def ours(self, name: str, config: Path, overrides: list[str], ranks: int, cap_s: float) -> Launch:
+        run_dir = self.work / "runs" / name
+        shutil.rmtree(run_dir, ignore_errors=True)
+        entry = ["-m", "htfl_dist.main"] if ranks == 1 else \
+            ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "htfl_dist.main"]
+        device = [f"runtime.device={self.args.device}", f"data.cache_dir={self.work / 'cache'}",
+                  "checkpoint_every=0"] + (["runtime.threads=1"] if self.args.device == "cpu" else [])
+        return self.launch(name, [self.python, *entry, "--config", str(config), "--out", str(run_dir),
+                                  *overrides, *device], cap_s)
+
+    def rows(self, name: str) -> list[dict]:
+        path = self.work / "runs" / name / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    # ------------------------------------------------------------------ summary
+
+    def write_summary(self) -> None:
+        text = "\n\n".join([self.header(), *self.sections]) + "\n"
+        partial = self.out / "summary.md.partial"
+        partial.write_text(text)
+        os.replace(partial, self.out / "summary.md")
+        (self.out / "results.json").write_text(json.dumps(self.results, indent=1))
+
+    def header(self) -> str:
+        return "\n".join([
+            "# GPU suite", "",
+            f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+            f"- machine: {machine_line(self.args.device)}",
+            f"- command: `bash bench/gpu_suite.sh {' '.join(sys.argv[1:])}`",
+            f"- sizes: {dataclasses.asdict(self.sizes)}" + (" (tiny: a dry run, figures meaningless)" * self.args.tiny),
+            f"- budget {self.args.budget_s:.0f} s; elapsed {time.monotonic() - self.began:.0f} s"])
+
+    def add_section(self, title: str, lines: list[str]) -> None:
+        self.sections.append("\n".join([f"## {title}", "", *lines]))
+        self.write_summary()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def machine_line(device: str) -> str:
+    import torch
+
+    parts = [f"torch {torch.__version__}", f"python {sys.version.split()[0]}", f"{os.cpu_count()} CPUs"]
+    if device == "cuda" and torch.cuda.is_available():
+        parts.insert(0, torch.cuda.get_device_name(0))
+        parts.append(f"CUDA {torch.version.cuda}")
+        driver = nvidia_smi("driver_version")
+        if driver:
+            parts.append(f"driver {driver}")
+    else:
+        parts.insert(0, "CPU only")
+    return ", ".join(parts)
+
+
+def nvidia_smi(field: str) -> str:
+    if not shutil.which("nvidia-smi"):
+        return ""
+    done = subprocess.run(["nvidia-smi", "--id=0", f"--query-gpu={field}", "--format=csv,noheader"],
+                          capture_output=True, text=True)
+    return done.stdout.strip()
+
+
+def fmt(value: float | None, spec: str = ".2f", unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def per_round_s(seconds: list[float]) -> float | None:
+    """Mean seconds per round after the first (which carries warm-up), or the only one."""
+    if not seconds:
+        return None
+    return statistics.fmean(seconds[1:] if len(seconds) > 1 else seconds)
+
+
+def reference_figures(log: Path) -> tuple[list[float], list[float]]:
+    """HtFLlib's per-iteration seconds (its ``'-' * 50, seconds`` lines) and its evaluated
+    accuracies (``Averaged Test Accurancy``, taken before each iteration's training)."""
+    text = log.read_text() if log.exists() else ""
+    seconds = [float(m) for m in re.findall(r"^-{50} ([\d.]+)$", text, flags=re.M)]
+    accuracy = [float(m) for m in re.findall(r"^Averaged Test Accurancy: ([\d.]+)$", text, flags=re.M)]
+    return seconds, accuracy
+
+
+def unpack_wheels(prepared: Path, site: Path) -> bool:
+    """The DP step's packages from DIR/wheels into a folder put on PYTHONPATH (not installed)."""
+    wheels = sorted((prepared / "wheels").glob("*.whl"))
+    if not wheels:
+        return False
+    if not site.exists():
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                archive.extractall(site)
+    return True
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def prepare_data(suite: Suite) -> None:
+    """The PFLlib directories both sides read, written on this machine from DIR's four files."""
+    dataset = suite.work / "htfllib" / "dataset"
+    sizes = suite.sizes
+    if not (dataset / "FMNIST").exists():
+        launched = suite.launch("0_write_fmnist_split", [
+            suite.python, str(BENCH / "pfllib_write.py"), "fmnist", str(dataset / "FMNIST"),
+            "--fmnist-root", str(suite.prepared / "fmnist"), "--clients", str(sizes.clients),
+            "--subsample", str(sizes.fmnist_subsample)], cap_s=120)
+        if not launched.ok:
+            raise SystemExit(f"gpu_suite: writing the FMNIST split failed; see {suite.out}/logs/"
+                             "0_write_fmnist_split.log")
+    system = suite.prepared / "htfllib" / "system"
+    if system.exists() and not (suite.work / "htfllib" / "system").exists():
+        shutil.copytree(system, suite.work / "htfllib" / "system")
+
+
+def fedproto_overrides(suite: Suite) -> list[str]:
+    return ["data.partition=pfllib", f"data.pfllib_dir={suite.work / 'htfllib' / 'dataset' / 'FMNIST'}",
+            "data.allow_pickle=true", f"num_clients={suite.sizes.clients}", f"rounds={suite.sizes.rounds}"]
+
+
+def step_side_by_side(suite: Suite, cap_s: float) -> None:
+    ends = time.monotonic() + cap_s
+    table = ["| run | s/round | whole run s | GPU util % | GPU mem MiB | accuracy by round % |",
+             "|---|---|---|---|---|---|"]
+    results: dict[str, dict] = {}
+    reference = suite.work / "htfllib" / "system"
+    if reference.exists():
+        device = "cuda" if suite.args.device == "cuda" else "cpu"
+        launched = suite.launch("1_reference_fedproto", [
+            suite.python, str(BENCH / "htfllib_run.py"), str(reference), "-data", "FMNIST", "-m", "HCNNs8",
+            "-algo", "FedProto", "-lam", "10", "-lbs", "10", "-lr", "0.01", "-nc", str(suite.sizes.clients),
+            "-ncl", "10", "-gr", str(suite.sizes.rounds - 1), "-dev", device, "-fd", "512"],
+            cap_s=ends - time.monotonic())
+        seconds, accuracy = reference_figures(suite.out / "logs" / "1_reference_fedproto.log")
+        util = launched.gpu_util(sum(seconds[1:]))
+        results["reference"] = {"rc": launched.rc, "s_per_round": per_round_s(seconds), "wall_s": launched.seconds,
+                                "gpu_util": util, "acc": accuracy[1:]}
+        commit = (suite.prepared / "htfllib" / "COMMIT").read_text().strip()[:7]
+        shown = ", ".join(f"{100 * a:.2f}" for a in accuracy[1:])
+        table.append(f"| HtFLlib FedProto ({commit}) | {fmt(per_round_s(seconds))} | {launched.seconds:.1f} | "
+                     f"{fmt(util, '.0f')} | {fmt(launched.gpu_mem_mib, '.0f')} | {shown} (rc {launched.rc}) |")
+    else:
+        table.append("| HtFLlib FedProto | not prepared (gpu_prepare.sh --no-reference) | | | | |")
+    variants = [("ours_1proc", 1, []), (f"ours_{suite.sizes.ranks[0]}ranks", suite.sizes.ranks[0], []),
+                ("ours_vmap", 1, ["train.client_batching=vmap"]),
+                (f"ours_{suite.sizes.ranks[1]}ranks", suite.sizes.ranks[1], [])]
+    for name, ranks, extra in variants:
+        if ends - time.monotonic() < 5:
+            table.append(f"| {name} | skipped: the step's cap was reached | | | | |")
+            continue
+        launched = suite.ours(f"1_{name}", FEDPROTO, fedproto_overrides(suite) + extra, ranks, ends - time.monotonic())
+        rows = suite.rows(f"1_{name}")
+        s_round = per_round_s([r["seconds"] for r in rows])
+        util = launched.gpu_util(sum(r["seconds"] for r in rows[1:]))
+        results[name] = {"rc": launched.rc, "s_per_round": s_round, "wall_s": launched.seconds,
+                         "gpu_util": util, "acc": [r["test_acc"] for r in rows]}
+        accuracy = ", ".join(f"{100 * row['test_acc']:.2f}" for row in rows)
+        table.append(f"| {name} | {fmt(s_round)} | {launched.seconds:.1f} | {fmt(util, '.0f')} | "
+                     f"{fmt(launched.gpu_mem_mib, '.0f')} | {accuracy} (rc {launched.rc}) |")
+    suite.results["side_by_side"] = results
+    suite.add_section("1. FedProto beside HtFLlib's, same split and device", [
+        f"{suite.sizes.clients} HtCNN8 clients, PFLlib's FMNIST Dirichlet 0.1 split (seed 1), "
+        f"{suite.sizes.rounds} rounds, batch 10, lr 0.01, λ = 10; ours runs "
+        f"configs/{FEDPROTO.name} with data.partition=pfllib on the same directory. s/round: mean over "
+        "rounds after the first (HtFLlib: its own per-iteration timer, evaluation included, as ours).",
+        "", *table, "", *speedups(results)])
+
+
+def speedups(results: dict[str, dict]) -> list[str]:
+    reference = (results.get("reference") or {}).get("s_per_round")
+    if not reference:
+        return ["No reference figure: no speed-up computed."]
+    lines = []
+    for name, result in results.items():
+        if name != "reference" and result.get("s_per_round"):
+            lines.append(f"- {name}: {reference / result['s_per_round']:.1f}× the reference's round")
+    return lines
+
+
+def step_determinism(suite: Suite, cap_s: float) -> None:
+    one, many = suite.rows("1_ours_1proc"), suite.rows(f"1_ours_{suite.sizes.ranks[0]}ranks")
+    keys = ("test_acc", "test_acc_head", "train_loss")
+    if not one or not many:
+        verdict = "not compared: a run of step 1 is missing"
+    else:
+        differing = [(a["round"], k) for a, b in zip(one, many, strict=False) for k in keys if a.get(k) != b.get(k)]
+        verdict = ("identical: every round's " + ", ".join(keys) + f" equal ({len(one)} rounds)"
+                   if not differing and len(one) == len(many) else f"DIFFERENT at {differing[:5]} "
+                   f"({len(one)} vs {len(many)} rounds)")
+    suite.results["determinism"] = verdict
+    suite.add_section(f"2. Determinism: 1 process against {suite.sizes.ranks[0]} ranks", [
+        f"Step 1's ours_1proc and ours_{suite.sizes.ranks[0]}ranks (deterministic kernels are always on): {verdict}."])
+
+
+def step_paper_size(suite: Suite, cap_s: float) -> None:
+    ends = time.monotonic() + cap_s
+    sizes, device = suite.sizes, suite.args.device
+    arch = suite.launch("3_arch_cost_htfe8", [
+        suite.python, str(BENCH / "arch_cost.py"), "--group", "HtFE8", "--image-size", "32", "--channels", "3",
+        "--classes", "100", "--device", device, "--steps", str(sizes.arch_steps), "--repeats", "2"],
+        cap_s=min(60, ends - time.monotonic()))
+    command = f"bench/arch_cost.py --group HtFE8 --image-size 32 --channels 3 --classes 100 --device {device}"
+    lines = [f"Per member, batch 10, random 3 × 32 × 32 input (`{command}`; rc {arch.rc}):", ""]
+    lines += table_lines(suite.out / "logs" / "3_arch_cost_htfe8.log")
+    generated = suite.work / "Cifar100"
+    if not generated.exists():
+        suite.launch("3_write_generated", [suite.python, str(BENCH / "pfllib_write.py"), "generated", str(generated),
+                                           "--clients", str(sizes.clients), "--samples", str(sizes.cifar_samples)],
+                     cap_s=min(60, ends - time.monotonic()))
+    ranks = sizes.ranks[1]
+    overrides = ["data.partition=pfllib", f"data.pfllib_dir={generated}", "data.allow_pickle=true",
+                 f"num_clients={sizes.clients}", f"rounds={sizes.cifar_rounds}",
+                 f"algo.server_epochs={sizes.server_epochs}"]
+    run = suite.ours(f"3_fedtgp_htfe8_{ranks}ranks", FEDTGP_CIFAR100, overrides, ranks, ends - time.monotonic())
+    rows = suite.rows(f"3_fedtgp_htfe8_{ranks}ranks")
+    s_round = per_round_s([r["seconds"] for r in rows])
+    client_s = per_round_s([r["client_s"] for r in rows])
+    server_s = per_round_s([r["server_s"] for r in rows])
+    util = run.gpu_util(sum(r["seconds"] for r in rows[1:]) or None)
+    suite.results["paper_size"] = {"rc": run.rc, "s_per_round": s_round, "client_s": client_s, "server_s": server_s,
+                                   "gpu_util": util, "gpu_mem_mib": run.gpu_mem_mib}
+    lines += ["", f"FedTGP (configs/{FEDTGP_CIFAR100.name}, S = {sizes.server_epochs}) on {ranks} ranks sharing "
+              f"the device, {sizes.clients} clients, generated data with CIFAR-100's sizes ({sizes.cifar_samples} "
+              f"samples), {sizes.cifar_rounds} rounds (rc {run.rc}): {fmt(s_round)} s/round (clients "
+              f"{fmt(client_s)} s, server {fmt(server_s, '.3f')} s), GPU utilisation "
+              f"{fmt(util, '.0f', ' %')}, peak GPU memory in use {fmt(run.gpu_mem_mib, '.0f', ' MiB')}.", ""]
+    lines += projection(client_s, server_s, s_round, sizes.clients)
+    suite.add_section("3. Paper-size models: HtFE8, CIFAR-100 sizes", lines)
+
+
+def projection(client_s: float | None, server_s: float | None, s_round: float | None, clients: int) -> list[str]:
+    if client_s is None or server_s is None or s_round is None:
+        return ["Projection: not made (the run gave no rounds)."]
+    per_gpu = -(-clients // 7)
+    other = max(0.0, s_round - client_s - server_s)
+    projected = client_s * per_gpu / clients + server_s + other
+    return [f"**Projection, not a measurement**: FedTGP Table 1's CIFAR-100 run (1000 rounds) on one 8-GPU "
+            f"node, rank 0 the server on GPU 0 and the {clients} clients on 7 GPUs (at most {per_gpu} each), "
+            f"if a GPU trains its {per_gpu} clients at the pace the shared device trained all {clients}: "
+            f"{client_s:.2f} × {per_gpu}/{clients} + server {server_s:.3f} + rest {other:.2f} "
+            f"= {projected:.2f} s/round, "
+            f"{projected * 1000 / 3600:.2f} h for 1000 rounds (measured here: {s_round:.2f} s/round, "
+            f"{s_round * 1000 / 3600:.2f} h)."]
+
+
+def table_lines(log: Path) -> list[str]:
+    text = log.read_text() if log.exists() else ""
+    return [line for line in text.splitlines() if line.startswith("|")] or ["(no table: see the log)"]
+
+
+def step_server(suite: Suite, cap_s: float) -> None:
+    ends = time.monotonic() + cap_s
+    lines = []
+    for classes, held in ((10, 5), (100, 10)):
+        name = f"4_fedtgp_server_C{classes}"
+        launched = suite.launch(name, [
+            suite.python, str(BENCH / "fedtgp_server_step.py"), "--device", suite.args.device,
+            "--classes", str(classes), "--held", str(held), "--epochs", str(suite.sizes.server_epochs),
+            "--rounds", "3"],
+            cap_s=ends - time.monotonic())
+        log = (suite.out / "logs" / f"{name}.log").read_text()
+        figures = [line for line in log.splitlines() if line.startswith("C=")]
+        lines += figures or [f"C={classes}: no figure (rc {launched.rc})"]
+    paper = suite.results.get("paper_size") or {}
+    if paper.get("server_s") and paper.get("s_per_round"):
+        lines.append(f"In step 3's FedTGP round the server took {paper['server_s']:.3f} of "
+                     f"{paper['s_per_round']:.2f} s ({100 * paper['server_s'] / paper['s_per_round']:.1f} %).")
+    suite.add_section("4. FedTGP's server update on the device", [
+        f"`bench/fedtgp_server_step.py --device {suite.args.device}`, 20 clients, K = 512, "
+        f"S = {suite.sizes.server_epochs}:", "", *[f"    {line}" for line in lines]])
+
+
+def step_dp_and_packing(suite: Suite, cap_s: float) -> None:
+    ends = time.monotonic() + cap_s
+    site = suite.work / "site"
+    lines: list[str] = []
+    if unpack_wheels(suite.prepared, site):
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(site), os.environ.get("PYTHONPATH", "")])
+    # post-update prototypes: what a private release's sensitivity covers
+    base = [*fedproto_overrides(suite), "algo.proto_from=post_update", f"rounds={suite.sizes.dp_rounds}"]
+    timings = {}
+    for name, extra in (("5_plain", []), ("5_dpsgd", ["privacy.enabled=true", "privacy.target_epsilon=4"])):
+        launched = suite.ours(name, FEDPROTO, base + extra, 1, ends - time.monotonic())
+        timings[name] = per_round_s([r["client_s"] for r in suite.rows(name)])
+        lines.append(f"- {name[2:]}: client s/round {fmt(timings[name])} (rc {launched.rc})")
+    if timings.get("5_plain") and timings.get("5_dpsgd"):
+        ratio = timings["5_dpsgd"] / timings["5_plain"]
+        lines.append(f"- DP-SGD (secret noise, ε = 4) costs {ratio:.2f}× a plain round's client time")
+    lines += ["", *packing(suite, ends)]
+    suite.add_section("5. DP-SGD against plain training; study packing", lines)
+
+
+def packing(suite: Suite, ends: float) -> list[str]:
+    study = suite.work / "packing.yaml"
+    study.write_text(json.dumps({
+        "title": "GPU suite: packing", "base": str(FEDPROTO),
+        "set": dict(o.split("=", 1) for o in [
+            *fedproto_overrides(suite), "rounds=1", f"runtime.device={suite.args.device}",
+            f"data.cache_dir={suite.work / 'cache'}", "checkpoint_every=0"]),
+        "seeds": list(range(suite.sizes.study_cells))}))
+    if suite.args.device == "cuda":
+        together = ["--jobs", str(suite.sizes.study_cells), "--gpu-memory-per-cell", "8"]
+    else:
+        together = ["--jobs", "2", "--cores", str(os.cpu_count() or 2)]
+    lines, walls = [], {}
+    for name, flags in (("together", together), ("one_after_another", ["--jobs", "1"])):
+        out = suite.work / f"study_{name}"
+        shutil.rmtree(out, ignore_errors=True)
+        command = [suite.python, "-m", "htfl_dist.study", str(study), "--out", str(out), *flags]
+        launched = suite.launch(f"5_study_{name}", command, cap_s=ends - time.monotonic())
+        walls[name] = launched.seconds if launched.ok else None
+        lines.append(f"- {suite.sizes.study_cells} cells, `{' '.join(flags)}`: {launched.seconds:.1f} s wall "
+                     f"(rc {launched.rc})")
+    if walls.get("together") and walls.get("one_after_another"):
+        lines.append(f"- packed: {walls['one_after_another'] / walls['together']:.2f}× faster than one after another")
+    return lines
+
+
+STEPS: list[tuple[str, float, Callable[[Suite, float], None]]] = [
+    ("side by side", 0.50, step_side_by_side),
+    ("determinism", 0.0, step_determinism),
+    ("paper-size models", 0.24, step_paper_size),
+    ("FedTGP server", 0.06, step_server),
+    ("DP-SGD and packing", 0.20, step_dp_and_packing),
+]
+"""Steps in order of value, each with its share of the budget as its cap."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dir", type=Path, help="what bench/gpu_prepare.sh wrote")
+    parser.add_argument("out", type=Path, help="summary.md, results.json and logs/ go here")
+    parser.add_argument("--budget-s", type=float, default=480.0, help="the whole suite ends before this")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes: a dry run of every step")
+    parser.add_argument("--work", type=Path, default=None,
+                        help="scratch for data and runs (default $TMPDIR/htfl_gpu_suite; keep it off OUT)")
+    args = parser.parse_args(argv)
+    if not (args.dir / "fmnist").is_dir():
+        parser.error(f"{args.dir} holds no fmnist/: run bench/gpu_prepare.sh {args.dir} first")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            parser.error("--device cuda but torch sees no GPU; use --device cpu --tiny for a dry run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    suite = Suite(parse_args(argv))
+    (suite.out / "logs").mkdir(parents=True, exist_ok=True)
+    suite.work.mkdir(parents=True, exist_ok=True)
+    print(f"gpu_suite: {machine_line(suite.args.device)}", flush=True)
+    suite.write_summary()
+    prepare_data(suite)
+    total = suite.left()
+    for title, share, step in STEPS:
+        # a dry run checks that every step works, not that it fits a GPU's shares of the budget
+        cap = (suite.left() if suite.args.tiny else total * share) if share else 0.0
+        if share and suite.left() < min(cap, 20):
+            suite.add_section(title, [f"Skipped: {suite.left():.0f} s of the budget left."])
+            continue
+        began = time.monotonic()
+        step(suite, min(cap, suite.left()) if share else 0.0)
+        print(f"gpu_suite: {title}: {time.monotonic() - began:.0f} s", flush=True)
+    suite.write_summary()
+    print(f"gpu_suite: done in {time.monotonic() - suite.began:.0f} s; {suite.out / 'summary.md'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""Run HtFLlib's ``system/main.py`` unmodified on a machine that lacks some of its imports.
+
+    python bench/htfllib_run.py SYSTEM_DIR -data FMNIST -m HCNNs8 -algo FedProto ...
+
+HtFLlib's main module imports every algorithm it ships, and with them packages that FedProto and
+FedTGP never call: ``calmsize`` (its memory report), ``higher`` (FedL2G) and scikit-learn (the AUC
+of the base client's metrics). Where one is missing, this puts a stand-in module in its place
+whose functions *raise* when called, so a run that did need one fails loudly instead of reporting
+a made-up number. It also keeps ``torch.load``'s pre-2.6 default (``weights_only=False``): the
+reference pickles whole models into its own temp folder and reads them back each round, which
+newer torch refuses by default. Nothing of the reference's code is changed or copied; it runs
+from its own folder (it reads ``../dataset/<name>``) with its own argument parser.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.machinery
+import importlib.util
+import os
+import runpy
+import sys
+import types
+
+import torch
+
+STAND_INS = {
+    "calmsize": ("size",),
+    "higher": ("innerloop_ctx",),
+    "sklearn": (),
+    "sklearn.preprocessing": ("label_binarize",),
+    "sklearn.metrics": ("roc_auc_score",),
+    "torch_utils": (),  # StyleGAN's code, which bench/gpu_prepare.sh leaves out (FedKTL only)
+    "torch_utils.gen_utils": (),
+}
+"""Module -> functions the reference imports from it (only where the real module is absent)."""
+
+
+def _refusing(module: str, name: str):
+    def refuse(*args, **kwargs):
+        raise RuntimeError(f"{module}.{name} is not installed on this machine (bench/htfllib_run.py "
+                           f"stands in for it only where the algorithm never calls it)")
+    return refuse
+
+
+def _missing(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is None
+    except ModuleNotFoundError:  # its parent package is missing
+        return True
+
+
+def install_stand_ins() -> list[str]:
+    """Stand-in modules for the absent ones; returns their names (printed, so a log says so)."""
+    placed = []
+    for module, names in STAND_INS.items():
+        if module in sys.modules or not _missing(module):
+            continue
+        stand_in = types.ModuleType(module)
+        stand_in.__spec__ = importlib.machinery.ModuleSpec(module, None)  # torch's import scans ask
+        for name in names:
+            setattr(stand_in, name, _refusing(module, name))
+        sys.modules[module] = stand_in
+        parent, _, child = module.rpartition(".")
+        if parent in sys.modules:
+            setattr(sys.modules[parent], child, stand_in)
+        placed.append(module)
+    return placed
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or not os.path.isfile(os.path.join(sys.argv[1], "main.py")):
+        sys.exit("usage: htfllib_run.py SYSTEM_DIR [HtFLlib main.py arguments]  (SYSTEM_DIR holds main.py)")
+    system_dir = os.path.abspath(sys.argv[1])
+    placed = install_stand_ins()
+    if placed:
+        print(f"htfllib_run: stand-ins (raise if called) for absent modules: {', '.join(placed)}", flush=True)
+    torch.load = functools.partial(torch.load, weights_only=False)  # type: ignore[assignment]
+    os.chdir(system_dir)
+    sys.path.insert(0, system_dir)
+    sys.argv = [os.path.join(system_dir, "main.py"), *sys.argv[2:]]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
