@@ -140,6 +140,7 @@ def run(argv: list[str] | None = None) -> int:
     from htfl_dist.models import architecture_for_client
     from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime.bootstrap import agree_to_start, detect_launch, open_transport, pick_device
+    from htfl_dist.runtime.participation import client_devices
     from htfl_dist.runtime.placement import check_world_size
 
     args = parse_args(argv)
@@ -147,6 +148,7 @@ def run(argv: list[str] | None = None) -> int:
     # Checks every rank makes identically, before any communication (errors print once).
     architecture_for_client(config.model.group, 0)
     check_outputs_available(config)
+    client_devices(config)  # participation.trace: read and checked before any rank talks
     launch = detect_launch()
     check_world_size(launch.world_size, config.num_clients)
     if config.runtime.threads:

@@ -27,6 +27,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="numeric key of the metrics rows to plot (and, if not test_acc, to add to the table): "
                              "test_acc, test_acc_head, train_loss, margin, server_loss, proto_drift, ...")
     parser.add_argument("--plot", type=Path, metavar="FILE.png", help="write the metric's learning curves here")
+    parser.add_argument("--x", default="round", metavar="KEY",
+                        help="the curves' x axis: round (default) or a numeric key of the rows, e.g. sim_clock_s "
+                             "(accuracy against simulated time, participation.clock=true)")
     parser.add_argument("--csv", type=Path, metavar="FILE.csv", help="write every run's per-round rows here")
     parser.add_argument("--margins", type=Path, metavar="FILE.png",
                         help="FedTGP Fig. 1: per class, global prototype margin vs the best client's (fedtgp runs)")
@@ -43,7 +46,7 @@ def run(argv: list[str] | None = None) -> int:
     table = report_table(runs, None if args.metric == DEFAULT_METRIC else args.metric)
     try:
         if args.plot:
-            for labels in plot_curves(runs, args.metric, out=args.plot):
+            for labels in plot_curves(runs, args.metric, out=args.plot, x=args.x):
                 print(f"identical {args.metric} curves, drawn as one line: {' = '.join(labels)}", file=sys.stderr)
             for label, reason in withheld_runs(runs, args.metric).items():
                 print(f"no {args.metric} curve for {label}: {reason}", file=sys.stderr)

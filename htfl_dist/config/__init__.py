@@ -7,6 +7,7 @@ each importable alone:
   value check (the registries and the algorithms' options use them too);
 - ``schema``: the sections as dataclasses, every field with its type, default and rule
   (``Literal`` choices, ``bounded`` ranges); ``generator_section``: FedKTL's generator section;
+  ``participation_section``: drop-out, slow clients and deadlines on a simulated clock;
 - ``loading``: files, overrides, the bounded YAML loader, coercion to the schema's types and
   ``validate`` (the bounds and the cross-field checks), every mistake one ConfigError line;
 - ``identity``: the experiment part of a config, its hash, and what a resumed run may change
@@ -39,6 +40,7 @@ from htfl_dist.config.loading import (
     parse_overrides,
     validate,
 )
+from htfl_dist.config.participation_section import ParticipationConfig
 from htfl_dist.config.rules import PLUGIN_HINT, unknown_name
 from htfl_dist.config.schema import (
     DEFAULT_FMNIST_ROOT,
@@ -74,6 +76,7 @@ __all__ = [
     "DataConfig",
     "ModelConfig",
     "OutputConfig",
+    "ParticipationConfig",
     "PrivacyConfig",
     "RefusedYaml",
     "RuntimeConfig",

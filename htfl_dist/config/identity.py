@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 from htfl_dist.config.generator_section import GeneratorConfig
+from htfl_dist.config.participation_section import ParticipationConfig
 from htfl_dist.errors import shown
 
 PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload",
@@ -69,6 +70,8 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
     if not view.get("privacy", {}).get("enabled", False):
         view.pop("privacy", None)  # off, the section changes nothing: runs without it keep their hash
+    if view.get("participation") == dataclasses.asdict(ParticipationConfig()):
+        view.pop("participation")  # everyone aggregated, no clock: runs made before it keep their hash
     _legacy_partition_view(view.get("data", {}))
     _drop_defaults_added_later(view)
     for key in PLUMBING_KEYS:

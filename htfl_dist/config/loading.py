@@ -286,4 +286,5 @@ def validate(config: Config) -> None:
     check_bounds(config)
     config.data.check()
     config.runtime.check()
+    config.participation.check()
     config.check()

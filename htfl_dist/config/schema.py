@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from htfl_dist.config.generator_section import GeneratorConfig
 from htfl_dist.config.identity import experiment_hash, experiment_view
+from htfl_dist.config.participation_section import ParticipationConfig
 from htfl_dist.config.rules import Bound, bounded, check_bounds
 from htfl_dist.errors import ConfigError, shown
 
@@ -303,6 +304,8 @@ class Config:
     """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     """Differential privacy of what leaves a client (docs/privacy.md); off by default."""
+    participation: ParticipationConfig = field(default_factory=ParticipationConfig)
+    """Drop-out, slow clients, deadlines and random participation on a simulated clock; off by default."""
     algo: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen algorithm as written: the form that is stored (config.yaml, the
     checkpoints) and hashed. The resolution step (``htfl_dist.resolution``) checks it against the

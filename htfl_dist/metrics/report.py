@@ -309,12 +309,16 @@ def identical_curves(runs: Sequence[RunRecord], metric: str) -> list[list[str]]:
     return [labels for points, labels in groups.items() if points]
 
 
-def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Path) -> list[list[str]]:
-    """One line per distinct curve of ``metric`` against the round, as a PNG written atomically
-    to ``out``; accuracies are drawn in percent. Rounds that did not log the metric are left out.
-    Runs with identical curves share one line labelled "a = b (identical)"; those groups are
-    returned so the caller can say so too."""
+def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Path,
+                x: str = "round") -> list[list[str]]:
+    """One line per distinct curve of ``metric`` against ``x`` (the round, or a numeric key such as
+    ``sim_clock_s``: accuracy against simulated time), as a PNG written atomically to ``out``;
+    accuracies are drawn in percent. Rows that did not log both are left out. Runs with identical
+    curves share one line labelled "a = b (identical)"; those groups are returned so the caller
+    can say so too."""
     check_metric(runs, metric)
+    if x != "round":
+        check_metric(runs, x)
     figure = new_figure()
     axes = figure.add_subplot()
     scale = 100.0 if is_percent(metric) else 1.0
@@ -322,7 +326,8 @@ def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Pat
     groups = identical_curves(runs, metric)
     for labels in groups:
         run = by_label[labels[0]]
-        points = [(row["round"], row[metric] * scale) for row in run.rows if _is_number(row.get(metric))]
+        points = [(row[x], row[metric] * scale) for row in run.rows
+                  if _is_number(row.get(metric)) and _is_number(row.get(x))]
         rounds, values = zip(*points, strict=True)
         label = labels[0] if len(labels) == 1 else " = ".join(labels) + " (identical)"
         axes.plot(rounds, values, label=label, marker="o" if len(points) <= 30 else None, markersize=3,
@@ -331,10 +336,11 @@ def plot_curves(runs: Sequence[RunRecord], metric: str = "test_acc", *, out: Pat
     if withheld:  # a run missing from the plot says why
         figure.text(0.01, 0.005, f"not recorded in {', '.join(withheld)}: {next(iter(withheld.values()))}",
                     fontsize="x-small", wrap=True)
-    axes.set_title(f"{metric} per round")
-    axes.set_xlabel("round")
+    axes.set_title(f"{metric} per round" if x == "round" else f"{metric} against {x}")
+    axes.set_xlabel(x)
     axes.set_ylabel(f"{metric} (%)" if is_percent(metric) else metric)
-    axes.xaxis.get_major_locator().set_params(integer=True)
+    if x == "round":
+        axes.xaxis.get_major_locator().set_params(integer=True)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
     save_figure(figure, out)

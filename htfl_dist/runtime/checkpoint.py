@@ -22,6 +22,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -73,15 +74,16 @@ def _fsync_directory(directory: Path) -> None:
 
 def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transport, *,
          clients: ClientStore, server: ServerAlgorithm | None, metric_rounds: list[int] | None = None,
-         data_identity: str = "") -> None:
+         data_identity: str = "", runtime_state: dict | None = None) -> None:
     """Every rank writes the clients it hosts (and rank 0 the server); rank 0 publishes the
     manifest after a barrier, then prunes all but the newest ``config.checkpoint_keep``.
     ``metric_rounds``: the rounds whose metrics rows rank 0 has written so far; ``data_identity``:
-    what the clients trained on (``PartitionInfo.identity``), checked by a resume."""
+    what the clients trained on (``PartitionInfo.identity``), checked by a resume;
+    ``runtime_state``: rank 0's own state across rounds (the simulated clock), beside the server's."""
     expected_clients = list(range(config.num_clients))
     directory = _round_dir(out_dir, completed_rounds)
     try:
-        _save_own_files(directory, clients, server)
+        _save_own_files(directory, clients, server, runtime_state)
     except (DiskFullError, OutputError):
         shutil.rmtree(directory, ignore_errors=True)  # never a partial round_NNNNN/ beside the good one
         raise
@@ -104,13 +106,14 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
     transport.barrier()
 
 
-def _save_own_files(directory: Path, clients: ClientStore, server: ServerAlgorithm | None) -> None:
+def _save_own_files(directory: Path, clients: ClientStore, server: ServerAlgorithm | None,
+                    runtime_state: dict | None = None) -> None:
     with os_errors(f"create the checkpoint directory {directory}", directory):
         directory.mkdir(parents=True, exist_ok=True)
     for client_id in clients:  # parked clients' records come from the store, one at a time
         _save_atomic(clients.record(client_id), directory / f"client_{client_id}.pt")
     if server is not None:
-        _save_atomic({"server": server.state_dict()}, directory / "server.pt")
+        _save_atomic({"server": server.state_dict(), "runtime": runtime_state or {}}, directory / "server.pt")
     _fsync_directory(directory)  # each rank its own renames, before the manifest vouches for them
 
 
@@ -197,11 +200,13 @@ def find_checkpoint(source: Path) -> Path | None:
 
 
 def load(directory: Path, config: Config, *, clients: ClientStore, server: ServerAlgorithm | None,
-         device: torch.device, data_identity: str = "") -> tuple[int, str]:
+         device: torch.device, data_identity: str = "",
+         restore_runtime: Callable[[dict], None] | None = None) -> tuple[int, str]:
     """Restore the checkpoint in ``directory``; returns its completed-round count and the data
     change ('' for none, see ``data_change``). A checkpoint whose clients trained on other data than
     ``data_identity`` is refused unless ``data.allow_changed`` (a manifest written before the data
-    were recorded is not checked)."""
+    were recorded is not checked). ``restore_runtime`` receives rank 0's runtime state ({} from a
+    checkpoint written before there was any)."""
     try:
         manifest = json.loads((directory / "MANIFEST.json").read_text())
         completed_rounds = int(manifest["round"])  # a list or a string here is a foreign file
@@ -223,5 +228,8 @@ def load(directory: Path, config: Config, *, clients: ClientStore, server: Serve
     for client_id in clients:
         clients.restore(client_id, _load(directory / f"client_{client_id}.pt", device), f"checkpoint {directory}")
     if server is not None:
-        server.load_state_dict(_load(directory / "server.pt", torch.device("cpu"))["server"])
+        saved = _load(directory / "server.pt", torch.device("cpu"))
+        server.load_state_dict(saved["server"])
+        if restore_runtime is not None:
+            restore_runtime(saved.get("runtime", {}))
     return completed_rounds, changed

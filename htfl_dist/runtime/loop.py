@@ -14,6 +14,7 @@ Per round t (0-based; metrics call it round t+1):
 """
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -59,6 +60,7 @@ from htfl_dist.runtime.exchange import (
     StopDecision,
 )
 from htfl_dist.runtime.liveness import Liveness, describe_plain
+from htfl_dist.runtime.participation import payload_bytes, rank0_participation
 from htfl_dist.runtime.placement import sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.records import RoundOutcome, RoundRecords
@@ -157,6 +159,7 @@ class Federation:
         if self.is_server:
             progress(f"start-up: every rank has its data and models ({time.perf_counter() - started:.1f}s)")
         self.records = RoundRecords(config, run.out_dir, self.world_size) if self.is_server else None
+        self.participation = rank0_participation(config, self.partition) if self.is_server else None
         self.preemption = preemption_flag(config.runtime.preempt_grace_s)
         if run.liveness is not None:  # a SIGTERM may be the launcher tearing down a failed job
             self.preemption.job_failed = lambda: run.liveness.report_lost_peers(run.rank_description,
@@ -259,10 +262,12 @@ class Federation:
         the clients now hold (None: the next round must broadcast it)."""
         config = self.config
         outcome = RoundOutcome(
-            round_index, sample_participants(config.seed, round_index, config.num_clients, config.join_ratio),
+            round_index, sample_participants(config.seed, round_index, config.num_clients, config.join_ratio,
+                                             config.participation.random_join),
             evaluated=(round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds)
         if knowledge is None:
             knowledge = self._broadcast_knowledge(outcome.traffic)
+        outcome.download_bytes = payload_bytes(knowledge)
         if self.is_server:
             outcome.traffic.theory_down = self._rank0_server.theory_download_floats() * 4 * len(outcome.participants)
         began = time.perf_counter()
@@ -341,11 +346,12 @@ class Federation:
         """Rank 0: screen the uploads, update the global knowledge (kept as it was when every
         upload was screened out), keep the snapshots and pictures that are due."""
         round_number = outcome.round_index + 1
+        gathered, too_few = self._arrivals(outcome, gathered)
         gathered, skipped = screen_uploads(gathered, self._rank0_server.validate_upload, self.config.on_bad_upload,
                                            round_number)
         outcome.skipped.extend(skipped)
         began = time.perf_counter()
-        if gathered or not self.upload_spec:
+        if (gathered or not self.upload_spec) and not too_few:
             generator = torch_generator(self.config.seed, "server", outcome.round_index)
             outcome.diagnostics = self._rank0_server.update(gathered, outcome.round_index, generator)
         else:
@@ -355,6 +361,21 @@ class Federation:
             self.snapshots.save(round_number, gathered, self._rank0_server.download())
         if outcome.evaluated and self.image_grids.enabled:  # download() may compress (FedKD): only then
             self.image_grids.save(round_number, self._rank0_server.download())
+
+    def _arrivals(self, outcome: RoundOutcome, gathered: dict[int, Payload]) -> tuple[dict[int, Payload], bool]:
+        """Rank 0: the uploads that reach the server (``participation.*``: not the dropped, not the
+        late), and whether too few did for a server step (said in one line)."""
+        if self.participation is None:
+            return gathered, False
+        arrivals = self.participation.decide(outcome.round_index, outcome.participants, gathered,
+                                             outcome.download_bytes)
+        outcome.participation = arrivals.row(self.config.participation.clock, self.participation.clock_s)
+        if arrivals.too_few:
+            print(f"htfl_dist: warning: round {outcome.round_index + 1}: {len(arrivals.times.arrived)} of "
+                  f"{len(outcome.participants)} uploads arrived, fewer than participation.min_clients="
+                  f"{self.config.participation.min_clients}; the server keeps last round's knowledge",
+                  file=sys.stderr, flush=True)
+        return arrivals.kept, arrivals.too_few
 
     def _evaluation(self, outcome: RoundOutcome) -> tuple[Payload | None, dict[int, list[float]]]:
         """On evaluation rounds: the new knowledge goes down and every client of this rank is
@@ -408,7 +429,8 @@ class Federation:
         checkpoint.save(self.run_context.out_dir, completed_rounds, self.config, self.transport,
                         clients=self.clients, server=self.server,
                         metric_rounds=[row["round"] for row in metrics.rows] if metrics else None,
-                        data_identity=self.partition.identity)
+                        data_identity=self.partition.identity,
+                        runtime_state=self.participation.state_dict() if self.participation else None)
 
     def restore(self) -> int:
         """Load the newest complete checkpoint of ``resume_from`` (clients, server, metrics so far)
@@ -424,7 +446,9 @@ class Federation:
                 metrics.load_existing(0)  # rows of a run that died before its first checkpoint
             return 0
         completed, changed = checkpoint.load(directory, self.config, clients=self.clients, server=self.server,
-                                             device=self.device, data_identity=self.partition.identity)
+                                             device=self.device, data_identity=self.partition.identity,
+                                             restore_runtime=self.participation.load_state_dict
+                                             if self.participation else None)
         if changed:  # data.allow_changed: on purpose, and said
             self.run_context.extra_summary["data_changed_on_resume"] = {"after_round": completed, "data": changed}
             if self.is_server:

@@ -17,10 +17,11 @@ from htfl_dist.algorithms.batches import samples_per_epoch
 from htfl_dist.errors import HtflError
 from htfl_dist.models import architecture_for_client
 from htfl_dist.models.cost import forward_flops_per_sample
+from htfl_dist.runtime.clock import join_count
 from htfl_dist.seeding import numpy_rng
 
 if TYPE_CHECKING:
-    from htfl_dist.config import Config
+    from htfl_dist.config import Config, TrainConfig
     from htfl_dist.data import PartitionInfo
 
 
@@ -157,9 +158,12 @@ def estimated_client_work(config: Config, info: PartitionInfo, step_seconds: dic
         return client_work(samples, members, flops), "FLOPs"
     if step_seconds is None:
         raise ValueError("placement_work=timed needs the members' measured step times")
-    batch, epochs = config.train.batch_size, config.train.local_epochs
-    steps = [epochs * math.ceil(samples_per_epoch(int(n), config.train) / batch) for n in samples]
-    return client_work(steps, members, step_seconds), "timed seconds"
+    return client_work(local_steps(samples, config.train), members, step_seconds), "timed seconds"
+
+
+def local_steps(samples: Sequence[int], train: TrainConfig) -> list[int]:
+    """Each client's SGD steps in a round: epochs × its batches (the partial last one as trained)."""
+    return [train.local_epochs * math.ceil(samples_per_epoch(int(n), train) / train.batch_size) for n in samples]
 
 
 def idle_shares(compute_seconds: Sequence[float]) -> list[float]:
@@ -176,9 +180,11 @@ def client_ranks(world_size: int) -> list[int]:
     return [0] if world_size == 1 else list(range(1, world_size))
 
 
-def sample_participants(seed: int, round_index: int, num_clients: int, join_ratio: float) -> list[int]:
-    """int(N·ρ) clients (at least one), drawn without replacement from the (seed, round) stream."""
-    count = max(1, int(num_clients * join_ratio))
+def sample_participants(seed: int, round_index: int, num_clients: int, join_ratio: float,
+                        random_join: bool = False) -> list[int]:
+    """int(N·ρ) clients (at least one; with ``random_join``, HtFLlib's -rjr, a count drawn from
+    int(N·ρ)..N each round), drawn without replacement from the (seed, round) stream."""
+    count = join_count(seed, round_index, num_clients, join_ratio, random_join)
     if count >= num_clients:
         return list(range(num_clients))
     chosen = numpy_rng(seed, "participants", round_index).choice(num_clients, size=count, replace=False)

@@ -42,6 +42,10 @@ class RoundOutcome:
     """Rank 0: clients whose uploads were left out this round (a bad message or upload)."""
     reports: RoundReports | None = None
     """Rank 0: every client's and rank's report rows; None on the other ranks."""
+    download_bytes: int = 0
+    """The bytes of the knowledge the participants trained with (its transfer, on the simulated clock)."""
+    participation: dict[str, Any] = field(default_factory=dict)
+    """Rank 0, with ``participation.*`` in use: who was lost, late or aggregated, the simulated times."""
 
 
 def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, skipped: list[int]) -> dict[str, Any]:
@@ -71,6 +75,7 @@ def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, sk
         "skipped_clients": list(skipped),  # bad uploads left out since the last row
     }
     row.update(epsilon_columns([float(r["privacy"][0, 0]) for r in reports.values() if r["privacy"].shape[0]]))
+    row.update(outcome.participation)
     row.update(outcome.diagnostics)
     return row
 

@@ -1,0 +1,61 @@
+"""The ``participation`` config section (drop-out, slow clients, deadlines and random
+participation on a simulated clock), a leaf like the rest of the schema: the runtime's clock
+(``htfl_dist.runtime.clock``) reads it, and the experiment's identity compares against its
+defaults without importing the whole schema."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from htfl_dist.config.rules import bounded
+from htfl_dist.errors import ConfigError
+
+
+@dataclass
+class ParticipationConfig:
+    """Who of a round's participants is aggregated, on a simulated clock (docs/running.md,
+    "Realistic federations"): HtFLlib's drop-out, slow clients, random participation and time
+    threshold, without anyone sleeping. At its defaults every sampled client trains and is
+    aggregated, and the section is not part of the experiment."""
+
+    clock: bool = False
+    """Simulate every participant's seconds per round (compute from its architecture's FLOPs and
+    its device's speed, transfers from its bytes and bandwidth): rows get ``sim_round_s`` and
+    ``sim_clock_s``. A deadline, slow clients or a trace need it."""
+    profile: Literal["uniform", "trace"] = "uniform"
+    """uniform: every client at the reference speed and ``bandwidth_mbps`` (HtFLlib's slow
+    fractions on top); trace: speed and bandwidth per client from ``trace``."""
+    trace: str | None = None
+    """CSV (``client,speed,bandwidth_mbps``) or JSON list of such objects, one per client."""
+    reference_tflops: float = bounded(1.0, above=0, note="TFLOP/s of a speed-1 client")
+    """Training FLOP/s (in TFLOP/s) of a client of speed 1."""
+    bandwidth_mbps: float = bounded(100.0, above=0)
+    """Link of every client under the uniform profile, Mbit/s, each way."""
+    jitter: float = bounded(0.1, at_least=0, note="lognormal sigma")
+    """Per-round variation of a client's compute time: a factor exp(σ·N(0, 1)) from (seed, client, round)."""
+    train_slow_rate: float = bounded(0.0, at_least=0, at_most=1)
+    """HtFLlib's -tsr: int(rate·N) draws (with replacement) of clients that lose U(0, 0.1) s per batch."""
+    send_slow_rate: float = bounded(0.0, at_least=0, at_most=1)
+    """HtFLlib's -ssr: the same for each transfer."""
+    drop_rate: float = bounded(0.0, at_least=0, below=1)
+    """HtFLlib's -cdr: of n participants, int((1 − rate)·n) uploads arrive; the others trained and are lost."""
+    deadline_s: float = bounded(0.0, at_least=0, note="0 = none")
+    """Simulated seconds after which the server stops waiting: later uploads are not aggregated
+    (HtFLlib's -ts/-tth on the simulated clock). Needs ``clock``."""
+    min_clients: int = bounded(0, at_least=0)
+    """A round with fewer aggregated uploads than this skips the server step and says so."""
+    random_join: bool = False
+    """HtFLlib's -rjr: each round's participant count drawn from int(N·join_ratio)..N."""
+
+    def check(self) -> None:
+        needs_clock = [name for name, on in (("deadline_s", self.deadline_s > 0),
+                                             ("train_slow_rate", self.train_slow_rate > 0),
+                                             ("send_slow_rate", self.send_slow_rate > 0),
+                                             ("profile", self.profile == "trace")) if on]
+        if needs_clock and not self.clock:
+            raise ConfigError(f"config key 'participation.{needs_clock[0]}' is "
+                              f"{getattr(self, needs_clock[0])}, which acts on the simulated clock; "
+                              f"set participation.clock=true")
+        if (self.profile == "trace") != bool(self.trace):
+            raise ConfigError("config key 'participation.trace' names the trace file of participation.profile=trace; "
+                              "set both or neither")

@@ -1,0 +1,207 @@
+"""A simulated clock for federations whose clients are slow, drop out or miss a deadline.
+
+Real federations do not wait for every client: a round ends at a deadline with whoever arrived,
+some uploads are lost, some devices are ten times slower than others. HtFLlib imitates slow
+clients by making them *sleep*, which wastes the accelerator it is short of. Here nobody sleeps:
+rank 0 computes, for every participant of a round, the time it *would* have taken, from numbers
+that are the same on every rank and in every run of the config, and decides from those times
+whose upload is aggregated. The maths of a round therefore stays a function of (config, seed,
+round), whatever the world size, and a resumed run continues the same clock.
+
+A participant's simulated seconds in a round::
+
+    steps · 3 · FLOPs(member) · batch / (reference FLOP/s · speed) · jitter
+    + slow-training delay (HtFLlib's -tsr: U(0, 0.1) s per batch for its slow clients)
+    + (bytes up + bytes down) / bandwidth
+    + slow-sending delay (HtFLlib's -ssr: U(0, 0.1) s per transfer for its slow clients)
+
+FLOPs are the architecture's forward FLOPs per sample counted on the meta device (a training
+step is about three forward passes), so the clock is identical on every machine; ``jitter`` is
+lognormal(0, σ) per (seed, client, round). Speeds and bandwidths come from a profile drawn from
+(seed, client) or from a trace file (:func:`read_trace`).
+
+Everything here is a pure function of its arguments: the round loop supplies the counts and the
+bytes, and keeps the clock's one piece of state (the simulated time so far) in rank 0's
+checkpoint.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from htfl_dist.errors import ConfigError
+from htfl_dist.seeding import numpy_rng
+
+HTFLLIB_SLOW_DELAY_S = 0.1
+"""HtFLlib's slow clients sleep 0.1·|U(0, 1)| s per training batch (-tsr) or per transfer (-ssr)."""
+MAX_TRACE_BYTES = 64 * 2**20
+"""A trace file larger than this is refused before it is read."""
+TRACE_FIELDS = ("client", "speed", "bandwidth_mbps")
+
+
+@dataclass(frozen=True)
+class ClientDevice:
+    """One client's simulated device: compute speed relative to the reference device, link
+    bandwidth in bytes per second (up and down), and HtFLlib's two slow flags."""
+
+    speed: float = 1.0
+    bandwidth: float = 12.5e6
+    slow_training: bool = False
+    slow_sending: bool = False
+
+
+@dataclass(frozen=True)
+class RoundTimes:
+    """Rank 0's decision for one round: whose uploads are aggregated, and when the round ended."""
+
+    seconds: dict[int, float]
+    """Every participant's simulated seconds (training, transfers, delays)."""
+    dropped: list[int]
+    """Trained, but the upload was lost (participation.drop_rate)."""
+    late: list[int]
+    """Arrived after the deadline: not aggregated this round."""
+    arrived: list[int]
+    """Aggregated (in client-id order)."""
+    round_seconds: float
+    """When the server stopped waiting: the deadline if anyone was late, else the last arrival."""
+
+
+# ---------------------------------------------------------------------------- devices
+
+
+def htfllib_slow_clients(seed: int, num_clients: int, rate: float, kind: str) -> set[int]:
+    """int(rate·N) draws *with* replacement, as HtFLlib's ``select_slow_clients`` makes them (so a
+    little fewer distinct clients than rate·N), from the (seed, kind) stream."""
+    draws = numpy_rng(seed, "slow-clients", kind).choice(num_clients, size=int(rate * num_clients), replace=True)
+    return {int(client) for client in draws}
+
+
+def profile_devices(seed: int, num_clients: int, bandwidth_mbps: float, train_slow_rate: float,
+                    send_slow_rate: float) -> list[ClientDevice]:
+    """Every client at the reference speed and ``bandwidth_mbps``; HtFLlib's slow fractions."""
+    slow_training = htfllib_slow_clients(seed, num_clients, train_slow_rate, "train")
+    slow_sending = htfllib_slow_clients(seed, num_clients, send_slow_rate, "send")
+    return [ClientDevice(1.0, bandwidth_mbps * 1e6 / 8, client in slow_training, client in slow_sending)
+            for client in range(num_clients)]
+
+
+def read_trace(path: str | Path, num_clients: int) -> list[ClientDevice]:
+    """Per-client speed factor and bandwidth from a CSV (header ``client,speed,bandwidth_mbps``)
+    or a JSON list of such objects. Every client 0..N-1 exactly once; speeds and bandwidths
+    finite and positive; anything else one line naming file, line (CSV) or entry (JSON) and field."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise ConfigError(f"participation.trace {path}: cannot read it ({exc.strerror})") from None
+    if size > MAX_TRACE_BYTES:
+        raise ConfigError(f"participation.trace {path}: {size} bytes, more than the {MAX_TRACE_BYTES} a trace may hold")
+    rows = _json_rows(path) if path.suffix.lower() == ".json" else _csv_rows(path)
+    return _devices_from_rows(path, rows, num_clients)
+
+
+def _csv_rows(path: Path) -> list[tuple[str, Mapping[str, object]]]:
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        missing = [name for name in TRACE_FIELDS if name not in (reader.fieldnames or [])]
+        if missing:
+            raise ConfigError(f"participation.trace {path}: line 1 lacks the column(s) {', '.join(missing)} "
+                              f"(the header must name {', '.join(TRACE_FIELDS)})")
+        return [(f"line {number}", row) for number, row in enumerate(reader, start=2)]
+
+
+def _json_rows(path: Path) -> list[tuple[str, Mapping[str, object]]]:
+    try:
+        entries = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"participation.trace {path}: not JSON ({exc})") from None
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise ConfigError(f"participation.trace {path}: a JSON trace is a list of objects with "
+                          f"{', '.join(TRACE_FIELDS)}")
+    return [(f"entry {index}", entry) for index, entry in enumerate(entries)]
+
+
+def _number(path: Path, where: str, row: Mapping[str, object], name: str, *, integer: bool = False) -> float:
+    value = row.get(name)
+    try:
+        number = int(str(value)) if integer else float(str(value))
+    except ValueError:
+        raise ConfigError(f"participation.trace {path}: {where}: {name} is {value!r}, not a number") from None
+    if not integer and not (math.isfinite(number) and number > 0):
+        raise ConfigError(f"participation.trace {path}: {where}: {name} is {value}; it must be a finite number > 0")
+    return number
+
+
+def _devices_from_rows(path: Path, rows: Sequence[tuple[str, Mapping[str, object]]],
+                       num_clients: int) -> list[ClientDevice]:
+    devices: dict[int, ClientDevice] = {}
+    for where, row in rows:
+        client = int(_number(path, where, row, "client", integer=True))
+        if not 0 <= client < num_clients:
+            raise ConfigError(f"participation.trace {path}: {where}: client {client} is outside 0..{num_clients - 1}")
+        if client in devices:
+            raise ConfigError(f"participation.trace {path}: {where}: client {client} appears twice")
+        devices[client] = ClientDevice(_number(path, where, row, "speed"),
+                                       _number(path, where, row, "bandwidth_mbps") * 1e6 / 8)
+    missing = [client for client in range(num_clients) if client not in devices]
+    if missing:
+        raise ConfigError(f"participation.trace {path}: no entry for client(s) {missing[:5]}"
+                          f"{' ...' if len(missing) > 5 else ''}; a trace names every client once")
+    return [devices[client] for client in range(num_clients)]
+
+
+# ---------------------------------------------------------------------------- one round
+
+
+def join_count(seed: int, round_index: int, num_clients: int, join_ratio: float, random_join: bool) -> int:
+    """How many clients take part: int(N·ρ) (at least one); with ``random_join`` (HtFLlib's -rjr)
+    a count drawn uniformly from int(N·ρ)..N each round from the (seed, round) stream."""
+    fixed = max(1, int(num_clients * join_ratio))
+    if not random_join or fixed >= num_clients:
+        return fixed
+    return int(numpy_rng(seed, "join-count", round_index).integers(fixed, num_clients + 1))
+
+
+def dropped_clients(seed: int, round_index: int, participants: Sequence[int], drop_rate: float) -> list[int]:
+    """HtFLlib's -cdr: of the n participants, int((1 − rate)·n) uploads arrive, the others are
+    lost after the client trained; which ones from the (seed, round) stream."""
+    keep = int((1 - drop_rate) * len(participants))
+    if keep >= len(participants):
+        return []
+    order = numpy_rng(seed, "drop-out", round_index).permutation(len(participants))
+    return sorted(int(participants[i]) for i in order[keep:])
+
+
+def client_seconds(device: ClientDevice, *, steps: int, flops_per_step: float, reference_flops: float,
+                   bytes_moved: int, seed: int, client_id: int, round_index: int, jitter: float) -> float:
+    """One participant's simulated seconds in a round (the module docstring's formula);
+    ``flops_per_step``: 3 · forward FLOPs per sample · batch size."""
+    rng = numpy_rng(seed, "clock", client_id, round_index)
+    factor = float(np.exp(jitter * rng.standard_normal())) if jitter else 1.0
+    seconds = steps * flops_per_step / (reference_flops * device.speed) * factor
+    if device.slow_training:
+        seconds += HTFLLIB_SLOW_DELAY_S * float(np.abs(rng.random(steps)).sum())
+    seconds += bytes_moved / device.bandwidth
+    if device.slow_sending:
+        seconds += HTFLLIB_SLOW_DELAY_S * float(np.abs(rng.random(2)).sum())  # the download and the upload
+    return seconds
+
+
+def round_times(seconds: Mapping[int, float], dropped: Sequence[int], deadline_s: float) -> RoundTimes:
+    """Who is aggregated: every participant not dropped whose upload arrives by the deadline (0:
+    none). The round ends at the deadline when anyone is late, else at the last arrival (a
+    dropped upload is never waited for)."""
+    lost = set(dropped)
+    late = sorted(c for c, s in seconds.items() if c not in lost and deadline_s and s > deadline_s)
+    arrived = sorted(c for c in seconds if c not in lost and c not in late)
+    if late:
+        ended = deadline_s
+    else:
+        ended = max((seconds[c] for c in arrived), default=deadline_s or max(seconds.values(), default=0.0))
+    return RoundTimes(dict(seconds), sorted(lost), late, arrived, ended)

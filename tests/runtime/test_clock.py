@@ -1,0 +1,127 @@
+"""The simulated clock's pieces against hand-computed examples: participant counts (HtFLlib's
+-rjr), drop-outs (-cdr), slow clients (-tsr/-ssr), a participant's seconds, who a deadline keeps,
+and traces refused in one line naming file, line or entry, and field."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from htfl_dist.config import ParticipationConfig
+from htfl_dist.errors import ConfigError
+from htfl_dist.runtime.clock import (
+    ClientDevice,
+    client_seconds,
+    dropped_clients,
+    htfllib_slow_clients,
+    join_count,
+    profile_devices,
+    read_trace,
+    round_times,
+)
+
+
+def test_join_count_is_int_n_rho_or_drawn_between_it_and_n():
+    assert join_count(0, 0, 10, 0.3, random_join=False) == 3
+    assert join_count(0, 0, 10, 0.01, random_join=False) == 1  # at least one
+    counts = [join_count(7, r, 10, 0.3, random_join=True) for r in range(400)]
+    assert set(counts) == set(range(3, 11))  # HtFLlib: uniform over int(N·ρ)..N, both ends included
+    assert counts == [join_count(7, r, 10, 0.3, random_join=True) for r in range(400)]  # (seed, round) only
+    assert join_count(7, 5, 10, 1.0, random_join=True) == 10
+
+
+def test_drop_out_keeps_int_one_minus_rate_times_n_uploads():
+    participants = list(range(10, 20))
+    assert dropped_clients(0, 3, participants, 0.0) == []
+    dropped = dropped_clients(0, 3, participants, 0.2)
+    assert len(dropped) == 2 and set(dropped) <= set(participants)
+    assert len(dropped_clients(0, 3, participants, 0.25)) == 3  # int(0.75 · 10) = 7 arrive
+    assert dropped == dropped_clients(0, 3, participants, 0.2)
+    other_rounds = {tuple(dropped_clients(0, r, participants, 0.2)) for r in range(20)}
+    assert len(other_rounds) > 5  # a fresh draw each round
+
+
+def test_htfllib_slow_clients_are_drawn_with_replacement():
+    slow = htfllib_slow_clients(0, 10, 0.5, "train")
+    assert 1 <= len(slow) <= 5 and slow <= set(range(10))
+    assert htfllib_slow_clients(0, 10, 0.0, "train") == set()
+    devices = profile_devices(0, 10, bandwidth_mbps=80, train_slow_rate=0.5, send_slow_rate=0.0)
+    assert {c for c, d in enumerate(devices) if d.slow_training} == slow
+    assert all(d.bandwidth == 10e6 and d.speed == 1.0 and not d.slow_sending for d in devices)
+
+
+def test_client_seconds_by_hand():
+    device = ClientDevice(speed=2.0, bandwidth=12.5e6)
+    common = dict(steps=10, flops_per_step=1e9, reference_flops=1e12, seed=0, client_id=3, round_index=1)
+    # 10 · 1e9 / (1e12 · 2) = 5 ms of compute, 1.25 MB at 12.5 MB/s = 100 ms of transfers
+    assert client_seconds(device, bytes_moved=1_250_000, jitter=0.0, **common) == pytest.approx(0.105)
+    jittered = client_seconds(device, bytes_moved=0, jitter=0.5, **common)
+    assert jittered != pytest.approx(0.005) and 0.005 * 0.1 < jittered < 0.005 * 10
+    assert jittered == client_seconds(device, bytes_moved=0, jitter=0.5, **common)
+    slow = client_seconds(ClientDevice(2.0, 12.5e6, slow_training=True), bytes_moved=0, jitter=0.0, **common)
+    assert 0.005 < slow < 0.005 + 10 * 0.1  # U(0, 0.1) s for each of the 10 batches
+    sending = client_seconds(ClientDevice(2.0, 12.5e6, slow_sending=True), bytes_moved=0, jitter=0.0, **common)
+    assert 0.005 < sending < 0.005 + 2 * 0.1
+
+
+def test_a_deadline_keeps_the_uploads_that_arrive_by_it():
+    seconds = {0: 1.0, 1: 5.0, 2: 3.0, 3: 9.0}
+    times = round_times(seconds, dropped=[1], deadline_s=4.0)
+    assert (times.arrived, times.late, times.dropped, times.round_seconds) == ([0, 2], [3], [1], 4.0)
+    times = round_times(seconds, dropped=[1], deadline_s=0.0)  # no deadline: the last arrival ends it
+    assert (times.arrived, times.late, times.round_seconds) == ([0, 2, 3], [], 9.0)
+    times = round_times(seconds, dropped=[3], deadline_s=0.0)  # a lost upload is not waited for
+    assert times.round_seconds == 5.0
+    times = round_times({0: 7.0}, dropped=[], deadline_s=4.0)
+    assert (times.arrived, times.late, times.round_seconds) == ([], [0], 4.0)
+
+
+def _csv(tmp_path, text: str):
+    path = tmp_path / "trace.csv"
+    path.write_text(text)
+    return path
+
+
+def test_a_trace_gives_each_client_its_speed_and_bandwidth(tmp_path):
+    devices = read_trace(_csv(tmp_path, "client,speed,bandwidth_mbps\n1,0.5,8\n0,2,16\n"), 2)
+    assert devices == [ClientDevice(2.0, 2e6), ClientDevice(0.5, 1e6)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps([{"client": 0, "speed": 1, "bandwidth_mbps": 8}]))
+    assert read_trace(path, 1) == [ClientDevice(1.0, 1e6)]
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("client,speed,bandwidth_mbps\n0,-1,8\n1,1,8\n", ["line 2", "speed is -1", "finite number > 0"]),
+    ("client,speed,bandwidth_mbps\n0,1,nan\n1,1,8\n", ["line 2", "bandwidth_mbps is nan"]),
+    ("client,speed,bandwidth_mbps\n0,1,8\n0,1,8\n", ["line 3", "client 0 appears twice"]),
+    ("client,speed,bandwidth_mbps\n0,1,8\n", ["no entry for client(s) [1]"]),
+    ("client,speed,bandwidth_mbps\n0,1,8\n5,1,8\n", ["line 3", "client 5 is outside 0..1"]),
+    ("client,speed\n0,1\n1,1\n", ["line 1 lacks the column(s) bandwidth_mbps"]),
+    ("client,speed,bandwidth_mbps\nzero,1,8\n1,1,8\n", ["line 2", "client is 'zero', not a number"]),
+])
+def test_a_bad_trace_is_one_line_naming_file_line_and_field(tmp_path, text, needles):
+    path = _csv(tmp_path, text)
+    with pytest.raises(ConfigError) as refused:
+        read_trace(path, 2)
+    message = str(refused.value)
+    assert message.startswith(f"participation.trace {path}: ") and "\n" not in message
+    for needle in needles:
+        assert needle in message, message
+
+
+def test_a_missing_or_foreign_trace_is_one_line(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read it"):
+        read_trace(tmp_path / "absent.csv", 2)
+    path = tmp_path / "trace.json"
+    path.write_text('{"client": 0}')
+    with pytest.raises(ConfigError, match="a JSON trace is a list of objects"):
+        read_trace(path, 1)
+
+
+def test_clock_options_need_the_clock():
+    ParticipationConfig(drop_rate=0.5, random_join=True).check()  # no clock needed
+    for options in ({"deadline_s": 2.0}, {"train_slow_rate": 0.3}, {"profile": "trace", "trace": "t.csv"}):
+        with pytest.raises(ConfigError, match=r"acts on the simulated clock; set participation\.clock=true"):
+            ParticipationConfig(**options).check()
+    with pytest.raises(ConfigError, match="set both or neither"):
+        ParticipationConfig(clock=True, profile="trace").check()
