@@ -10,8 +10,9 @@ r = f_i(x), r_g = f_g(x), z = h_i(r), z_g = h_g(r_g) and S = CE(z, y) + CE(z_g, 
 
 (KL averaged over B·C with targets not detached, MSE over B·K; the hidden loss counted twice as
 in the official code), one backward of L + L_g, ``clip_grad_norm_(·, 10)`` on each of M_i, G_i and
-W_h, and a step of three SGD optimisers (the client's for M_i, new ones each round for G_i with
-``mentee_lr`` and for W_h with ``wh_lr``, default the client lr).
+W_h, and a step of three optimisers (the client's for M_i, new ones each round: plain SGD with
+``mentee_lr`` for G_i, and for W_h plain SGD with ``wh_lr`` or, unset, one built as the client's at
+the round's client lr, ``optimizers.companion_optimizer``).
 
 After training the client SVD-compresses (``compression``) with energy
 T_t = T_start + (t/R)(T_end − T_start) either its mentee's update ΔG_i = G_i − G_sync
@@ -54,6 +55,7 @@ from htfl_dist.algorithms.interface import (
     TrainResult,
 )
 from htfl_dist.algorithms.losses import fedkd_losses
+from htfl_dist.algorithms.optimizers import companion_optimizer
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.shared_model import (
     build_shared_model,
@@ -89,7 +91,7 @@ class FedKDOptions:
     mentee_lr: float = bounded(0.01, above=0)
     """-mlr: SGD learning rate of the mentee."""
     wh_lr: float | None = bounded(None, above=0, optional=True)
-    """SGD learning rate of W_h (default: train.lr, as HtFLlib)."""
+    """SGD learning rate of W_h (default: the client's optimizer and round lr, as HtFLlib)."""
     shared_model: str | None = None
     """The mentee's architecture (ARCH or ARCH:HEAD); default client 0's group member (HtFLlib)."""
 
@@ -188,8 +190,8 @@ class FedKDClient(ClientAlgorithm):
         mentee.train()
         w_h.train()
         mentee_optimizer = torch.optim.SGD(mentee.parameters(), lr=options.mentee_lr)
-        projection_lr = self.context.train.lr if options.wh_lr is None else options.wh_lr
-        projection_optimizer = torch.optim.SGD(w_h.parameters(), lr=projection_lr)
+        projection_optimizer = (companion_optimizer(client, w_h.parameters(), self.context.train)
+                                if options.wh_lr is None else torch.optim.SGD(w_h.parameters(), lr=options.wh_lr))
 
         def loss_fn(batch: Batch) -> torch.Tensor:
             shared_features, shared_logits = mentee.forward_with_features(batch.x)

@@ -29,6 +29,7 @@ from torch import nn
 from htfl_dist.algorithms.class_rows import class_means, class_row_fields
 from htfl_dist.algorithms.fedktl_server import CLIP_NORM, Bandwidth, CentroidTarget, FedKTLServer
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, TrainResult
+from htfl_dist.algorithms.optimizers import companion_optimizer
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.config import bounded
@@ -173,7 +174,7 @@ class FedKTLClient(ClientAlgorithm):
         images, latents = knowledge["images"].to(client.device), knowledge["latents"].to(client.device)
         transfer = images.shape[0] > 0 and options.mu > 0  # round 1: ArcFace only
         aux = copy.deepcopy(self.aux_init).to(client.device)  # the shared initial state, every round
-        aux_optimizer = torch.optim.SGD(aux.parameters(), lr=train.lr)
+        aux_optimizer = companion_optimizer(client, aux.parameters(), train)
         batches = PairBatches(images.shape[0], options.pairs_per_step or
                               (train.batch_size if options.compat == "htfllib" else None), generator)
 

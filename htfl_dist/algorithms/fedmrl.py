@@ -11,11 +11,12 @@ and trains all three on each batch:
     ŷ^G = G^hd(R̃[:d1]),     ŷ^F = F_k^hd(R̃)            nested (Matryoshka) representations
     ℓ   = m1·CE(ŷ^G, y) + m2·CE(ŷ^F, y)                m1 = m2 = 1
 
-with one backward and a plain SGD step for F_k (the client's optimiser), G and P_k (new ones
-each round, the client lr). The client uploads G's parameters; the server's new G is
-Σ_k (n_k / Σn)·G_k over the round's uploaders. Inference is the combined model without the
-global header, argmax F_k^hd(R̃) (the paper's "mix-large"); ``test_acc_head`` is the client's
-heterogeneous model alone, argmax F_k^hd(F_k^ex(x)) (its "single-large"). |G| floats each way.
+with one backward and a step for F_k (the client's optimiser), G and P_k (new ones each round,
+built as the client's at the round's client lr: ``optimizers.companion_optimizer``). The client
+uploads G's parameters; the server's new G is Σ_k (n_k / Σn)·G_k over the round's uploaders.
+Inference is the combined model without the global header, argmax F_k^hd(R̃) (the paper's
+"mix-large"); ``test_acc_head`` is the client's heterogeneous model alone, argmax F_k^hd(F_k^ex(x))
+(its "single-large"). |G| floats each way.
 
 HtFLlib's departures, each an option (``compat: htfllib`` sets those left unset): the uniform
 mean (``avg``), a projector that is trained within a round and then thrown away, so the next
@@ -56,6 +57,7 @@ from htfl_dist.algorithms.interface import (
     ClientState,
     TrainResult,
 )
+from htfl_dist.algorithms.optimizers import companion_optimizer
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.shared_model import (
     build_shared_model,
@@ -254,9 +256,9 @@ class FedMRLClient(ClientAlgorithm):
         projector = own if options.projector == "persistent" else copy.deepcopy(own)
         small.train()
         projector.train()
-        lr = self.context.train.lr
-        optimizers = [client.optimizer, torch.optim.SGD(small.parameters(), lr=lr),
-                      torch.optim.SGD(projector.parameters(), lr=lr)]
+        train = self.context.train
+        optimizers = [client.optimizer, companion_optimizer(client, small.parameters(), train),
+                      companion_optimizer(client, projector.parameters(), train)]
 
         def loss_fn(batch: Batch) -> torch.Tensor:
             fused = fuse(small.features(batch.x), batch.features, projector)

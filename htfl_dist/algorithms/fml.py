@@ -10,8 +10,9 @@ rounds, [C]) and trains M_i and G_i jointly, per batch
 
 with one backward of L + L_g (``kd: dml``, default: constant KL targets and batch-mean KL, so
 M_i descends ∇L and G_i ∇L_g; ``kd: htfllib``: KL averaged over B·C and targets not detached),
-then ``clip_grad_norm_(·, 10)`` on each model and a step of each optimiser (the client's SGD for
-M_i, a new SGD with the client lr for G_i). It uploads G_i's parameters; the server's G is
+then ``clip_grad_norm_(·, 10)`` on each model and a step of each optimiser (the client's for
+M_i, a new one each round built as the client's, at the round's client lr, for G_i:
+``optimizers.companion_optimizer``). It uploads G_i's parameters; the server's G is
 their uniform mean (``avg: sample_weighted`` weights by n_i). Inference: argmax M_i(x); G is
 never evaluated. |G| floats each way.
 
@@ -40,6 +41,7 @@ from htfl_dist.algorithms.interface import (
     TrainResult,
 )
 from htfl_dist.algorithms.losses import MutualKD, fml_losses
+from htfl_dist.algorithms.optimizers import companion_optimizer
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.shared_model import (
     SHARED_MODEL,
@@ -93,7 +95,7 @@ class FMLClient(ClientAlgorithm):
         options = self.options
         shared = self.shared_copy.load(knowledge, client.device)
         shared.train()
-        shared_optimizer = torch.optim.SGD(shared.parameters(), lr=self.context.train.lr)
+        shared_optimizer = companion_optimizer(client, shared.parameters(), self.context.train)
 
         def loss_fn(batch: Batch) -> torch.Tensor:
             local, mutual = fml_losses(batch.logits, shared(batch.x), batch.labels, options.alpha, options.beta,

@@ -13,6 +13,7 @@ from torch.func import functional_call, grad, stack_module_state, vmap
 
 from htfl_dist.algorithms.batches import Batch, epoch_batches, epoch_order, samples_per_epoch
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
+from htfl_dist.algorithms.optimizers import check_round_learning_rate
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError
 from htfl_dist.models.base import SplitModel
@@ -54,7 +55,11 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
     A private client (``client.private``, installed with its privacy ledger) trains the same
     epochs as DP-SGD through it; DP-SGD trains only the client's model with its own optimizer, so
     other optimizers and gradient edits are refused rather than left out.
+
+    The client's optimizer is what ``train.optimizer`` names (``algorithms.optimizers``), at the
+    round's learning rate, which the round loop set before the round (``begin_local_training``).
     """
+    check_round_learning_rate(client, context.train)
     if client.private is not None:
         if optimizers is not None or before_step is not None:
             raise ConfigError(f"privacy.enabled: client {client.client_id}'s local training steps other modules "
@@ -140,7 +145,8 @@ def plain_sgd_rate(clients: Sequence[ClientState]) -> float:
     """The learning rate of the group's optimizers, which must be one plain SGD (no momentum,
     weight decay, dampening, Nesterov or maximize) over each client's model parameters, all with
     the same rate: the batched step implements p ← p − lr·g and nothing else, and keeps no
-    optimizer state. Anything else is refused rather than trained differently."""
+    optimizer state. Anything else is refused rather than trained differently (``train.check``
+    refuses such a config at load). The rate is the round's (``train.lr_schedule``)."""
     rates = set()
     for client in clients:
         optimizer = client.optimizer
@@ -181,6 +187,8 @@ def run_batched_training(clients: Sequence[ClientState], context: AlgorithmConte
     (``plain_sgd_rate`` refuses anything else). Nothing draws from torch's global RNG: vmap
     raises on random operations. Returns (loss sum, samples) per client, as
     ``run_local_training`` would."""
+    for client in clients:
+        check_round_learning_rate(client, context.train)
     rate = plain_sgd_rate(clients)
     schedule = group_schedule(clients, context.train, generators)
     device = clients[0].device

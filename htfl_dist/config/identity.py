@@ -21,7 +21,8 @@ from htfl_dist.errors import shown
 
 PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload",
                  "plugins")
-"""Not part of the experiment: plumbing, the run length (a resumed run may extend `rounds`) and the
+"""Not part of the experiment: plumbing, the run length (a resumed run may extend `rounds`, except
+under ``train.lr_schedule=cosine``, whose learning rates depend on it) and the
 plugin modules (they provide names; the names and options they resolve to are the experiment, so
 moving a plugin to another module keeps a run's hash)."""
 DATA_LOCATION_KEYS = ("root", "cache_dir", "allow_changed")
@@ -46,8 +47,10 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
 
 KEYS_ADDED_LATER: dict[str, dict[str, Any]] = {
     "model": {"init": "per_client"},
-    "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off"},
-    "data": {"vocab_size": None},
+    "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off", "optimizer": "sgd",
+              "momentum": 0.0, "weight_decay": 0.0, "lr_schedule": "constant", "lr_decay": 0.99,
+              "lr_step_rounds": 0, "lr_min": 0.0},
+    "data": {"vocab_size": None, "few_shot": 0},
 }
 """Keys added after runs existed, per section, with the default that was the only behaviour
 before them: at that default a key is left out of the experiment, so earlier runs and their
@@ -75,6 +78,8 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
     _legacy_partition_view(view.get("data", {}))
     _drop_defaults_added_later(view)
     for key in PLUMBING_KEYS:
+        if key == "rounds" and view.get("train", {}).get("lr_schedule") == "cosine":
+            continue  # the cosine schedule spans the run: its length decides every round's lr
         view.pop(key, None)
     for key in DATA_LOCATION_KEYS:
         view.get("data", {}).pop(key, None)

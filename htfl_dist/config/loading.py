@@ -285,6 +285,7 @@ def validate(config: Config) -> None:
         config.generator.path = os.path.expanduser(config.generator.path)
     check_bounds(config)
     config.data.check()
+    config.train.check()
     config.runtime.check()
     config.participation.check()
     config.check()

@@ -91,9 +91,19 @@ class DataConfig:
     """Resume on data other than the checkpoint's (another source, other files, another split) on
     purpose: without it such a resume is refused; with it the run goes on and summary.json records
     the change. Not part of the experiment's hash."""
-    vocab_size: int | None = bounded(None, at_least=1, optional=True, note="or null: the data's largest id + 1")
+    vocab_size: int | None = bounded(None, at_least=1, at_most=1_000_000, optional=True,
+                                     note="or null: the data's largest id + 1")
     """Text data: the vocabulary the text models embed (token ids 0 .. vocab_size - 1); unset: the
-    largest id in the data + 1. HtFLlib sets 32000 for AG News (the tokenizer's ``max_tokens``)."""
+    largest id in the data + 1. HtFLlib sets 32000 for AG News (the tokenizer's ``max_tokens``).
+    At most the cap the data's own ids are held to (``htfl_dist.data.pfllib.MAX_VOCAB_SIZE``, above
+    PFLlib's largest text vocabulary): a larger one would size every text model's embedding
+    (10**12 asked for 2 PB) before a single id is read."""
+    few_shot: int = bounded(0, at_least=0, note="0 = off")
+    """k: each client trains on at most k samples of each class, the first k of that class in its
+    training split's stored order (its test split is untouched); 0 = the whole split. HtFLlib's
+    and PFLlib's ``-fs`` (``read_client_data``). The stored order of a split drawn here is a
+    permutation drawn from the partition's seed, so the k are a seeded draw per (seed, client); with
+    data.partition=pfllib it is the file's order, exactly the samples HtFLlib keeps."""
 
     def check(self) -> None:
         if self.partition == "pfllib" and not self.pfllib_dir:
@@ -152,6 +162,50 @@ class TrainConfig:
     learning rate is too large for the model) this many rounds in a row ends with one line and
     status 1; the rounds in between are not checkpointed, so the last checkpoint is a good one.
     Not part of the experiment (it decides when to give up, not what a round computes)."""
+    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    """The client's optimizer (``torch.optim.SGD``, ``Adam``, ``AdamW``; Adam's betas and eps are
+    torch's defaults), built in one place (``algorithms.optimizers``) and kept with the client
+    across rounds: its state (momentum, Adam's moments) is checkpointed and parked with it."""
+    momentum: float = bounded(0.0, at_least=0, below=1)
+    """SGD's momentum (torch's form: dampening 0, no Nesterov); sgd only."""
+    weight_decay: float = bounded(0.0, at_least=0)
+    """L2 weight decay as torch applies it: added to the gradient (sgd, adam) or decoupled (adamw)."""
+    lr_schedule: Literal["constant", "exponential", "step", "cosine"] = "constant"
+    """The client learning rate of round r (0-based), a function of the config and r alone, set on
+    the client's optimizer before it trains: constant ``lr``; exponential ``lr``·γ^r (γ =
+    ``lr_decay``; HtFLlib's/PFLlib's ``-ld True -ldg γ``); step ``lr``·γ^⌊r / lr_step_rounds⌋;
+    cosine ``lr_min`` + (``lr`` − ``lr_min``)·(1 + cos(π·r / rounds))/2 over the run's ``rounds``
+    (which then becomes part of the experiment: such a run cannot be extended on resume)."""
+    lr_decay: float = bounded(0.99, above=0, at_most=1)
+    """γ, the factor per round (exponential) or per ``lr_step_rounds`` rounds (step); HtFLlib's
+    ``-ldg`` (default 0.99 there too)."""
+    lr_step_rounds: int = bounded(0, at_least=0, note="0 = unset; lr_schedule=step needs it")
+    """step: the lr is multiplied by ``lr_decay`` every this many rounds (torch's StepLR step_size)."""
+    lr_min: float = bounded(0.0, at_least=0)
+    """cosine: the lr the schedule reaches at round ``rounds`` (torch's CosineAnnealingLR eta_min)."""
+
+    def check(self) -> None:
+        """Options that only one optimizer or schedule reads are refused elsewhere, since they would
+        change the config hash and nothing else; the batched client step is plain SGD only."""
+        if self.momentum and self.optimizer != "sgd":
+            raise ConfigError(f"config key 'train.momentum' applies to train.optimizer=sgd, not {self.optimizer} "
+                              f"(Adam's betas are torch's defaults); leave it at 0")
+        uses = {"lr_decay": ("exponential", "step"), "lr_step_rounds": ("step",), "lr_min": ("cosine",)}
+        defaults = {item.name: item.default for item in dataclasses.fields(self)}
+        for key, schedules in uses.items():
+            if getattr(self, key) != defaults[key] and self.lr_schedule not in schedules:
+                raise ConfigError(f"config key 'train.{key}' applies to train.lr_schedule="
+                                  f"{' or '.join(schedules)}, not {self.lr_schedule}; leave it unset")
+        if self.lr_schedule == "step" and self.lr_step_rounds < 1:
+            raise ConfigError("train.lr_schedule=step needs train.lr_step_rounds=N (the lr is multiplied by "
+                              "train.lr_decay every N rounds)")
+        if self.lr_schedule == "cosine" and self.lr_min >= self.lr:
+            raise ConfigError(f"config key 'train.lr_min' must be below train.lr ({shown(self.lr)}) for "
+                              f"train.lr_schedule=cosine, got {shown(self.lr_min)}")
+        if self.client_batching == "vmap" and (self.optimizer != "sgd" or self.momentum or self.weight_decay):
+            raise ConfigError("train.client_batching=vmap steps plain SGD (p <- p - lr*g) and keeps no optimizer "
+                              "state: it takes train.optimizer=sgd without momentum or weight decay; use "
+                              "train.client_batching=off")
 
 
 @dataclass

@@ -24,6 +24,7 @@ starting at once) each write their own temp file and the last rename wins, with 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -225,8 +226,33 @@ def _to_tensor(x: np.ndarray, x_format: str) -> torch.Tensor:
     return tensor.float()
 
 
-def load_client_split(path: str, client_id: int) -> ClientSplit:
-    """Read only ``client_<client_id>`` from the cache and return normalised tensors."""
+def few_shot_rows(labels: torch.Tensor, shots: int) -> torch.Tensor:
+    """The rows a ``shots``-shot training split keeps, in their stored order: the first ``shots``
+    of each class (all of a class that has fewer), as HtFLlib's and PFLlib's ``read_client_data``
+    walks the split counting each label (``-fs``)."""
+    count = labels.shape[0]
+    order = torch.sort(labels, stable=True).indices  # each class's rows together, in stored order
+    ranked = labels[order]
+    starts = torch.ones(count, dtype=torch.bool)
+    starts[1:] = ranked[1:] != ranked[:-1]
+    first_of_class = torch.cummax(torch.where(starts, torch.arange(count), 0), dim=0).values
+    rank = torch.empty(count, dtype=torch.int64)
+    rank[order] = torch.arange(count) - first_of_class  # each row's place among its class's rows
+    return torch.nonzero(rank < shots).flatten()
+
+
+def with_few_shot(info: PartitionInfo, shots: int) -> PartitionInfo:
+    """``info`` with the class counts of ``shots``-shot training splits (what placement weighs
+    clients by); itself when ``shots`` is 0."""
+    if not shots:
+        return info
+    return dataclasses.replace(info, class_counts=np.minimum(info.class_counts, shots))
+
+
+def load_client_split(path: str, client_id: int, few_shot: int = 0) -> ClientSplit:
+    """Read only ``client_<client_id>`` from the cache and return normalised tensors; with
+    ``few_shot`` k > 0 (``data.few_shot``) the training split keeps k samples per class
+    (``few_shot_rows``) and the test split is untouched."""
     try:
         with _open_read(path) as f:
             num_clients = int(f.attrs["num_clients"])
@@ -240,10 +266,15 @@ def load_client_split(path: str, client_id: int) -> ClientSplit:
     except (OSError, KeyError) as exc:
         raise DataError(f"cannot read client {client_id} from partition cache {path} ({exc}); "
                         f"delete the file so it is rebuilt") from None
+    train_y = torch.from_numpy(arrays["train_y"].astype(np.int64))
+    train_x = _to_tensor(arrays["train_x"], x_format)
+    if few_shot > 0:
+        kept = few_shot_rows(train_y, few_shot)
+        train_x, train_y = train_x[kept], train_y[kept]
     return ClientSplit(
         client_id=client_id,
-        train_x=_to_tensor(arrays["train_x"], x_format),
-        train_y=torch.from_numpy(arrays["train_y"].astype(np.int64)),
+        train_x=train_x,
+        train_y=train_y,
         test_x=_to_tensor(arrays["test_x"], x_format),
         test_y=torch.from_numpy(arrays["test_y"].astype(np.int64)),
     )

@@ -32,6 +32,7 @@ from htfl_dist.algorithms import (
     parse_options,
 )
 from htfl_dist.algorithms.interface import seed_training
+from htfl_dist.algorithms.optimizers import begin_local_training
 from htfl_dist.config import Config
 from htfl_dist.errors import HtflError, TrainingDiverged
 from htfl_dist.generators import generator_latent_dim
@@ -64,7 +65,7 @@ from htfl_dist.runtime.participation import payload_bytes, rank0_participation
 from htfl_dist.runtime.placement import sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.records import RoundOutcome, RoundRecords
-from htfl_dist.runtime.screening import screen_uploads
+from htfl_dist.runtime.screening import LeftOut, screen_uploads
 from htfl_dist.runtime.startup import (
     ClientFactory,
     build_server,
@@ -273,11 +274,12 @@ class Federation:
         began = time.perf_counter()
         uploads, train_rows, theory_up = self._train_participants(outcome.participants, knowledge, round_index)
         outcome.client_seconds = time.perf_counter() - began
+        left_out = LeftOut(round_index + 1)  # rank 0: who this round leaves out and why, said in one line
         gathered, outcome.skipped = self.exchange.gather_uploads(self.upload_spec, uploads, outcome.participants,
-                                                                 round_index + 1, outcome.traffic)
+                                                                 round_index + 1, outcome.traffic, left_out)
         if self.is_server:
             assert gathered is not None, "rank 0 gathers the uploads"
-            self._server_step(outcome, gathered)
+            self._server_step(outcome, gathered, left_out)
         knowledge, eval_rows = self._evaluation(outcome)
         outcome.reports = self._gather_reports(outcome, train_rows, eval_rows, theory_up)
         return outcome, knowledge
@@ -315,6 +317,7 @@ class Federation:
         seed = self.config.seed
         generators = [torch_generator(seed, "batches", client.client_id, round_index) for client in clients]
         begin_round(clients, round_index)  # privacy: each client's ledger decides whether it can afford the round
+        begin_local_training(clients, self.config.train, round_index, self.config.rounds)  # the round's client lr
         if self.config.train.client_batching == "vmap":
             return self.client_algorithm.train_group(clients, knowledge, round_index, generators)
         (client,), (generator,) = clients, generators
@@ -342,14 +345,16 @@ class Federation:
             rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0])]
         return rows
 
-    def _server_step(self, outcome: RoundOutcome, gathered: dict[int, Payload]) -> None:
-        """Rank 0: screen the uploads, update the global knowledge (kept as it was when every
-        upload was screened out), keep the snapshots and pictures that are due."""
+    def _server_step(self, outcome: RoundOutcome, gathered: dict[int, Payload], left_out: LeftOut) -> None:
+        """Rank 0: screen the uploads, say in one line who the round left out (``left_out`` holds
+        the clients whose rank's message was refused already), update the global knowledge (kept
+        as it was when every upload was screened out), keep the snapshots and pictures that are due."""
         round_number = outcome.round_index + 1
         gathered, too_few = self._arrivals(outcome, gathered)
         gathered, skipped = screen_uploads(gathered, self._rank0_server.validate_upload, self.config.on_bad_upload,
-                                           round_number)
+                                           round_number, left_out)
         outcome.skipped.extend(skipped)
+        left_out.say()
         began = time.perf_counter()
         if (gathered or not self.upload_spec) and not too_few:
             generator = torch_generator(self.config.seed, "server", outcome.round_index)

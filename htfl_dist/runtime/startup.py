@@ -23,9 +23,11 @@ from htfl_dist.algorithms import (
     algorithm_names,
     get_algorithm,
 )
+from htfl_dist.algorithms.optimizers import build_optimizer
 from htfl_dist.algorithms.training import batching_obstacle
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_split, prepare_partition
+from htfl_dist.data.cache import with_few_shot
 from htfl_dist.errors import ConfigError, HtflError, ProtocolError
 from htfl_dist.generators import build_generator
 from htfl_dist.metrics.writer import progress
@@ -94,16 +96,19 @@ def check_client_batching(entry: AlgorithmEntry, context: AlgorithmContext) -> N
 def prepare_data(config: Config, transport: Transport):
     """Rank 0 builds the partition cache while the others wait; they then find it (or, on a
     node that does not share the cache directory, build the identical file themselves)."""
+    shots = config.data.few_shot
     if transport.rank != 0:
         transport.barrier()
-        return prepare_partition(config.data, config.num_clients, config.seed, batch_size=config.train.batch_size)
+        return with_few_shot(prepare_partition(config.data, config.num_clients, config.seed,
+                                               batch_size=config.train.batch_size), shots)
     began = time.perf_counter()
     info = prepare_partition(config.data, config.num_clients, config.seed, report=progress,
                              batch_size=config.train.batch_size)
-    progress(f"data: {info.describe()}, {config.num_clients} clients, {info.num_classes} classes, "
+    few = f", {shots}-shot training splits" if shots else ""
+    progress(f"data: {info.describe()}, {config.num_clients} clients, {info.num_classes} classes{few}, "
              f"{info.inputs().describe()} ({time.perf_counter() - began:.1f}s)")
     transport.barrier()
-    return info
+    return with_few_shot(info, shots)
 
 
 def handshake(config: Config, num_classes: int, transport: Transport) -> None:
@@ -208,10 +213,11 @@ class ClientFactory:
 
     def split(self, client_id: int) -> tuple[torch.Tensor, ...]:
         """The client's data on this rank's device, loaded once (data stays resident: its total is
-        the dataset's size, however many clients share it)."""
+        the dataset's size, however many clients share it); with ``data.few_shot`` its training
+        split keeps k samples per class."""
         split = self._splits.get(client_id)
         if split is None:
-            raw = load_client_split(self.partition.path, client_id)
+            raw = load_client_split(self.partition.path, client_id, few_shot=self.config.data.few_shot)
             split = self._splits[client_id] = tuple(tensor.to(self.device) for tensor in
                                                     (raw.train_x, raw.train_y, raw.test_x, raw.test_y))
         return split
@@ -260,7 +266,7 @@ class ClientFactory:
         if not shell and architecture not in self._widths_checked:
             check_feature_width(model, architecture, client_id, train_x[:2], config.model.feature_dim)
             self._widths_checked.add(architecture)
-        optimizer = torch.optim.SGD(model.parameters(), lr=config.train.lr)
+        optimizer = build_optimizer(model.parameters(), config.train)
         client = ClientState(
             client_id=client_id, architecture=architecture, model=model, optimizer=optimizer,
             train_x=train_x, train_y=train_y, test_x=test_x, test_y=test_y, device=self.device,
