@@ -6,10 +6,11 @@ from __future__ import annotations
 import io
 
 import torch
+from torch import nn
 
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.config import TrainConfig
-from htfl_dist.models import initial_client_model
+from htfl_dist.models import SplitModel, initial_client_model
 
 GROUP = "HtCNN8"
 
@@ -60,3 +61,15 @@ def roundtrip(state):
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def tiny_identity_client(x, y, num_classes=2, extractor=None, lr=0.0) -> ClientState:
+    """features = extractor(x) (default: x itself); a zero head that the optimizer does not hold,
+    so the logits stay 0, CE = ln C, and no CE gradient ever reaches the features."""
+    head = nn.Linear(2, num_classes)
+    nn.init.zeros_(head.weight)
+    nn.init.zeros_(head.bias)
+    model = SplitModel(extractor or nn.Identity(), head, feature_dim=2)
+    trained = list(model.feature_extractor.parameters()) or list(head.parameters())  # Identity has none
+    x, y = torch.tensor(x), torch.tensor(y)
+    return ClientState(0, "tiny", model, torch.optim.SGD(trained, lr=lr), x, y, x, y, torch.device("cpu"))

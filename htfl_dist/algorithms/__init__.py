@@ -16,6 +16,7 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     fml,
     lgfedavg,
     local,
+    protonorm,
 )
 from htfl_dist.algorithms.interface import (
     AlgorithmContext,

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from helpers import tiny_identity_client
 from torch import nn
 
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
@@ -12,7 +13,7 @@ from htfl_dist.algorithms.class_rows import class_prototypes, global_prototype_d
 from htfl_dist.algorithms.fedproto import dense_prototypes, prototype_regulariser
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError
-from htfl_dist.models import SplitModel, build_model
+from htfl_dist.models import build_model
 from htfl_dist.runtime.screening import screen_uploads
 from htfl_dist.seeding import torch_generator
 
@@ -200,18 +201,6 @@ def _tiny_context(algorithm, num_classes=2, local_epochs=1, **options):
     return entry.client(context)
 
 
-def _tiny_client(x, y, num_classes=2, extractor=None, lr=0.0) -> ClientState:
-    """features = extractor(x) (default: x itself); a zero head that the optimizer does not hold,
-    so the logits stay 0, CE = ln C, and no CE gradient ever reaches the features."""
-    head = nn.Linear(2, num_classes)
-    nn.init.zeros_(head.weight)
-    nn.init.zeros_(head.bias)
-    model = SplitModel(extractor or nn.Identity(), head, feature_dim=2)
-    trained = list(model.feature_extractor.parameters()) or list(head.parameters())  # Identity has none
-    x, y = torch.tensor(x), torch.tensor(y)
-    return ClientState(0, "tiny", model, torch.optim.SGD(trained, lr=lr), x, y, x, y, torch.device("cpu"))
-
-
 def _identity_linear() -> nn.Linear:
     extractor = nn.Linear(2, 2, bias=False)
     with torch.no_grad():
@@ -236,7 +225,7 @@ def test_client_loss_is_ce_plus_the_regulariser_by_hand(algorithm, client_reg, r
     lr 0, one batch. P̂ = (0, 0), (0, −1) and (10, 0) for class 2, which the batch lacks:
     paper: ‖(3, 4)‖ = 5 and ‖(0, 2)‖ = 2, mean 3.5 (not the sum 7; class 2 adds nothing);
     htfllib: squared errors 25 + 4 over 4 entries. The reported loss is the batch mean × 2."""
-    client = _tiny_client([[3.0, 4.0], [0.0, 1.0]], [0, 1], num_classes=3)
+    client = tiny_identity_client([[3.0, 4.0], [0.0, 1.0]], [0, 1], num_classes=3)
     knowledge = _knowledge([0, 1, 2], [[0.0, 0.0], [0.0, -1.0], [10.0, 0.0]])
     result = _tiny_context(algorithm, num_classes=3, client_reg=client_reg).train(
         client, knowledge, 1, torch_generator(0, "t"))
@@ -247,7 +236,7 @@ def test_client_loss_is_ce_plus_the_regulariser_by_hand(algorithm, client_reg, r
 @pytest.mark.parametrize("algorithm", ["fedproto", "fedtgp"])
 def test_client_loss_without_knowledge_is_ce_only(algorithm):
     """Round 0 (nothing downloaded): zero head over C = 3 classes, CE = ln 3 exactly."""
-    client = _tiny_client([[3.0, 4.0], [0.0, 1.0]], [0, 1], num_classes=3)
+    client = tiny_identity_client([[3.0, 4.0], [0.0, 1.0]], [0, 1], num_classes=3)
     result = _tiny_context(algorithm, num_classes=3).train(client, NO_KNOWLEDGE, 0, torch_generator(0, "t"))
     assert result.loss_sum / result.samples == pytest.approx(math.log(3), rel=1e-6)
 
@@ -265,7 +254,7 @@ def test_regulariser_trains_the_extractor_and_proto_from_picks_when_prototypes_a
     λ·u·xᵀ in W, so one SGD step (lr η = 0.1, λ = 0.1) moves Wx by −ηλ‖x‖²·u = −0.25·u along u.
     Two local epochs: Wx = 5u → 4.75u → 4.5u; the upload is length·u for the source asked for.
     The loss is ln 2 + λ·5 then ln 2 + λ·4.75."""
-    client = _tiny_client([[3.0, 4.0]], [0], extractor=_identity_linear(), lr=0.1)
+    client = tiny_identity_client([[3.0, 4.0]], [0], extractor=_identity_linear(), lr=0.1)
     algorithm_client = _tiny_context(algorithm, local_epochs=2, proto_from=proto_from)
     result = algorithm_client.train(client, _knowledge([0], [[0.0, 0.0]]), 1, torch_generator(0, "t"))
     assert result.upload["class_ids"].tolist() == [0]
@@ -288,7 +277,7 @@ def test_uploaded_prototypes_are_taken_in_eval_mode(algorithm, proto_from):
     """BatchNorm extractor (x / √(1 + eps) in eval mode), lr 0: the prototypes are the class
     means of x, (2, 2) for class 0 and (5, −4) for class 1, over √(1 + eps). In train mode the
     batch would be standardised (class 0's mean would be about (−0.61, 0.71))."""
-    client = _tiny_client([[1.0, 2.0], [3.0, 2.0], [5.0, -4.0]], [0, 0, 1], extractor=_batchnorm_extractor())
+    client = tiny_identity_client([[1.0, 2.0], [3.0, 2.0], [5.0, -4.0]], [0, 0, 1], extractor=_batchnorm_extractor())
     result = _tiny_context(algorithm, proto_from=proto_from).train(client, NO_KNOWLEDGE, 0, torch_generator(0, "t"))
     assert result.upload["class_ids"].tolist() == [0, 1]
     expected = torch.tensor([[2.0, 2.0], [5.0, -4.0]]) / math.sqrt(1.0 + EPS)

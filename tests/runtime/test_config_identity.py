@@ -41,6 +41,7 @@ UNCHANGED_SINCE_2026_11_24 = {
     "fmnist_htcnn8_fedsa_pathological": "cb79de2c90e7e25f",
     "fmnist_htcnn8_fedtgp_dirichlet": "b1b598641f1d114e",
     "fmnist_htcnn8_fedtgp_pathological": "02ced5697581d646",
+    "fmnist_htcnn8_protonorm_dirichlet": "2e9feefd652e3b7c",
     "fmnist_htcnn8_fml_dirichlet": "164d49043459eddc",
     "fmnist_htcnn8_fml_pathological": "91bcedf6a8fb0018",
     "fmnist_htcnn8_lgfedavg_dirichlet": "8f0f4ee82e0d6724",
