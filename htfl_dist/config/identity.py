@@ -28,6 +28,9 @@ moving a plugin to another module keeps a run's hash)."""
 DATA_LOCATION_KEYS = ("root", "cache_dir", "allow_changed")
 """Where the data lives: moving it (another node, a new cache) is the same run; and the consent to
 resume on changed data (the data themselves are checked against the checkpoint's, not hashed)."""
+MODEL_LOCATION_KEYS = ("pretrained",)
+"""Where a model's files live (pre-trained weights): moving them is the same run, so the experiment
+says only that they are used (``True``); their bytes are checked against the checkpoint's, not hashed."""
 TRAIN_STOPPING_KEYS = ("max_diverged_rounds",)
 """When a run gives up, not what its rounds compute."""
 
@@ -46,11 +49,11 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
 
 
 KEYS_ADDED_LATER: dict[str, dict[str, Any]] = {
-    "model": {"init": "per_client"},
+    "model": {"init": "per_client", "pretrained": None, "pretrained_part": "features"},
     "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off", "optimizer": "sgd",
               "momentum": 0.0, "weight_decay": 0.0, "lr_schedule": "constant", "lr_decay": 0.99,
               "lr_step_rounds": 0, "lr_min": 0.0},
-    "data": {"vocab_size": None, "few_shot": 0},
+    "data": {"vocab_size": None, "few_shot": 0, "balance": False},
 }
 """Keys added after runs existed, per section, with the default that was the only behaviour
 before them: at that default a key is left out of the experiment, so earlier runs and their
@@ -83,6 +86,9 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
         view.pop(key, None)
     for key in DATA_LOCATION_KEYS:
         view.get("data", {}).pop(key, None)
+    for key in MODEL_LOCATION_KEYS:
+        if view.get("model", {}).get(key) is not None:
+            view["model"][key] = True
     for key in TRAIN_STOPPING_KEYS:
         view.get("train", {}).pop(key, None)
     return view

@@ -286,6 +286,7 @@ def validate(config: Config) -> None:
     check_bounds(config)
     config.data.check()
     config.train.check()
+    config.model.check()
     config.runtime.check()
     config.participation.check()
     config.check()

@@ -48,12 +48,19 @@ class DataConfig:
     others need it, never download, and take the parent of the dataset's folder or the folder
     itself: cifar-10-batches-py/, cifar-100-python/, tiny-imagenet-200/ (the extracted
     tiny-imagenet-200.zip), flowers-102/ (torchvision's layout: jpg/, imagelabels.mat, setid.mat)."""
-    partition: Literal["pathological", "dirichlet", "pfllib"] = "dirichlet"
-    """pfllib: read a directory PFLlib wrote (data.pfllib_dir)."""
+    partition: Literal["pathological", "dirichlet", "exdir", "pfllib"] = "dirichlet"
+    """exdir: PFLlib's extended Dirichlet (each client may hold ``classes_per_client`` classes
+    drawn at random, shares Dir(``beta``) among them; partition_rules=pfllib only). pfllib: read a
+    directory PFLlib wrote (data.pfllib_dir)."""
     beta: float = bounded(0.1, above=0, note="Dirichlet concentration")
-    """Dirichlet concentration (practical setting)."""
+    """Dirichlet concentration (practical setting; exdir too: PFLlib's ``alpha``)."""
     classes_per_client: int = bounded(2, at_least=1)
-    """Pathological setting: classes held by each client."""
+    """Pathological setting: classes held by each client; exdir: classes each client may hold
+    (PFLlib's ``class_per_client``)."""
+    balance: bool = False
+    """PFLlib's ``balance=True`` (partition=pathological, partition_rules=pfllib only): a class's
+    holders get equal shares (int(n / m), the last the rest) instead of PFLlib's random ones.
+    PFLlib's dir and exdir ignore ``balance``; here it is refused there rather than ignored."""
     train_ratio: float = bounded(0.75, above=0, below=1)
     """Per-client train share; the rest is that client's test split."""
     subsample: float = bounded(1.0, above=0, at_most=1)
@@ -108,6 +115,14 @@ class DataConfig:
     def check(self) -> None:
         if self.partition == "pfllib" and not self.pfllib_dir:
             raise ConfigError("data.partition=pfllib needs data.pfllib_dir=DIR (a PFLlib dataset directory)")
+        if self.partition_rules == "legacy" and (self.partition == "exdir" or self.balance):
+            raise ConfigError("data.partition=exdir and data.balance=true are PFLlib's rules and have no legacy "
+                              "form; use data.partition_rules=pfllib")
+        if self.balance and self.partition != "pathological":
+            # the line partition_pfllib.balance_refusal gives
+            raise ConfigError(f"config key 'data.balance' is true but data.partition is {self.partition!r}: PFLlib's "
+                              f"balance changes only its pat split (data.partition=pathological; its dir and exdir "
+                              f"splits are the same either way); leave data.balance false")
 
 
 @dataclass
@@ -127,8 +142,27 @@ class ModelConfig:
     architecture's own ``Linear(K, C)`` is drawn and replaced by a freshly drawn head, as
     HtFLlib's BaseHeadSplit does. With seed 0 this is HtFLlib's initial model, bit for bit,
     wherever our architecture draws its parameters in HtFLlib's order (checked for HtCNN8)."""
+    pretrained: str | None = None
+    """A directory of pre-trained weights, one ``torch.save``-d state dict per architecture
+    (``ARCH.pt``; with ``pretrained_part: whole`` and a head other than the architecture's own,
+    ``ARCH+HEAD.pt``), loaded into every client's freshly built model before its first round
+    (htfl_dist/models/pretrained.py, docs/datasets.md). Unset: every model from scratch. Like
+    ``data.root``, where the directory is is not part of the experiment (that one is set is);
+    checkpoints record each file's sha256 and a resume on other files is refused."""
+    pretrained_part: Literal["features", "whole"] = "features"
+    """What ``pretrained`` replaces: the feature extractor (the head stays as ``init`` drew it, its
+    class count being the data's), or the whole model (feature_extractor.* and head.*)."""
 
     LIST_KEYS = ("group",)  # not a field: keys that also accept a YAML list of strings
+
+    def check(self) -> None:
+        """An empty ``pretrained`` is unset; ``pretrained_part`` means nothing without it (and would
+        change the hash alone), so it is refused there, as unused train options are."""
+        if not self.pretrained:
+            self.pretrained = None
+        if self.pretrained is None and self.pretrained_part != "features":
+            raise ConfigError(f"config key 'model.pretrained_part' applies with model.pretrained=DIR; leave it "
+                              f"unset (got {shown(self.pretrained_part)})")
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """PFLlib's partition rules (``data.partition_rules=pfllib``, the default), reproduced exactly.
 
-The rules of PFLlib's ``dataset/utils/dataset_utils.py``: ``separate_data`` (unbalanced ``pat``
-and ``dir``), then ``split_data`` (sklearn's per-client train/test split), drawn from one legacy
+The rules of PFLlib's ``dataset/utils/dataset_utils.py``: ``separate_data`` (``pat``, unbalanced
+or balanced, ``dir`` and ``exdir``), then ``split_data`` (sklearn's per-client train/test split),
+drawn from one legacy
 ``numpy.random.RandomState`` in PFLlib's call order, so seed 1 on the same labels gives the split
 PFLlib's generators write, sample for sample. Every paper's split came from these generators.
 
@@ -26,7 +27,17 @@ from .partition import checked_dirichlet_request, checked_labels, dirichlet_retr
 PFLLIB_BATCH_SIZE = 10
 """PFLlib's generator constant ``batch_size`` (also our ``train.batch_size`` default)."""
 
-PFLLIB_PARTITIONS = ("dirichlet", "pathological")
+PFLLIB_PARTITIONS = ("dirichlet", "pathological", "exdir")
+
+PFLLIB_EXDIR_MIN_SAMPLES = 10
+"""PFLlib's ``exdir`` guard (``min_require_size = 10`` in its code, not ``least_samples``)."""
+
+
+def balance_refusal(partition: str) -> str:
+    """The one line for ``data.balance=true`` where PFLlib's ``balance`` changes nothing."""
+    return (f"config key 'data.balance' is true but data.partition is {partition!r}: PFLlib's balance "
+            f"changes only its pat split (data.partition=pathological; its dir and exdir splits are the "
+            f"same either way); leave data.balance false")
 
 
 def pfllib_least_samples(n_samples: int, num_clients: int, batch_size: int, train_ratio: float) -> int:
@@ -64,7 +75,8 @@ def pfllib_pathological_holders(
 
 
 def pfllib_shares(
-    n: int, holders: int, least_samples: int, num_classes: int, rng: np.random.RandomState, cls: int = 0
+    n: int, holders: int, least_samples: int, num_classes: int, rng: np.random.RandomState, cls: int = 0,
+    balance: bool = False,
 ) -> list[int]:
     """How many of a class's ``n`` samples each of its ``holders`` (m) clients gets, in order.
 
@@ -74,10 +86,16 @@ def pfllib_shares(
     so it always gets more than n / m. This, not a Dirichlet, makes PFLlib's pathological
     clients so unequal in size. A single holder takes all without a draw (numpy draws nothing
     for size 0 and does not check the bounds then).
+
+    ``balance`` (PFLlib's ``balance=True``): every holder but the last gets int(n / m), the last
+    the rest (n - (m - 1) * int(n / m), between n / m and n / m + m - 1); nothing is drawn and the
+    guard plays no part.
     """
     if holders == 1:
         return [n]
     per = n / holders
+    if balance:
+        return [int(per)] * (holders - 1) + [n - int(per) * (holders - 1)]
     low, high = int(max(per / 10, least_samples / num_classes)), int(per)
     if low >= high:
         raise DataError(
@@ -104,12 +122,14 @@ def partition_pathological_pfllib(
     num_classes: int,
     least_samples: int,
     rng: np.random.RandomState,
+    balance: bool = False,
 ) -> list[np.ndarray]:
-    """PFLlib's unbalanced pathological split (``separate_data``, ``pat``, ``balance=False``).
+    """PFLlib's pathological split (``separate_data``, ``pat``; ``balance`` as PFLlib's).
 
     Holders by ``pfllib_pathological_holders``, shares by ``pfllib_shares``. Unlike the legacy
     rule nothing is shuffled: each holder takes the next run of the class's indices in
-    ascending order. A client's array lists its classes in class order.
+    ascending order. A client's array lists its classes in class order. Balanced, the split
+    draws nothing.
     """
     labels = checked_labels(labels, num_clients, num_classes)
     _check_classes_per_client(classes_per_client, num_classes)
@@ -119,7 +139,7 @@ def partition_pathological_pfllib(
         if not clients:
             continue
         idx = np.flatnonzero(labels == c)
-        shares = pfllib_shares(idx.size, len(clients), least_samples, num_classes, rng, c)
+        shares = pfllib_shares(idx.size, len(clients), least_samples, num_classes, rng, c, balance)
         for client, piece in zip(clients, np.split(idx, np.cumsum(shares)[:-1]), strict=True):
             parts[client].append(piece)
     return [np.concatenate(p).astype(np.int64) if p else np.zeros(0, np.int64) for p in parts]
@@ -156,22 +176,127 @@ def partition_dirichlet_pfllib(
     stop after ``max_tries`` with a DataError.
     """
     labels = checked_dirichlet_request(labels, num_clients, num_classes, beta, least_samples, max_tries)
-    n_total = labels.size
-    cap = n_total / num_clients
-    alpha = np.full(num_clients, float(beta))
     for _ in range(max_tries):
-        pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
-        sizes = np.zeros(num_clients, dtype=np.int64)
-        for c in range(num_classes):
-            idx_c = np.flatnonzero(labels == c)
-            rng.shuffle(idx_c)
-            cuts = _pfllib_cuts(rng.dirichlet(alpha), sizes < cap, idx_c.size)
-            for client, piece in enumerate(np.split(idx_c, cuts)):
-                pieces[client].append(piece)
-                sizes[client] += piece.size
-        if sizes.min() >= least_samples:
-            return [np.concatenate(p).astype(np.int64) for p in pieces]
+        parts = _dirichlet_attempt(labels, num_clients, num_classes, beta, rng,
+                                   lambda c, shares, open_, n: _pfllib_cuts(shares, open_, n))
+        if min(part.size for part in parts) >= least_samples:
+            return parts
     raise dirichlet_retry_error(beta, least_samples, max_tries)
+
+
+def _dirichlet_attempt(labels: np.ndarray, num_clients: int, num_classes: int, beta: float,
+                       rng: np.random.RandomState, cut) -> list[np.ndarray]:
+    """One draw of PFLlib's second level, shared by ``dir`` and ``exdir``: class by class, shuffle
+    the class's samples, draw Dir(beta) over every client, and let ``cut(c, shares, open, n)``
+    (open: the clients not yet holding N / num_clients samples) say where the pieces end; each
+    client's indices in PFLlib's order (class by class, each piece in shuffled order)."""
+    cap = labels.size / num_clients
+    alpha = np.full(num_clients, float(beta))
+    pieces: list[list[np.ndarray]] = [[] for _ in range(num_clients)]
+    sizes = np.zeros(num_clients, dtype=np.int64)
+    for c in range(num_classes):
+        idx_c = np.flatnonzero(labels == c)
+        rng.shuffle(idx_c)
+        cuts = cut(c, rng.dirichlet(alpha), sizes < cap, idx_c.size)
+        for client, piece in enumerate(np.split(idx_c, cuts)):
+            pieces[client].append(piece)
+            sizes[client] += piece.size
+    return [np.concatenate(p).astype(np.int64) for p in pieces]
+
+
+def pfllib_exdir_min_holders(num_clients: int, classes_per_client: int, num_classes: int) -> int:
+    """How many clients PFLlib's exdir wants per class: ``max(C_k * n // C // 2, 1)``, half the
+    mean number of holders a class gets when n clients pick C_k of C classes each, at least 1."""
+    return max(classes_per_client * num_clients // num_classes // 2, 1)
+
+
+def pfllib_exdir_holders(
+    num_clients: int, classes_per_client: int, num_classes: int, rng: np.random.RandomState, max_tries: int
+) -> list[list[int]]:
+    """exdir's first level: per class, the clients that may hold it (ascending).
+
+    Each client in turn picks ``classes_per_client`` distinct classes uniformly
+    (``choice(C, k, replace=False)``, one permutation of the classes per client); the whole
+    assignment is drawn again until every class has ``pfllib_exdir_min_holders`` clients.
+    PFLlib loops forever when that cannot happen; we refuse at once when the clients' slots
+    cannot cover every class, and give up after ``max_tries`` assignments otherwise.
+    """
+    if classes_per_client * num_clients < num_classes:
+        raise ConfigError(
+            f"exdir partition: {num_clients} clients with data.classes_per_client={classes_per_client} "
+            f"cannot cover all {num_classes} classes, and PFLlib's exdir needs every class held "
+            f"(it would re-draw forever); raise data.classes_per_client or num_clients"
+        )
+    need = pfllib_exdir_min_holders(num_clients, classes_per_client, num_classes)
+    for _ in range(max_tries):
+        holders: list[list[int]] = [[] for _ in range(num_classes)]
+        for client in range(num_clients):
+            for c in rng.choice(num_classes, classes_per_client, replace=False):
+                holders[int(c)].append(client)
+        if min(len(h) for h in holders) >= need:
+            return holders
+    raise DataError(
+        f"exdir partition: after {max_tries} tries some class still had fewer than {need} of "
+        f"{num_clients} clients (data.classes_per_client={classes_per_client} of {num_classes} "
+        f"classes each); raise data.classes_per_client or data.max_partition_tries"
+    )
+
+
+def _exdir_cuts(proportions: np.ndarray, open_clients: np.ndarray, n: int, last_holder: int) -> np.ndarray:
+    """exdir's cut points: ``_pfllib_cuts``'s rule over the class's open holders, then PFLlib's
+    remainder rule: if the last cut is not n (truncation left samples past the last holder),
+    every cut from the last holder on becomes n, so those samples go to it.
+
+    When no holder is open (all full) PFLlib divides by zero; its NaN cut points fail the
+    remainder test and are overwritten with n from the last holder on, and the cut points before
+    it (NaN cast to int) only delimit empty pieces: the whole class goes to its last holder. We
+    give it there directly. With one client there are no cut points (PFLlib fails there:
+    it reads the last of none)."""
+    masked = proportions * open_clients
+    total = masked.sum()
+    if not (np.isfinite(total) and total > 0):
+        cuts = np.zeros(proportions.size - 1, dtype=np.int64)
+        cuts[last_holder:] = n
+        return cuts
+    cuts = (np.cumsum(masked / total) * n).astype(np.int64)[:-1]
+    if cuts.size and cuts[-1] != n:
+        cuts[last_holder:] = n
+    return cuts
+
+
+def partition_exdir_pfllib(
+    labels: np.ndarray,
+    num_clients: int,
+    beta: float,
+    classes_per_client: int,
+    num_classes: int,
+    min_samples: int,
+    rng: np.random.RandomState,
+    max_tries: int = 1000,
+) -> list[np.ndarray]:
+    """PFLlib's ``exdir`` (extended Dirichlet, arXiv 2311.03154; PFLlib PRs #141, #185).
+
+    Two levels. First, ``pfllib_exdir_holders`` says which clients may hold each class. Then
+    the ``dir`` rule, restricted to them: for each class in turn, shuffle its samples, draw
+    Dir(beta) over all clients, keep the shares of its holders that are not yet full (N /
+    num_clients samples), renormalise, cut (``_exdir_cuts``: a truncation remainder goes to the
+    class's last holder). The second level is drawn again until every client holds
+    ``min_samples`` (PFLlib: 10). Last, each client's indices are shuffled, client by client.
+    """
+    labels = checked_dirichlet_request(labels, num_clients, num_classes, beta, min_samples, max_tries)
+    _check_classes_per_client(classes_per_client, num_classes)
+    holders = pfllib_exdir_holders(num_clients, classes_per_client, num_classes, rng, max_tries)
+    held = np.zeros((num_classes, num_clients), dtype=bool)
+    for c, clients in enumerate(holders):
+        held[c, clients] = True
+    for _ in range(max_tries):
+        parts = _dirichlet_attempt(labels, num_clients, num_classes, beta, rng,
+                                   lambda c, shares, open_, n: _exdir_cuts(shares, open_ & held[c], n, holders[c][-1]))
+        if min(part.size for part in parts) >= min_samples:
+            for part in parts:
+                rng.shuffle(part)
+            return parts
+    raise dirichlet_retry_error(beta, min_samples, max_tries)
 
 
 def split_train_test_pfllib(
@@ -210,26 +335,36 @@ def pfllib_client_splits(
     beta: float = 0.1,
     classes_per_client: int = 2,
     max_tries: int = 1000,
+    balance: bool = False,
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per client (train, test) positions into ``labels`` under PFLlib's rules.
 
     One ``RandomState(seed)`` feeds the partition and then every client's split, in client
     order: PFLlib's generators seed numpy's global RNG once (``np.random.seed(1)``) and call
     ``separate_data`` then ``split_data``, so with seed 1 the result is PFLlib's split.
+    ``least_samples`` is the guard: PFLlib's ``least_samples`` for dirichlet and pathological,
+    ``PFLLIB_EXDIR_MIN_SAMPLES`` for exdir (the caller picks). ``balance`` is PFLlib's, which
+    only its ``pat`` rule reads: refused elsewhere rather than ignored.
     """
     if not 0 <= seed < 2**32:
         raise ConfigError(
             f"config key 'seed' is {seed}; data.partition_rules=pfllib seeds numpy's RandomState, "
             f"which takes 0..{2**32 - 1}"
         )
+    if balance and partition != "pathological":
+        raise ConfigError(balance_refusal(partition))
     rng = np.random.RandomState(seed)
     if partition == "pathological":
         parts = partition_pathological_pfllib(
-            labels, num_clients, classes_per_client, num_classes, least_samples, rng
+            labels, num_clients, classes_per_client, num_classes, least_samples, rng, balance
         )
     elif partition == "dirichlet":
         parts = partition_dirichlet_pfllib(
             labels, num_clients, beta, num_classes, least_samples, rng, max_tries
+        )
+    elif partition == "exdir":
+        parts = partition_exdir_pfllib(
+            labels, num_clients, beta, classes_per_client, num_classes, least_samples, rng, max_tries
         )
     else:
         raise ConfigError(

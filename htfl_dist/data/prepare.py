@@ -42,7 +42,12 @@ from .partition import (
     split_train_test,
     subsample_indices,
 )
-from .partition_pfllib import PFLLIB_BATCH_SIZE, pfllib_client_splits, pfllib_least_samples
+from .partition_pfllib import (
+    PFLLIB_BATCH_SIZE,
+    PFLLIB_EXDIR_MIN_SAMPLES,
+    pfllib_client_splits,
+    pfllib_least_samples,
+)
 from .pfllib import (
     MAX_VOCAB_SIZE,
     check_class_count,
@@ -91,19 +96,27 @@ def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | No
         "seed": int(seed),
         "num_clients": int(num_clients),
     }
-    if data.partition == "pathological":
+    if data.partition in ("pathological", "exdir"):
         key["classes_per_client"] = int(data.classes_per_client)
-    elif data.partition == "dirichlet":
+    if data.partition in ("dirichlet", "exdir"):
         key["beta"] = float(data.beta)
+    if data.balance:  # only when set: the keys of unbalanced splits stay as they were
+        key["balance"] = True
     if data.partition_rules == "legacy":  # the key as before the option existed: caches stay valid
         if data.partition == "dirichlet":
             key["min_samples_per_client"] = _legacy_min_samples(data)
     else:
         key["partition_rules"] = data.partition_rules
         key["min_samples_per_client"] = data.min_samples_per_client
-        if data.min_samples_per_client is None:  # PFLlib's guard depends on the batch size
+        if data.min_samples_per_client is None and _guard_uses_batch_size(data):
             key["batch_size"] = int(batch_size)
     return key
+
+
+def _guard_uses_batch_size(data: DataConfig) -> bool:
+    """PFLlib's ``least_samples`` (from the batch size) guards dir and shapes unbalanced pat's
+    shares; exdir's guard is a fixed 10 and balanced pat draws nothing."""
+    return data.partition == "dirichlet" or (data.partition == "pathological" and not data.balance)
 
 
 def _legacy_min_samples(data: DataConfig) -> int:
@@ -113,9 +126,12 @@ def _legacy_min_samples(data: DataConfig) -> int:
 
 
 def _pfllib_guard(data: DataConfig, n_samples: int, num_clients: int, batch_size: int) -> int:
-    """The user's data.min_samples_per_client, else PFLlib's least_samples for this data."""
+    """The user's data.min_samples_per_client, else PFLlib's own: least_samples for this data
+    (dir, pat), a fixed 10 for exdir."""
     if data.min_samples_per_client is not None:
         return int(data.min_samples_per_client)
+    if data.partition == "exdir":
+        return PFLLIB_EXDIR_MIN_SAMPLES
     return pfllib_least_samples(n_samples, num_clients, batch_size, data.train_ratio)
 
 
@@ -125,6 +141,7 @@ def _pfllib_guard(data: DataConfig, n_samples: int, num_clients: int, batch_size
 def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_clients: int,
                    seed: int, batch_size: int = PFLLIB_BATCH_SIZE) -> list[tuple[np.ndarray, np.ndarray]]:
     """Per client (train indices, test indices) into the full dataset."""
+    data.check()  # load_config's checks (exdir and balance need the pfllib rules) for a config built in code
     subset = subsample_indices(labels, data.subsample, numpy_rng(seed, "subsample"))
     sub_labels = labels[subset]
     if data.partition_rules == "pfllib":
@@ -133,6 +150,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
             least_samples=_pfllib_guard(data, sub_labels.size, num_clients, batch_size),
             train_ratio=data.train_ratio, beta=data.beta,
             classes_per_client=data.classes_per_client, max_tries=data.max_partition_tries,
+            balance=data.balance,
         )
         return [(subset[train], subset[test]) for train, test in splits]
     rng = numpy_rng(seed, "partition")
@@ -155,7 +173,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
 def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Report,
                        batch_size: int) -> PartitionInfo:
     known_classes = dataset_source(data.dataset).num_classes
-    if data.partition == "pathological" and known_classes and data.classes_per_client > known_classes:
+    if data.partition in ("pathological", "exdir") and known_classes and data.classes_per_client > known_classes:
         # Fail before the dataset is read.
         raise ConfigError(
             f"config key 'data.classes_per_client' is {data.classes_per_client} but the dataset "
@@ -331,10 +349,11 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
     check_value("num_clients", num_clients, at_least=1)
     if data.partition == "pfllib":
         return _apply_vocab_size(_prepare_pfllib(data, num_clients, report), data)
-    if data.partition not in ("pathological", "dirichlet"):
+    if data.partition not in ("pathological", "dirichlet", "exdir"):
         raise ConfigError(
             f"config key 'data.partition' is {data.partition!r}; allowed: pathological, "
-            f"dirichlet, pfllib"
+            f"dirichlet, exdir, pfllib"
         )
+    data.check()  # before the dataset is read
     split_seed = seed if data.partition_seed is None else data.partition_seed
     return _apply_vocab_size(_prepare_generated(data, num_clients, split_seed, report, batch_size), data)

@@ -16,6 +16,10 @@ Public interface (the runtime relies on exactly this):
   (FedTGP's HtC4 = ``fc``, ``fc512``, ``fc256``, ``fc128``; the two-FC heads have a ReLU between
   their layers, our resolution).
 
+* :func:`load_pretrained` — ``model.pretrained``: a client's feature extractor (or whole model)
+  from a directory of per-architecture weight files (:mod:`htfl_dist.models.pretrained`);
+  :func:`pretrained_identity` / :func:`pretrained_change` — the files' sha256, for checkpoints.
+
 * :class:`InputSpec` — one sample's kind (``image``, ``text``, ``tabular``) and shape, read from
   the data; :func:`build_model` builds for it and :func:`check_group_inputs` refuses a group that
   does not take it.
@@ -39,6 +43,7 @@ from .base import SplitModel
 from .head_split import FeaturePool, adapt_input_channels, split_classifier
 from .heads import HEAD_GROUPS, build_head, heads, register_head
 from .inputs import InputSpec, split_tokens
+from .pretrained import load_pretrained, pretrained_change, pretrained_identity
 from .registry import (
     HTFLLIB_IMAGE_GROUPS,
     InputNeed,
@@ -70,8 +75,11 @@ __all__ = [
     "check_group_inputs",
     "heads",
     "initial_client_model",
+    "load_pretrained",
     "members_in_use",
     "model_groups",
+    "pretrained_change",
+    "pretrained_identity",
     "register_architecture",
     "register_head",
     "register_model_group",

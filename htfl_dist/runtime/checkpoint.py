@@ -8,7 +8,8 @@ without a manifest is incomplete and ignored, so a job killed mid-save never dam
 previous checkpoint. A save that runs out of disk space removes its round directory and ends the
 run with one line (``DiskFullError``); the previous checkpoint stays whole and resumable. The
 manifest also lists the rounds whose metrics rows exist, so a resume can tell a metrics file that
-lost rows. Nothing is keyed by rank, so a job may resume on a different world size.
+lost rows, and the sha256 of the ``model.pretrained`` files the clients started from. Nothing is
+keyed by rank, so a job may resume on a different world size.
 
 No RNG state is stored: every stream is derived from (seed, client id, round), so the
 round number is all a resumed run needs to draw the same numbers.
@@ -32,6 +33,7 @@ from htfl_dist.atomic import OutputError, os_errors, publish_bytes
 from htfl_dist.config import Config, experiment_differences, experiment_view
 from htfl_dist.errors import DiskFullError, HtflError
 from htfl_dist.metrics.writer import write_json
+from htfl_dist.models import pretrained_change, pretrained_identity
 from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.transport import Transport
 
@@ -98,6 +100,7 @@ def save(out_dir: Path, completed_rounds: int, config: Config, transport: Transp
             "round": completed_rounds, "config_hash": config.config_hash(), "experiment": config.experiment(),
             "clients": expected_clients, "files": sorted(p.name for p in directory.glob("*.pt")),
             "metric_rounds": list(metric_rounds or []), "data": data_identity,
+            **({"pretrained": pretrained_identity(config)} if config.model.pretrained else {}),
         })
         # the manifest's name and the round directory's, durable before older checkpoints are deleted
         for synced in (directory, directory.parent):
@@ -205,8 +208,9 @@ def load(directory: Path, config: Config, *, clients: ClientStore, server: Serve
     """Restore the checkpoint in ``directory``; returns its completed-round count and the data
     change ('' for none, see ``data_change``). A checkpoint whose clients trained on other data than
     ``data_identity`` is refused unless ``data.allow_changed`` (a manifest written before the data
-    were recorded is not checked). ``restore_runtime`` receives rank 0's runtime state ({} from a
-    checkpoint written before there was any)."""
+    were recorded is not checked), and so is one whose clients started from other
+    ``model.pretrained`` files (their sha256, in the manifest). ``restore_runtime`` receives rank
+    0's runtime state ({} from a checkpoint written before there was any)."""
     try:
         manifest = json.loads((directory / "MANIFEST.json").read_text())
         completed_rounds = int(manifest["round"])  # a list or a string here is a foreign file
@@ -225,6 +229,10 @@ def load(directory: Path, config: Config, *, clients: ClientStore, server: Serve
         raise HtflError(f"checkpoint {directory} was trained on other data ({changed}): the source files or the "
                         f"split changed; resume on the data it trained on, or set data.allow_changed=true to go on "
                         f"with these on purpose (summary.json records it)")
+    weights = pretrained_change(manifest.get("pretrained"), config)
+    if weights:
+        raise HtflError(f"checkpoint {directory} started from other pre-trained weights ({weights}); resume with "
+                        f"the model.pretrained files it started from, or use a new --out directory")
     for client_id in clients:
         clients.restore(client_id, _load(directory / f"client_{client_id}.pt", device), f"checkpoint {directory}")
     if server is not None:

@@ -38,6 +38,7 @@ from htfl_dist.models import (
     build_model,
     check_group_inputs,
     initial_client_model,
+    load_pretrained,
     members_in_use,
 )
 from htfl_dist.models.cost import timed_step_seconds
@@ -250,6 +251,7 @@ class ClientFactory:
                     model.load_state_dict(shared)
                 return model
         model = build().to(self.device)
+        load_pretrained(model, config)  # model.pretrained: the weights replace the fresh part (before it is shared)
         if config.model.init == "htfllib" and shared is None:
             self._shared_initial_states[member] = {name: value.detach().clone()
                                                    for name, value in model.state_dict().items()}
