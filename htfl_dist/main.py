@@ -7,11 +7,14 @@ any other failure prints the traceback of the failing rank, names the rank and i
 brings every rank down (exit code 1). A run stopped by SIGTERM after every rank checkpointed exits
 with 75 and leaves ``PREEMPTED`` in the run directory (torchrun reports any worker status as 1,
 so batch scripts read the file). Rank 0 holds a lock on the run directory for the run's life,
-so a second run on the same ``--out`` is refused at start-up.
+so a second run on the same ``--out`` is refused at start-up. ``--check`` makes the start's checks
+of the config and the run directory in this one process, writes nothing and exits (0, or 2 with
+the one line): the launch scripts run it before they start any rank.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import sys
@@ -31,6 +34,9 @@ from htfl_dist.errors import (
     is_disk_full,
 )
 from htfl_dist.runtime.liveness import report_once, tell_torchrun
+
+if typing.TYPE_CHECKING:
+    from htfl_dist.config import Config
 
 __all__ = ["EXIT_DISK_FULL", "EXIT_FAILURE", "EXIT_PREEMPTED", "EXIT_USER_ERROR", "main", "parse_args", "run"]
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: checkpointed on SIGTERM, run again with --resume auto
@@ -61,9 +67,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="import MODULE before the config is resolved, so that the algorithms, models, "
                              "datasets and generators it registers can be named (repeatable; see also the "
                              "config key plugins and the entry-point group htfl_dist.plugins)")
+    parser.add_argument("--check", action="store_true",
+                        help="resolve and check the config and the run directory as a start does, in this one "
+                             "process, and exit (0: it would start; 2: the one line says why not), writing "
+                             "nothing; the launch scripts run it before they start any rank")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N",
+                        help="with --check: the ranks the launch will start (default 1)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
                         help="dotted overrides, e.g. rounds=3 data.partition=pathological")
-    return parser.parse_intermixed_args(argv)  # overrides may come before and after options
+    args = parser.parse_intermixed_args(argv)  # overrides may come before and after options
+    if args.world_size is not None and (not args.check or args.world_size < 1):
+        raise ConfigError(f"--world-size {args.world_size}: " + ("at least 1" if args.check else
+                          "only with --check (a launch's own world size comes from its launcher)"))
+    return args
 
 
 def _resume_source(resume: str, out: Path) -> Path | None:
@@ -102,26 +118,95 @@ def _prepare_out_dir(out: Path, resume_from: Path | None):
         out.mkdir(parents=True, exist_ok=True)
         lock = lock_run_directory(out)
     except OSError as exc:
-        raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); "
-                        f"pass --out DIR you can write to") from None
+        raise _unwritable(out, exc.strerror) from None
     try:
         check_run_directory(out, {PREEMPTED_MARKER: "its preemption marker"})
-        continuing_itself = resume_from is not None and (resume_from == out or out in resume_from.parents)
-        if (out / "metrics.jsonl").exists() and not continuing_itself:
-            how = "--resume auto" if resume_from is None else f"a new --out (resuming from {resume_from})"
-            raise HtflError(f"run directory {out} already holds a run; pass {how}, or a new --out")
+        _refuse_another_run(out, resume_from)
         probe = out / ".write-test"
         probe.write_text("")
         probe.unlink()
         lock.record_holder()
     except OSError as exc:
         lock.release()
-        raise HtflError(f"cannot write the run directory {out} ({exc.strerror}); "
-                        f"pass --out DIR you can write to") from None
+        raise _unwritable(out, exc.strerror) from None
     except HtflError:
         lock.release()
         raise
     return lock
+
+
+def _unwritable(out: Path, reason: str | None) -> HtflError:
+    return HtflError(f"cannot write the run directory {out} ({reason}); pass --out DIR you can write to")
+
+
+def _refuse_another_run(out: Path, resume_from: Path | None) -> None:
+    """An existing run directory may only be continued from its own checkpoints."""
+    continuing_itself = resume_from is not None and (resume_from == out or out in resume_from.parents)
+    if (out / "metrics.jsonl").exists() and not continuing_itself:
+        how = "--resume auto" if resume_from is None else f"a new --out (resuming from {resume_from})"
+        raise HtflError(f"run directory {out} already holds a run; pass {how}, or a new --out")
+
+
+def _check_out_dir(out: Path, resume_from: Path | None) -> None:
+    """``--check``: each refusal of :func:`_prepare_out_dir` that can be found without writing, in
+    its words: a path that cannot become a directory, a directory in use by a live run, an entry
+    of the wrong kind, another run's directory. Nothing is created or changed (where checkpoints/
+    exists, ``check_run_directory`` creates and removes a probe file in it, as a start does)."""
+    from htfl_dist.runtime.bootstrap import LOCK_FILE, check_run_directory, lock_run_directory
+
+    existing = next(path for path in (out, *out.parents) if os.path.lexists(path))
+    refusal = (errno.EEXIST if existing == out else errno.ENOTDIR) if not existing.is_dir() else \
+        None if os.access(existing, os.W_OK | os.X_OK) else errno.EACCES
+    if refusal is not None:
+        raise _unwritable(out, os.strerror(refusal))
+    if existing != out:
+        return  # nothing there yet: the run makes it
+    try:
+        if (out / LOCK_FILE).exists():  # no lock file, no holder: it is made by the run that takes the directory
+            lock_run_directory(out).release()
+    except OSError as exc:
+        raise _unwritable(out, exc.strerror) from None
+    check_run_directory(out, {PREEMPTED_MARKER: "its preemption marker"})
+    _refuse_another_run(out, resume_from)
+
+
+def check_config(config: Config, world_size: int | None = None) -> None:
+    """The checks every rank makes on its config before any communication, so a mistake is one
+    line from all of them at once (rank 0's is printed). With ``world_size`` (``--check``, run
+    before any rank starts) also the world size, and the privacy plan each rank computes first
+    thing at start-up (a budget no noise reaches)."""
+    from htfl_dist.metrics.sinks import check_outputs_available
+    from htfl_dist.models import architecture_for_client
+    from htfl_dist.models.pretrained import files_in_use as pretrained_files
+    from htfl_dist.runtime.participation import client_devices
+    from htfl_dist.runtime.placement import check_world_size
+
+    architecture_for_client(config.model.group, 0)
+    check_outputs_available(config)
+    client_devices(config)  # participation.trace: read and checked before any rank talks
+    pretrained_files(config)  # model.pretrained: every architecture's file is there
+    if world_size is not None:
+        check_world_size(world_size, config.num_clients)
+        from htfl_dist.privacy.startup import privacy_plan
+
+        privacy_plan(config)
+
+
+def check(args: argparse.Namespace) -> int:
+    """``--check``: the config and the run directory as a start would find them, in one process
+    and before any rank exists, so a launch script stops a mistake with our one line (exit 2)
+    instead of that line followed by torchrun's ChildFailedError traceback and summary (exit 1),
+    and nothing is written."""
+    from htfl_dist.resolution import resolved_config
+
+    config = resolved_config(args.config, args.overrides, args.imports)
+    world_size = args.world_size or 1
+    check_config(config, world_size)
+    out = _out_dir(args.out, config)
+    _check_out_dir(out, _resume_source(args.resume, out))
+    print(f"check: {config.algorithm}, {_count(config.num_clients, 'client')}, {_count(config.rounds, 'round')} "
+          f"on {_count(world_size, 'rank')}; run directory {out}: ready to start", flush=True)
+    return 0
 
 
 def _make_deterministic(torch) -> None:
@@ -136,19 +221,15 @@ def _make_deterministic(torch) -> None:
 def run(argv: list[str] | None = None) -> int:
     import torch
 
-    from htfl_dist.metrics.sinks import check_outputs_available
-    from htfl_dist.models import architecture_for_client
     from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime.bootstrap import agree_to_start, detect_launch, open_transport, pick_device
-    from htfl_dist.runtime.participation import client_devices
     from htfl_dist.runtime.placement import check_world_size
 
     args = parse_args(argv)
+    if args.check:
+        return check(args)
     config = resolved_config(args.config, args.overrides, args.imports)
-    # Checks every rank makes identically, before any communication (errors print once).
-    architecture_for_client(config.model.group, 0)
-    check_outputs_available(config)
-    client_devices(config)  # participation.trace: read and checked before any rank talks
+    check_config(config)  # every rank identically, before any communication (errors print once)
     launch = detect_launch()
     check_world_size(launch.world_size, config.num_clients)
     if config.runtime.threads:
@@ -290,8 +371,11 @@ def _as_disk_full(exc: BaseException) -> DiskFullError | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from htfl_dist.runtime import preemption
+    from htfl_dist.runtime import liveness, preemption
 
+    if liveness.needs_supervisor(os.environ):  # under mpirun: this process names the rank if it is killed
+        return liveness.supervise([sys.executable, *sys.orig_argv[1:]])
+    liveness.become_supervised_worker()
     preemption.install()  # before torch starts threads: SIGTERM must reach the listener, not them
     from htfl_dist.runtime.bootstrap import launch_rank_hint
 

@@ -10,7 +10,6 @@ nothing of algorithms (they arrive as declared fields and payloads) or of metric
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -19,7 +18,13 @@ import torch
 from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime.placement import Placement, client_ranks
-from htfl_dist.runtime.screening import check_rank_report, check_rank_row, screen_uploads, unpack_rank_message
+from htfl_dist.runtime.screening import (
+    LeftOut,
+    check_rank_report,
+    check_rank_row,
+    screen_uploads,
+    unpack_rank_message,
+)
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
 
@@ -140,16 +145,19 @@ class Exchange:
         return decode(spec, received, self.device)[BROADCAST_ENTRY]
 
     def gather_uploads(self, spec, uploads: dict[int, Payload], participants: list[int], round_number: int,
-                       traffic: RoundTraffic) -> tuple[dict[int, Payload] | None, list[int]]:
+                       traffic: RoundTraffic, left_out: LeftOut | None = None
+                       ) -> tuple[dict[int, Payload] | None, list[int]]:
         """This rank's participants' uploads to rank 0. Rank 0 gets every participant's decoded
         upload, in client-id order, and the clients left out because their rank's message broke
-        its declaration; other ranks get (None, [])."""
+        its declaration (added to ``left_out``, the round's record its owner says once in one line;
+        without one, said here); other ranks get (None, [])."""
         if not spec:
             return ({} if self.transport.rank == 0 else None), []  # nothing declared, nothing travels
         gathered = self.transport.gather(encode(spec, uploads), message_bounds(
             self.transport, spec, lambda rank: sum(self.placement.rank_of(cid) == rank for cid in participants)))
         if gathered is None:
             return None, []
+        record = left_out if left_out is not None else LeftOut(round_number)
         merged: dict[int, Payload] = {}
         skipped: list[int] = []
         for rank, message in enumerate(gathered):  # the transport gathers ranks in order, rank 0 first
@@ -160,13 +168,14 @@ class Exchange:
                 sender = self.placement.describe_rank(rank)
                 if self.on_bad_upload == "fail":
                     raise ProtocolError(f"{sender} {exc}") from None
-                print(f"htfl_dist: warning: round {round_number}: left out {sender}'s clients "
-                      f"{expected}: {sender} {exc}", file=sys.stderr, flush=True)
+                record.add_rank(sender, expected, exc)
                 skipped.extend(expected)
                 continue
             if entries:
                 traffic.up += message.nbytes
             merged.update(entries)
+        if left_out is None:
+            record.say()
         return dict(sorted(merged.items())), skipped
 
     def gather_setup(self, spec, entries: dict[int, Payload], validate, traffic: RoundTraffic

@@ -60,7 +60,7 @@ from htfl_dist.runtime.exchange import (
     RoundTraffic,
     StopDecision,
 )
-from htfl_dist.runtime.liveness import Liveness, describe_plain
+from htfl_dist.runtime.liveness import Liveness, describe_plain, tell_supervisor
 from htfl_dist.runtime.participation import payload_bytes, rank0_participation
 from htfl_dist.runtime.placement import sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
@@ -133,6 +133,7 @@ class Federation:
         handshake(config, self.partition.num_classes, transport)  # ranks agree on the maths before anything else
         self.placement = place_clients(config, self.partition, transport, self.device)
         run.rank_description = self.placement.describe_rank(self.rank)
+        tell_supervisor(run.rank_description)  # under mpirun: its line names the clients if this process is killed
         run.describe_rank = self.placement.describe_rank
         self.watchdog.name_as(run.rank_description)
         if self.is_server:

@@ -1,12 +1,14 @@
 """Server-side screening of uploads before the algorithm sees them (docs/architecture.md).
 
 A bad upload (NaN/Inf values, class ids out of range, ...) is normal input in a long run with
-many clients: by default the client is left out of that round with a warning naming it and the
-run goes on (``on_bad_upload: skip``); ``on_bad_upload: fail`` ends the job instead.
+many clients: by default the client is left out of that round and the run goes on
+(``on_bad_upload: skip``), with one warning line per round that names every client left out and
+each reason once (:class:`LeftOut`); ``on_bad_upload: fail`` ends the job instead.
 """
 from __future__ import annotations
 
 import math
+import re
 import sys
 from collections.abc import Callable
 
@@ -23,9 +25,80 @@ def check_finite(client_id: int, upload: Payload) -> None:
                                 f"diverged (lower train.lr or algo.reg_weight)")
 
 
+SHOWN_REASONS = 3
+"""The most distinct reasons one warning line spells out; the rest are counted (every client left
+out is in the metrics row's ``skipped_clients`` anyway)."""
+SHOWN_RANGES = 12
+"""The most runs of consecutive client ids a list in the line spells out."""
+
+
+def id_ranges(ids: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as '1-3, 5': a thousand diverged clients must not make a thousand-id line."""
+    runs: list[list[int]] = []
+    for client_id in sorted(set(ids)):
+        if runs and client_id == runs[-1][1] + 1:
+            runs[-1][1] = client_id
+        else:
+            runs.append([client_id, client_id])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs[:SHOWN_RANGES])
+    return text if len(runs) <= SHOWN_RANGES else f"{text}, ... ({len(set(ids))} in all)"
+
+
+class LeftOut:
+    """The clients one round left out and why, said in one warning line. A line per client per
+    round made a flood of a run whose training diverged (``train.lr=1e30``: 18 lines for 6 clients
+    in 3 rounds before the run gave up); the line names every client left out and each distinct
+    reason once, the first client's in full ('left client 0 out: client 0 sent NaN/Inf values
+    ...; likewise clients 1-5'), and the metrics row's ``skipped_clients`` keeps the list."""
+
+    def __init__(self, round_number: int) -> None:
+        self.round_number = round_number
+        """0: the setup uploads before the first round."""
+        self.client_ids: list[int] = []
+        self._groups: dict[str, tuple[str, list[int]]] = {}
+        """A reason with its client's id blanked out: (the reason as said of its first client, ids)."""
+
+    def add_client(self, client_id: int, error: Exception) -> None:
+        """One client's upload refused: ``error`` names the client ('client 3 sent ...')."""
+        said = f"left client {client_id} out: {error}"
+        self._add(re.sub(rf"\bclient {client_id}\b", "client #", said), said, [client_id])
+
+    def add_rank(self, sender: str, client_ids: list[int], error: Exception) -> None:
+        """A rank's message refused (``sender``: 'rank 2 (clients [...])'): its participants are out."""
+        said = f"left out {sender}'s clients {client_ids}: {sender} {error}"
+        self._add(said, said, client_ids)
+
+    def _add(self, key: str, said: str, client_ids: list[int]) -> None:
+        self.client_ids.extend(client_ids)
+        self._groups.setdefault(key, (said, []))[1].extend(client_ids)
+
+    def line(self) -> str | None:
+        """The round's warning, or None when nobody was left out."""
+        if not self._groups:
+            return None
+        groups = list(self._groups.values())
+        parts = [said if len(ids) == 1 or said.startswith("left out ") else
+                 f"{said}; likewise client{'s' if len(ids) > 2 else ''} {id_ranges(ids[1:])}"
+                 for said, ids in groups[:SHOWN_REASONS]]
+        rest = [cid for _, ids in groups[SHOWN_REASONS:] for cid in ids]
+        if rest:
+            parts.append(f"and clients {id_ranges(rest)} for {len(groups) - SHOWN_REASONS} other reason(s) "
+                         f"(skipped_clients in metrics.jsonl)")
+        when = "setup" if self.round_number == 0 else f"round {self.round_number}"
+        return f"htfl_dist: warning: {when}: " + "; ".join(parts)
+
+    def say(self) -> None:
+        """Print the round's one warning line (nothing when nobody was left out)."""
+        line = self.line()
+        if line is not None:
+            print(line, file=sys.stderr, flush=True)
+
+
 def screen_uploads(uploads: dict[int, Payload], validate: Callable[[int, Payload], None], policy: str,
-                   round_number: int) -> tuple[dict[int, Payload], list[int]]:
-    """Split uploads into the valid ones and the ids of the clients left out."""
+                   round_number: int, left_out: LeftOut | None = None) -> tuple[dict[int, Payload], list[int]]:
+    """Split uploads into the valid ones and the ids of the clients left out. Those are added to
+    ``left_out``, the round's record that its owner says once; without one they are said here."""
+    record = left_out if left_out is not None else LeftOut(round_number)
     kept: dict[int, Payload] = {}
     skipped: list[int] = []
     for client_id, upload in uploads.items():
@@ -35,11 +108,12 @@ def screen_uploads(uploads: dict[int, Payload], validate: Callable[[int, Payload
         except ProtocolError as exc:
             if policy == "fail":
                 raise
-            print(f"htfl_dist: warning: round {round_number}: left client {client_id} out: {exc}",
-                  file=sys.stderr, flush=True)
+            record.add_client(client_id, exc)
             skipped.append(client_id)
             continue
         kept[client_id] = upload
+    if left_out is None:
+        record.say()
     return kept, skipped
 
 

@@ -102,9 +102,26 @@ def default_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def study_directory(option: str) -> Path:
+    """``--out`` as the directory the study keeps its cells in: a path that is, or lies under,
+    something other than a directory is refused in one line before the study file is read
+    (mkdir would say only 'File exists' or 'Not a directory', and --dry-run would print cell
+    commands that cannot run there)."""
+    try:
+        out = Path(option).resolve()
+    except (OSError, RuntimeError) as exc:  # a loop of symbolic links (RuntimeError before Python 3.13)
+        raise plan.StudyError(f"--out {option}: {exc}; pass a new --out") from None
+    existing = next(path for path in (out, *out.parents) if os.path.lexists(path))
+    if not existing.is_dir():
+        kind = "a regular file" if existing.is_file() else "not a directory"
+        where = f"--out {out} is" if existing == out else f"--out {out} lies under {existing}, which is"
+        raise plan.StudyError(f"{where} {kind}; the study keeps its cells in a directory there: pass a new --out")
+    return out
+
+
 def run(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out).resolve()
+    out = study_directory(args.out)
     study = plan.validate(plan.expand(Path(args.study), args.overrides, args.seeds, tuple(args.imports)), args.ranks)
     if args.dry_run:
         return _dry_run(study, out, args.ranks)

@@ -11,25 +11,16 @@ study's thread that started the cell ends: the scheduler starts every cell from 
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import sys
 
-PR_SET_PDEATHSIG = 1
+# Run by path with -I: the package is found from this file's place (its __init__ imports nothing).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from htfl_dist.parent_death import ask_for_parent_death_signal
+
 DEATH_SIGNAL = signal.SIGTERM
 EXIT_CANNOT_START = 127
-
-
-def ask_for_parent_death_signal(signum: int) -> bool:
-    """``prctl(PR_SET_PDEATHSIG, signum)``; False where the system has none (not Linux)."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return False
-    prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-    prctl.restype = ctypes.c_int
-    return prctl(PR_SET_PDEATHSIG, int(signum), 0, 0, 0) == 0
 
 
 def main(argv: list[str]) -> int:

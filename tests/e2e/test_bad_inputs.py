@@ -4,6 +4,7 @@ directory. In-process through ``htfl_dist.main.main`` (the same code a launch ru
 interpreter start); tests/e2e/test_cli_errors.py launches the few that need a real process."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -92,6 +93,8 @@ CONFIG_MISTAKES = [
      ["runtime.heartbeat_timeout_s", "0 (off) or at least 3", "got 0.01"]),
     ("negative-divergence-limit", [*SMOKE_ARGS, "train.max_diverged_rounds=-1"], ["train.max_diverged_rounds"]),
     ("pfllib-without-dir", [*SMOKE_ARGS, "data.partition=pfllib"], ["data.pfllib_dir"]),
+    ("petabyte-vocabulary", [*SMOKE_ARGS, "data.vocab_size=1000000000000"],
+     ["config key 'data.vocab_size' must be in [1, 1000000]", "got 1000000000000"]),
     ("override-without-equals", [*SMOKE_ARGS, "rounds"], ["override 'rounds' must look like key=value"]),
     ("megabyte-value", [*SMOKE_ARGS, "rounds=" + "9x" * 500_000], ["'rounds' must be an integer", "..."]),
     ("megabyte-algorithm-name", [*SMOKE_ARGS, "algorithm=" + "x" * 1_000_000], ["config key 'algorithm' is", "x...x"]),
@@ -373,3 +376,111 @@ def test_checkpoint_blocked_mid_run_is_one_line(tmp_path, capsys, cache_dir):
                          f"File exists (EEXIST)"), line
     assert (run / "checkpoints" / "round_00001").read_text() == "the user's"
     assert (run / LOCK_FILE).read_text() == HOLDER
+
+
+def test_vocab_size_is_held_to_the_cap_the_datas_own_ids_are():
+    """The config's bound and the PFLlib reader's cap are one number (the config layer may not import
+    the data layer, so each states it)."""
+    from htfl_dist.config.schema import DataConfig
+    from htfl_dist.data.pfllib import MAX_VOCAB_SIZE
+
+    bound = next(f for f in dataclasses.fields(DataConfig) if f.name == "vocab_size").metadata["bound"]
+    assert bound.at_most == MAX_VOCAB_SIZE
+
+
+# ------------------------------------------------------------------ no floods
+
+
+@pytest.mark.integration
+def test_a_diverged_run_says_one_warning_per_round_then_one_error(tmp_path, capsys, cache_dir):
+    """train.lr=1e30: every upload is NaN. Was 18 warning lines (one per client per round) before
+    the error; now one per round names all six clients, and the row keeps them one by one."""
+    out = tmp_path / "run"
+    assert main(["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}", "train.lr=1e30"]) == 1
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert "Traceback" not in captured.err
+    assert lines[:-1] == [f"htfl_dist: warning: round {r}: left client 0 out: client 0 sent NaN/Inf values in "
+                          f"'protos': its local training diverged (lower train.lr or algo.reg_weight); likewise "
+                          f"clients 1-5" for r in (1, 2, 3)], captured.err
+    assert lines[-1].startswith("htfl_dist: error: training diverged: every participating client's loss"), lines[-1]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["skipped_clients"] for row in rows] == [list(range(6))] * 3
+
+
+# ------------------------------------------------------------------ --check: a start's checks in one process
+
+def _check(argv: list[str]) -> list[str]:
+    return ["--check", *argv]
+
+
+@pytest.mark.parametrize("extra,needles", [
+    pytest.param(["rounds=abc"], ["config key 'rounds' must be an integer, got 'abc'"], id="config-mistake"),
+    pytest.param(["--world-size", "8"], ["8 ranks give 7 client ranks but there are only 6 logical clients"],
+                 id="too-many-ranks"),
+    pytest.param(["--world-size", "0"], ["--world-size 0: at least 1"], id="no-ranks"),
+    pytest.param(["privacy.enabled=true", "privacy.target_epsilon=0.0001"],
+                 ["privacy.target_epsilon=0.0001 cannot be reached"], id="unreachable-budget"),
+])
+def test_check_refuses_what_a_start_would_refuse_and_writes_nothing(tmp_path, capsys, extra, needles):
+    """``--check`` is what the launch scripts run in one process before any rank starts."""
+    out = tmp_path / "run"
+    _refused(capsys, _check(["--config", str(SMOKE), "--out", str(out), *extra]), out, 2, needles)
+
+
+def test_world_size_belongs_to_check(tmp_path, capsys):
+    out = tmp_path / "run"
+    _refused(capsys, ["--config", str(SMOKE), "--out", str(out), "--world-size", "3"], out, 2,
+             ["--world-size 3: only with --check"])
+
+
+@pytest.mark.parametrize("name,kind,needle", [
+    ("summary.json", "directory", "summary.json is a directory, not a regular file"),
+    ("checkpoints", "file", "checkpoints is a regular file, not a directory"),
+])
+def test_check_refuses_a_run_directory_entry_of_the_wrong_kind(tmp_path, capsys, name, kind, needle):
+    run = _occupied(tmp_path / "run", name, kind)
+    _refused(capsys, _check(["--config", str(SMOKE), "--out", str(run)]), run, 2, [f"run directory {run}: {needle}"])
+    assert (run / LOCK_FILE).read_text() == HOLDER
+
+
+def test_check_refuses_an_out_that_cannot_be_a_directory(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("the user's")
+    for out, reason in ((afile, "File exists"), (afile / "run", "Not a directory")):
+        _refused(capsys, _check(["--config", str(SMOKE), "--out", str(out)]), tmp_path, 2,
+                 [f"cannot write the run directory {out} ({reason})"])
+
+
+def test_check_refuses_another_runs_directory_and_takes_a_resume_of_it(finished_run, capsys):
+    _refused(capsys, _check(["--config", str(SMOKE), "--out", str(finished_run), "rounds=3"]), finished_run, 2,
+             ["already holds a run", "--resume auto"])
+    before = _snapshot(finished_run)
+    assert main(_check(["--config", str(SMOKE), "--out", str(finished_run), "--resume", "auto", "rounds=3",
+                        "--world-size", "3"])) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and out.out == (f"check: fedproto, 6 clients, 3 rounds on 3 ranks; run directory "
+                                         f"{finished_run}: ready to start\n")
+    assert _snapshot(finished_run) == before
+
+
+def test_check_of_a_good_start_creates_nothing(tmp_path, capsys):
+    out = tmp_path / "new" / "run"
+    assert main(_check(["--config", str(SMOKE), "--out", str(out)])) == 0
+    assert "ready to start" in capsys.readouterr().out
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.launch
+def test_check_refuses_a_directory_in_use(tmp_path, capsys):
+    from test_nothing_lost import _hold_lock
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = _hold_lock(run)
+    try:
+        _refused(capsys, _check(["--config", str(SMOKE), "--out", str(run)]), run, 2,
+                 [f"is in use by pid {holder.pid}"])
+    finally:
+        holder.kill()
+        holder.wait()

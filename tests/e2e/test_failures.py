@@ -98,6 +98,19 @@ def _rank_of(pid, variable=b"PMI_RANK"):
     return None
 
 
+def _mpi_worker(marker: str, rank: int) -> int:
+    """The process that is MPI rank ``rank`` of the job whose command line holds ``marker``: under
+    mpirun each rank is a supervisor (the process mpirun started) and its worker, which has
+    HTFL_DIST_MPI_SUPERVISOR in its environment."""
+    pids = [int(p) for p in subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()]
+    for pid in pids:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            supervised = b"HTFL_DIST_MPI_SUPERVISOR=" in handle.read()
+        if supervised and _rank_of(pid) == rank:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} among {pids}")
+
+
 @pytest.mark.launch
 def test_hung_rank_ends_the_job_within_the_round_deadline(tmp_path, cache_dir):
     """Under MPI (no collective timeout) a frozen client rank is caught by the round deadline."""
@@ -107,8 +120,7 @@ def test_hung_rank_ends_the_job_within_the_round_deadline(tmp_path, cache_dir):
     job = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for_line(job, "round 1/50")
     marker = str(tmp_path)
-    pids = [int(p) for p in subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()]
-    client = next(pid for pid in pids if _rank_of(pid) == 2)
+    client = _mpi_worker(marker, 2)
     began = time.monotonic()
     os.kill(client, signal.SIGSTOP)  # a hung rank: alive, silent
     try:
@@ -155,6 +167,39 @@ def test_a_lost_rank_is_named_once(tmp_path, cache_dir, signal_sent, victim, rep
     assert f"seen by {reporter}" in ours[0]
     assert f"{REPO / 'htfl_dist'}/" not in stderr  # no traceback through our code from any rank
     assert ended_s < 30  # the collective timeout (runtime.timeout_s) is 600 s
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize(("signal_sent", "victim", "named"), [
+    pytest.param(signal.SIGKILL, 2, "rank 2 (clients [", id="kill-9-of-a-client-rank"),
+    pytest.param(signal.SIGKILL, 0, "rank 0 (server)", id="kill-9-of-the-server"),
+    pytest.param(signal.SIGSEGV, 1, "rank 1 (clients [", id="segfault-of-a-client-rank"),
+])
+def test_a_rank_killed_under_mpirun_is_named_once(tmp_path, cache_dir, signal_sent, victim, named):
+    """Hydra SIGKILLs every other rank about 0.1 s after one dies, before any of their Python runs,
+    so none of them can say who died: before, only mpirun's banner ended the job ('BAD TERMINATION
+    ... EXIT CODE: 9'). The rank's supervisor, the process mpirun started, names it and its clients
+    in one line, then the job ends; no process is left."""
+    mpirun = str(BIN / "mpirun")
+    command = [mpirun, "-n", "3", sys.executable, "-m", "htfl_dist.main", "--config", str(SMOKE),
+               "--out", str(tmp_path), f"data.cache_dir={cache_dir}", "rounds=50"]
+    job = subprocess.Popen(command, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_line(job, "round 2/50")
+    worker = _mpi_worker(str(tmp_path), victim)
+    began = time.monotonic()
+    os.kill(worker, signal_sent)
+    _, stderr = job.communicate(timeout=60)
+    ended_s = time.monotonic() - began
+    ours = [line for line in stderr.splitlines() if line.startswith("htfl_dist:")]
+    print(f"{signal.Signals(signal_sent).name} of MPI rank {victim}: job ended in {ended_s:.1f} s; our lines: {ours}")
+    assert job.returncode != 0
+    assert len(ours) == 1 and "Traceback" not in stderr, stderr
+    line, name = ours[0], signal.Signals(signal_sent).name
+    assert line.startswith(f"htfl_dist: {named}") and f"died: its process (pid {worker} on host " in line, line
+    assert f"was killed by {name} (" in line and line.endswith("; ending the job"), line
+    assert ended_s < 10
+    time.sleep(1)
+    assert subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True).stdout == b""  # no orphans
 
 
 @pytest.mark.launch

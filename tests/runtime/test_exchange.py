@@ -9,6 +9,7 @@ from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field
 from htfl_dist.runtime.exchange import ClientReport, Exchange, RankReport, RoundTraffic
 from htfl_dist.runtime.placement import Placement
+from htfl_dist.runtime.screening import LeftOut, id_ranges, screen_uploads
 from htfl_dist.runtime.transport import LocalTransport
 
 SPEC = (Field("class_ids", torch.int64), Field("protos", torch.float32, (2,)))
@@ -60,3 +61,52 @@ def test_a_private_clients_training_row_is_refused_and_a_public_ones_required():
     assert _exchange().gather_reports({0: ClientReport([30.68, 12.0], None, None)}, mine, [0], evaluated=False)
     with pytest.raises(ProtocolError, match=r"expected \[0\]"):
         _exchange().gather_reports({0: ClientReport(None, None, None)}, mine, [0], evaluated=False)
+
+
+NAN = {"class_ids": torch.tensor([0]), "protos": torch.full((1, 2), float("nan"))}
+
+
+def test_a_round_that_leaves_every_client_out_says_so_in_one_line(capsys):
+    """train.lr=1e30 made six lines a round, one per client, each with the same reason; now one
+    line names every client left out and the reason once."""
+    kept, skipped = screen_uploads(dict.fromkeys(range(6), NAN), lambda cid, upload: None, "skip", round_number=2)
+    assert kept == {} and skipped == list(range(6))
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == ("htfl_dist: warning: round 2: left client 0 out: client 0 sent NaN/Inf values in 'protos': its "
+                    "local training diverged (lower train.lr or algo.reg_weight); likewise clients 1-5")
+
+
+def test_one_line_holds_each_reason_once_and_a_refused_rank(capsys):
+    """A rank's refused message, two reasons among the uploads and a round's own clients: one line."""
+    exchange = _exchange()
+    left_out = LeftOut(4)
+    exchange.gather_uploads(SPEC, {1: _upload(1)}, [0, 2], 4, RoundTraffic(), left_out)
+    uploads = {3: NAN, 5: _upload(1), 7: NAN, 8: NAN, 11: {"class_ids": torch.tensor([9]), "protos": torch.ones(1, 2)}}
+
+    def validate(client_id, upload):
+        if int(upload["class_ids"][0]) > 5:
+            raise ProtocolError(f"client {client_id} sent a class id outside [0, 5)")
+
+    kept, skipped = screen_uploads(uploads, validate, "skip", 4, left_out)
+    assert list(kept) == [5] and skipped == [3, 7, 8, 11] and left_out.client_ids == [0, 2, 3, 7, 8, 11]
+    assert capsys.readouterr().err == ""  # the round's owner says it, once
+    left_out.say()
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("htfl_dist: warning: round 4: left out rank 0 (clients [0, 1, 2])'s clients [0, 2]: "
+                           "rank 0 (clients [0, 1, 2]) sent uploads for clients [1]"), line
+    assert "; left client 3 out: client 3 sent NaN/Inf values in 'protos'" in line
+    assert line.endswith("; likewise clients 7-8; left client 11 out: client 11 sent a class id outside [0, 5)"), line
+
+
+def test_the_line_stays_short_however_many_clients_and_reasons():
+    left_out = LeftOut(1)
+    for client_id in range(0, 2000, 2):  # a thousand clients, every other id
+        left_out.add_client(client_id, ProtocolError(f"client {client_id} sent NaN/Inf values in 'protos'"))
+    for reason in range(5):
+        left_out.add_client(3001 + reason, ProtocolError(f"client {3001 + reason} sent reason {reason}"))
+    line = left_out.line()
+    assert line is not None and len(line) < 600, line
+    assert "likewise clients 2, 4, 6" in line and "... (999 in all)" in line
+    assert line.endswith("and clients 3003-3005 for 3 other reason(s) (skipped_clients in metrics.jsonl)"), line
+    assert LeftOut(2).line() is None
+    assert id_ranges([5, 1, 2, 3, 9]) == "1-3, 5, 9"

@@ -2,14 +2,25 @@
 objects (rank 0, the watcher) and by plain store counters that do or do not move."""
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
+from conftest import REPO, _env
+from htfl_dist.runtime.liveness import (
+    MPI_RANK_VARS,
+    SUPERVISOR_DRAIN_S,
+    SUPERVISOR_ENV,
+    StoreAddress,
+    needs_supervisor,
+    open_store,
+)
 from htfl_dist.runtime.liveness import Liveness as _Liveness
-from htfl_dist.runtime.liveness import StoreAddress, open_store
 
 
 def _free_port() -> int:
@@ -141,3 +152,84 @@ def test_a_finished_rank_does_not_take_its_peers_exit_for_a_failure(address):
     client.describe = describe
     client.finish()
     assert client.lost_peers_line("rank 1", "SIGTERM from the launcher") is None
+
+
+# ------------------------------------------------------------------ under mpirun: the supervisor names a killed rank
+
+SUPERVISOR = "import sys; from htfl_dist.runtime.liveness import supervise; sys.exit(supervise(sys.argv[1:]))"
+WORKER = ("import os, signal, sys, time; from htfl_dist.runtime.liveness import become_supervised_worker, "
+          "tell_supervisor; become_supervised_worker(); {body}")
+
+
+def _supervised(body: str, **popen) -> subprocess.Popen:
+    """A supervisor as mpirun's rank 2 would start it, running a worker whose code is ``body``."""
+    env = {**_env(), "PMI_RANK": "2"}
+    return subprocess.Popen([sys.executable, "-c", SUPERVISOR, sys.executable, "-c", WORKER.format(body=body)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("body,named", [
+    ("tell_supervisor('rank 2 (clients [4, 5])'); os.kill(os.getpid(), signal.SIGKILL)", "rank 2 (clients [4, 5])"),
+    ("os.kill(os.getpid(), signal.SIGKILL)", "rank 2"),  # killed before the placement
+])
+def test_a_killed_worker_is_named_by_its_supervisor_in_one_line(body, named):
+    began = time.monotonic()
+    out, err = _supervised(body).communicate(timeout=30)
+    assert err.startswith(f"htfl_dist: {named} died: its process (pid "), err
+    assert err.endswith(" was killed by SIGKILL (kill -9, or the kernel's out-of-memory killer: see dmesg); "
+                        "ending the job\n"), err
+    assert len(err.splitlines()) == 1 and out == ""
+    assert time.monotonic() - began >= SUPERVISOR_DRAIN_S  # the line has time to reach mpirun before the exit
+
+
+@pytest.mark.launch
+def test_a_worker_that_exits_passes_its_status_through_quietly():
+    supervisor = _supervised("print('hello', flush=True); sys.exit(75)")
+    out, err = supervisor.communicate(timeout=30)
+    assert (supervisor.returncode, out, err) == (75, "hello\n", "")
+
+
+@pytest.mark.launch
+def test_sigterm_to_the_supervisor_reaches_the_worker_and_is_no_death_to_report():
+    """mpirun signals each rank's process group (both get it); sent to the supervisor alone it is
+    passed on. A worker that dies of the signal its supervisor passed on is not reported."""
+    handled = _supervised("signal.signal(signal.SIGTERM, lambda *_: sys.exit(75)); print('ready', flush=True); "
+                          "time.sleep(30)")
+    assert handled.stdout.readline() == "ready\n"
+    handled.send_signal(signal.SIGTERM)
+    assert handled.wait(timeout=30) == 75 and handled.stderr.read() == ""
+    default = _supervised("print('ready', flush=True); time.sleep(30)")
+    assert default.stdout.readline() == "ready\n"
+    default.send_signal(signal.SIGTERM)
+    assert default.wait(timeout=30) == 128 + signal.SIGTERM and default.stderr.read() == ""
+
+
+@pytest.mark.launch
+def test_a_worker_dies_with_its_supervisor():
+    """mpirun's teardown (or a kill -9) of the supervisor leaves no worker holding an MPI rank."""
+    supervisor = _supervised("print(os.getpid(), flush=True); time.sleep(60)")
+    worker = int(supervisor.stdout.readline())
+    supervisor.kill()
+    supervisor.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"  # a zombie waits for init to reap it
+    except FileNotFoundError:
+        return False
+
+
+def test_only_an_unsupervised_mpi_rank_needs_a_supervisor():
+    from htfl_dist.runtime.bootstrap import _MPI_RANK_VARS
+
+    assert MPI_RANK_VARS == _MPI_RANK_VARS  # one list of what mpirun sets, in two layers
+    assert needs_supervisor({"PMI_RANK": "0"}) and needs_supervisor({"OMPI_COMM_WORLD_RANK": "3"})
+    assert not needs_supervisor({"PMI_RANK": "0", SUPERVISOR_ENV: "12:5"})
+    assert not needs_supervisor({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun: its agent names lost ranks
