@@ -35,9 +35,6 @@ from htfl_dist.errors import (
 )
 from htfl_dist.runtime.liveness import report_once, tell_torchrun
 
-if typing.TYPE_CHECKING:
-    from htfl_dist.config import Config
-
 __all__ = ["EXIT_DISK_FULL", "EXIT_FAILURE", "EXIT_PREEMPTED", "EXIT_USER_ERROR", "main", "parse_args", "run"]
 EXIT_PREEMPTED = 75  # sysexits' EX_TEMPFAIL: checkpointed on SIGTERM, run again with --resume auto
 PREEMPTED_MARKER = "PREEMPTED"
@@ -170,34 +167,13 @@ def _check_out_dir(out: Path, resume_from: Path | None) -> None:
     _refuse_another_run(out, resume_from)
 
 
-def check_config(config: Config, world_size: int | None = None) -> None:
-    """The checks every rank makes on its config before any communication, so a mistake is one
-    line from all of them at once (rank 0's is printed). With ``world_size`` (``--check``, run
-    before any rank starts) also the world size, and the privacy plan each rank computes first
-    thing at start-up (a budget no noise reaches)."""
-    from htfl_dist.metrics.sinks import check_outputs_available
-    from htfl_dist.models import architecture_for_client
-    from htfl_dist.models.pretrained import files_in_use as pretrained_files
-    from htfl_dist.runtime.participation import client_devices
-    from htfl_dist.runtime.placement import check_world_size
-
-    architecture_for_client(config.model.group, 0)
-    check_outputs_available(config)
-    client_devices(config)  # participation.trace: read and checked before any rank talks
-    pretrained_files(config)  # model.pretrained: every architecture's file is there
-    if world_size is not None:
-        check_world_size(world_size, config.num_clients)
-        from htfl_dist.privacy.startup import privacy_plan
-
-        privacy_plan(config)
-
-
 def check(args: argparse.Namespace) -> int:
     """``--check``: the config and the run directory as a start would find them, in one process
     and before any rank exists, so a launch script stops a mistake with our one line (exit 2)
     instead of that line followed by torchrun's ChildFailedError traceback and summary (exit 1),
     and nothing is written."""
     from htfl_dist.resolution import resolved_config
+    from htfl_dist.runtime.startup import check_config
 
     config = resolved_config(args.config, args.overrides, args.imports)
     world_size = args.world_size or 1
@@ -224,6 +200,7 @@ def run(argv: list[str] | None = None) -> int:
     from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime.bootstrap import agree_to_start, detect_launch, open_transport, pick_device
     from htfl_dist.runtime.placement import check_world_size
+    from htfl_dist.runtime.startup import check_config
 
     args = parse_args(argv)
     if args.check:

@@ -296,3 +296,26 @@ def client_store(config: Config, factory: ClientFactory, client_ids: list[int], 
         for client_id in sorted(first_of_architecture.values()):
             store.peek(client_id)
     return store
+
+
+def check_config(config: Config, world_size: int | None = None) -> None:
+    """The checks every rank makes on its config before any communication, so a mistake is one
+    line from all of them at once (rank 0's is printed). With ``world_size`` (``--check``, run
+    before any rank starts; a study's validation of its cells) also the world size, and the
+    privacy plan each rank computes first thing at start-up (a budget no noise reaches). One
+    function, so a launch's check, a study's and a start's cannot drift apart."""
+    from htfl_dist.metrics.sinks import check_outputs_available
+    from htfl_dist.models import architecture_for_client
+    from htfl_dist.models.pretrained import files_in_use as pretrained_files
+    from htfl_dist.runtime.participation import client_devices
+    from htfl_dist.runtime.placement import check_world_size
+
+    architecture_for_client(config.model.group, 0)
+    check_outputs_available(config)
+    client_devices(config)  # participation.trace: read and checked before any rank talks
+    pretrained_files(config)  # model.pretrained: every architecture's file is there
+    if world_size is not None:
+        check_world_size(world_size, config.num_clients)
+        from htfl_dist.privacy.startup import privacy_plan
+
+        privacy_plan(config)

@@ -244,22 +244,14 @@ def validate(study: Study, ranks_per_cell: int = 1) -> Study:
     """Load every cell's config as ``python -m htfl_dist.main`` does (and make its start-up
     checks), filling in each cell's config hash and planned rounds; the first mistake is one line
     naming the cell."""
-    from htfl_dist.metrics.sinks import check_outputs_available
-    from htfl_dist.models import architecture_for_client
     from htfl_dist.resolution import resolved_config
-    from htfl_dist.runtime.placement import check_world_size
+    from htfl_dist.runtime.startup import check_config
 
     checked = []
     for cell in study.cells:
         try:
             config = resolved_config(str(cell.config_file), list(cell.overrides), cell.imports)
-            architecture_for_client(config.model.group, 0)
-            check_outputs_available(config)
-            check_world_size(ranks_per_cell, config.num_clients)
-            if config.privacy.enabled:  # a budget no noise reaches is refused before any cell runs
-                from htfl_dist.privacy.startup import privacy_plan
-
-                privacy_plan(config)
+            check_config(config, ranks_per_cell)
         except HtflError as exc:
             raise StudyError(f"cell {cell.name}: {exc}") from None
         checked.append(dataclasses.replace(cell, config_hash=config.config_hash(), rounds=config.rounds))

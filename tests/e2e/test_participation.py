@@ -137,3 +137,18 @@ def test_a_bad_trace_is_one_line_before_the_run_starts(tmp_path, cache_dir):
     assert lines == [f"htfl_dist: error: participation.trace {trace}: line 3: speed is -3; it must be a finite "
                      f"number > 0"], result.stderr
     assert not (out / "metrics.jsonl").exists()
+
+
+def test_a_study_checks_its_cells_as_a_start_does(tmp_path):
+    """A study validates each cell with the start's own checks: a cell whose trace is bad is one
+    line naming the cell before anything runs."""
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,speed,bandwidth_mbps\n0,1,8\n")  # the smoke config has 6 clients
+    study = tmp_path / "study.yaml"
+    study.write_text(f"base: {SMOKE}\nset: {{participation.clock: true, participation.profile: trace, "
+                     f"participation.trace: {trace}}}\ngrid: {{algorithm: [fedproto]}}\n")
+    from htfl_dist.study.plan import StudyError, expand, validate
+
+    with pytest.raises(StudyError, match=r"^cell fedproto(-seed0)?: participation\.trace .*"
+                                         r"no entry for client\(s\) \[1, 2, 3, 4, 5\]"):
+        validate(expand(study))
