@@ -76,6 +76,8 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
     if not view.get("privacy", {}).get("enabled", False):
         view.pop("privacy", None)  # off, the section changes nothing: runs without it keep their hash
+    if view.get("eval") == {"clients_fraction": 1.0}:
+        view.pop("eval")  # every client tested: runs made before sampled evaluation keep their hash
     if view.get("participation") == dataclasses.asdict(ParticipationConfig()):
         view.pop("participation")  # everyone aggregated, no clock: runs made before it keep their hash
     _legacy_partition_view(view.get("data", {}))

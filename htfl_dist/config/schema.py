@@ -308,6 +308,17 @@ HEARTBEAT_FLOOR_S = 3.0
 
 
 @dataclass
+class EvalConfig:
+    """Which clients an evaluation round tests. With thousands of clients, testing every one each
+    evaluated round costs more than the round's training; a seeded share keeps the rows cheap and
+    comparable, and the last round always tests everyone."""
+
+    clients_fraction: float = bounded(1.0, above=0, at_most=1)
+    """The share of the N clients tested on an evaluation round: int(N·f) of them (at least one),
+    drawn from (seed, round), every one on the run's last round."""
+
+
+@dataclass
 class OutputConfig:
     """What a run writes and prints besides metrics.jsonl and summary.json; never changes the maths."""
 
@@ -388,6 +399,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Sampled evaluation for large federations (``eval.clients_fraction``); all clients by default."""
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)

@@ -10,6 +10,7 @@ nothing of algorithms (they arrive as declared fields and payloads) or of metric
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -194,10 +195,11 @@ class Exchange:
         return kept
 
     def gather_reports(self, clients: dict[int, ClientReport], mine: RankReport, participants: list[int],
-                       evaluated: bool) -> RoundReports | None:
+                       tested: Collection[int]) -> RoundReports | None:
         """Each rank's report rows to rank 0, checked against what the rank can truthfully say
-        (only its hosted clients; training rows for its participants, evaluation rows on
-        evaluation rounds); a report that cannot be true ends the job naming its rank."""
+        (only its hosted clients; training rows for its participants, evaluation rows for the
+        clients ``tested`` this round, none on a round without evaluation); a report that cannot
+        be true ends the job naming its rank."""
         entries: dict[int, Payload] = {
             client_id: {"train": _rows(report.train, 2), "eval": _rows(report.evaluation, 3),
                         "rank": _rows(None, len(RankReport._fields)), "privacy": _rows(report.epsilon, 1)}
@@ -218,7 +220,8 @@ class Exchange:
                     raise ProtocolError("sent a report without its rank row")
                 check_rank_row(own["rank"][0].tolist())
                 trained = [cid for cid in participants if cid in hosted] if self.training_reported else []
-                check_rank_report(decoded, trained, hosted if evaluated else [], epsilon_budget=self.epsilon_budget)
+                check_rank_report(decoded, trained, [cid for cid in hosted if cid in tested],
+                                  epsilon_budget=self.epsilon_budget)
             except ProtocolError as exc:
                 raise ProtocolError(f"{self.placement.describe_rank(rank)} {exc}") from None
             rank_rows.append(RankReport(*own["rank"][0].tolist()))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,7 @@ from htfl_dist.runtime.exchange import (
 )
 from htfl_dist.runtime.liveness import Liveness, describe_plain, tell_supervisor
 from htfl_dist.runtime.participation import payload_bytes, rank0_participation
-from htfl_dist.runtime.placement import sample_participants
+from htfl_dist.runtime.placement import evaluated_clients, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.records import RoundOutcome, RoundRecords
 from htfl_dist.runtime.screening import LeftOut, screen_uploads
@@ -326,12 +326,15 @@ class Federation:
         return [self.client_algorithm.train(client, knowledge, round_index, generator)]
 
     @torch.no_grad()
-    def evaluate_clients(self, knowledge: Payload) -> dict[int, list[float]]:
-        """Every client of this rank on its test split, in eval mode, with ``knowledge``:
-        [correct by the algorithm's rule, correct by the head, samples] per client."""
+    def evaluate_clients(self, knowledge: Payload, tested: Collection[int] | None = None) -> dict[int, list[float]]:
+        """Every client of this rank (or those of them in ``tested``) on its test split, in eval
+        mode, with ``knowledge``: [correct by the algorithm's rule, correct by the head, samples]
+        per client."""
         rows = {}
         installs = self.entry.evaluation_installs_knowledge
         for client_id in self.clients:
+            if tested is not None and client_id not in tested:
+                continue
             # evaluation only reads a client unless the algorithm installs knowledge first
             client = self.clients[client_id] if installs else self.clients.peek(client_id)
             self.client_algorithm.prepare_evaluation(client, knowledge)
@@ -389,9 +392,14 @@ class Federation:
         clients now hold (None on other rounds: the next round sends it) and the counts."""
         if not outcome.evaluated:
             return None, {}
+        config = self.config
+        outcome.tested = evaluated_clients(config.seed, outcome.round_index, config.num_clients,
+                                           config.eval.clients_fraction, outcome.round_index + 1 == config.rounds)
+        if config.eval.clients_fraction < 1:
+            outcome.participation["tested_clients"] = len(outcome.tested)
         knowledge = self._broadcast_knowledge(outcome.traffic)
         began = time.perf_counter()
-        eval_rows = self.evaluate_clients(knowledge)
+        eval_rows = self.evaluate_clients(knowledge, outcome.tested)
         outcome.client_seconds += time.perf_counter() - began
         return knowledge, eval_rows
 
@@ -402,7 +410,7 @@ class Federation:
                                            self._epsilon_row(client_id))
                    for client_id in set(train_rows) | set(eval_rows)}
         mine = RankReport(outcome.client_seconds, float(theory_up), float(self.preemption.requested))
-        return self.exchange.gather_reports(clients, mine, outcome.participants, outcome.evaluated)
+        return self.exchange.gather_reports(clients, mine, outcome.participants, set(outcome.tested))
 
     def _epsilon_row(self, client_id: int) -> list[float] | None:
         """privacy.enabled: [ε the client has spent so far] for the report; None otherwise."""

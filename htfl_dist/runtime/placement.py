@@ -189,3 +189,13 @@ def sample_participants(seed: int, round_index: int, num_clients: int, join_rati
         return list(range(num_clients))
     chosen = numpy_rng(seed, "participants", round_index).choice(num_clients, size=count, replace=False)
     return sorted(int(c) for c in chosen)
+
+
+def evaluated_clients(seed: int, round_index: int, num_clients: int, fraction: float, last_round: bool) -> list[int]:
+    """The clients an evaluation round tests (``eval.clients_fraction``): all of them at fraction 1
+    and on the last round, else int(N·f) (at least one) drawn from the (seed, round) stream."""
+    count = max(1, int(num_clients * fraction))
+    if last_round or count >= num_clients:
+        return list(range(num_clients))
+    chosen = numpy_rng(seed, "evaluated", round_index).choice(num_clients, size=count, replace=False)
+    return sorted(int(c) for c in chosen)

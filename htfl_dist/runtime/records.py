@@ -42,6 +42,9 @@ class RoundOutcome:
     """Rank 0: clients whose uploads were left out this round (a bad message or upload)."""
     reports: RoundReports | None = None
     """Rank 0: every client's and rank's report rows; None on the other ranks."""
+    tested: list[int] = field(default_factory=list)
+    """The clients tested this round (all of them, or ``eval.clients_fraction`` of them; none on a
+    round without evaluation)."""
     download_bytes: int = 0
     """The bytes of the knowledge the participants trained with (its transfer, on the simulated clock)."""
     participation: dict[str, Any] = field(default_factory=dict)

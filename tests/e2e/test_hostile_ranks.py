@@ -97,9 +97,9 @@ from htfl_dist.runtime.loop import Federation
 honest = Federation.evaluate_clients
 
 
-def inflated(self, knowledge):
+def inflated(self, knowledge, tested=None):
     """Rank 1 claims more correct predictions than it has test samples."""
-    rows = honest(self, knowledge)
+    rows = honest(self, knowledge, tested)
     return {cid: [samples + 5.0, head, samples] for cid, (correct, head, samples) in rows.items()}
 
 

@@ -152,3 +152,20 @@ def test_a_study_checks_its_cells_as_a_start_does(tmp_path):
     with pytest.raises(StudyError, match=r"^cell fedproto(-seed0)?: participation\.trace .*"
                                          r"no entry for client\(s\) \[1, 2, 3, 4, 5\]"):
         validate(expand(study))
+
+
+@pytest.mark.integration
+def test_sampled_evaluation_tests_a_seeded_share_and_everyone_at_the_end(tmp_path, cache_dir):
+    """eval.clients_fraction=0.5 of 6 clients: 3 tested on rounds 1-2 (a draw per round), all 6 on
+    the last, where the row equals a run that tests everyone (training is untouched)."""
+    from htfl_dist.runtime.placement import evaluated_clients
+
+    overrides = [f"data.cache_dir={cache_dir}", "eval.clients_fraction=0.5"]
+    rows = simulate(SMOKE, overrides, out=tmp_path / "run")
+    assert [r["tested_clients"] for r in rows] == [3, 3, 6]
+    full = simulate(SMOKE, [f"data.cache_dir={cache_dir}"], out=tmp_path / "all")
+    assert rows[-1]["test_acc"] == full[-1]["test_acc"]  # training is untouched; the last round tests all
+    assert "tested_clients" not in full[0]
+    draws = [evaluated_clients(0, r, 6, 0.5, last_round=False) for r in range(2)]
+    assert all(len(d) == 3 for d in draws) and draws[0] != draws[1]
+    assert rows[0]["test_acc"] != full[0]["test_acc"]  # round 1 pooled over 3 clients' samples only

@@ -46,7 +46,8 @@ train mode would centre them on their mean 5 and turn 1, 2, 3 into class 0."""
 
 def _client(client_id: int) -> ClientState:
     """BatchNorm extractor, the identity up to 1/√(1 + eps) in eval mode (running statistics
-    0 and 1, kept by momentum 0); a zero head; lr 0, so nothing trains."""
+    0 and 1, kept by momentum 0); a zero head; an optimizer that holds none of the model's
+    parameters (the round loop sets the round's lr on it), so nothing trains."""
     extractor = nn.BatchNorm1d(2, momentum=0.0)
     head = nn.Linear(2, 2)
     nn.init.zeros_(head.weight)
@@ -54,7 +55,7 @@ def _client(client_id: int) -> ClientState:
     model = SplitModel(extractor, head, feature_dim=2)
     first, labels = TEST_SPLITS[client_id]
     test_x = torch.tensor([[value, (-1.0) ** index] for index, value in enumerate(first)])
-    return ClientState(client_id, "tiny", model, torch.optim.SGD(model.parameters(), lr=0.0),
+    return ClientState(client_id, "tiny", model, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0),
                        torch.tensor(TRAIN_X), torch.tensor(TRAIN_Y), test_x, torch.tensor(labels),
                        torch.device("cpu"))
 

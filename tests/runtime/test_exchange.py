@@ -45,10 +45,10 @@ def test_a_message_for_clients_its_rank_does_not_host_leaves_them_out_of_the_rou
 def test_a_report_of_more_epsilon_than_the_budget_is_refused():
     reports = {0: ClientReport(None, None, [4.5]), 1: ClientReport(None, None, [1.0])}
     mine = RankReport(1.0, 0.0, 0.0)
-    honest = _exchange(epsilon_budget=5.0).gather_reports(reports, mine, [0], evaluated=False)
+    honest = _exchange(epsilon_budget=5.0).gather_reports(reports, mine, [0], tested=())
     assert honest.clients[0]["privacy"].tolist() == [[4.5]] and honest.ranks == [mine]
     with pytest.raises(ProtocolError, match=r"client 0"):
-        _exchange(epsilon_budget=4.0).gather_reports(reports, mine, [0], evaluated=False)
+        _exchange(epsilon_budget=4.0).gather_reports(reports, mine, [0], tested=())
 
 
 def test_a_private_clients_training_row_is_refused_and_a_public_ones_required():
@@ -57,10 +57,10 @@ def test_a_private_clients_training_row_is_refused_and_a_public_ones_required():
     mine = RankReport(1.0, 0.0, 0.0)
     leaking = {0: ClientReport([30.68, 12.0], None, [1.0])}
     with pytest.raises(ProtocolError, match=r"^rank 0 .*reported training for clients \[0\] .* expected \[\]"):
-        _exchange(epsilon_budget=4.0).gather_reports(leaking, mine, [0], evaluated=False)
-    assert _exchange().gather_reports({0: ClientReport([30.68, 12.0], None, None)}, mine, [0], evaluated=False)
+        _exchange(epsilon_budget=4.0).gather_reports(leaking, mine, [0], tested=())
+    assert _exchange().gather_reports({0: ClientReport([30.68, 12.0], None, None)}, mine, [0], tested=())
     with pytest.raises(ProtocolError, match=r"expected \[0\]"):
-        _exchange().gather_reports({0: ClientReport(None, None, None)}, mine, [0], evaluated=False)
+        _exchange().gather_reports({0: ClientReport(None, None, None)}, mine, [0], tested=())
 
 
 NAN = {"class_ids": torch.tensor([0]), "protos": torch.full((1, 2), float("nan"))}
