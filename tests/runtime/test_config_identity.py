@@ -73,6 +73,7 @@ ADDED_ON_2026_11_25 = {
     "fmnist_htcnn8_fedl2g_pathological": "9b68e7d75d800a19",
     "fmnist_htcnn8_fedmrl_dirichlet": "354f5b8a9e353639",
     "fmnist_htcnn8_fedmrl_pathological": "a353d7c9d6faf77b",
+    "fmnist_htcnn8_fedorgp_dirichlet": "3126c2e85d1e8c7c",
 }
 
 PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25}
