@@ -9,9 +9,13 @@ peak RSS flat in N and the training round linear in the participants (ρ·N), no
     python bench/many_clients.py                                   # N = 100, 300, 1000; all vs 64 resident
     python bench/many_clients.py --clients 1000 --resident 64 --rounds 4
     python bench/many_clients.py --set data.partition=iid
+    python bench/many_clients.py --clients 10000 --resident 64 --join-ratio 0.01 --rounds 2 \
+        --set eval.clients_fraction=0.01 data.partition_rules=legacy data.min_samples_per_client=4
 
 The partition is PFLlib's pathological one (2 classes per client): Dirichlet 0.1 with 1000
-clients cannot meet PFLlib's minimum client size and would redraw without end.
+clients cannot meet PFLlib's minimum client size and would redraw without end. At 10,000 clients
+(7 FMNIST samples each) PFLlib's pathological rule leaves a client empty; the legacy rules with a
+floor of 4 samples give every client a training sample.
 """
 from __future__ import annotations
 
@@ -53,10 +57,11 @@ def one_run(argv: list[str]) -> None:
 
     began = time.perf_counter()
     try:
-        main(argv)
+        status = main(argv)
     finally:
         peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         print(f"BENCH peak_rss_kib={peak_kib} wall_s={time.perf_counter() - began:.2f}", flush=True)
+    sys.exit(status)  # a failed run is reported as one, with its line
 
 
 def measure(args: argparse.Namespace, clients: int, resident: int, out: Path, cache: Path) -> list[str]:
