@@ -20,10 +20,10 @@ from htfl_dist.config.participation_section import ParticipationConfig
 from htfl_dist.errors import shown
 
 PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload",
-                 "plugins")
-"""Not part of the experiment: plumbing, the run length (a resumed run may extend `rounds`, except
-under ``train.lr_schedule=cosine``, whose learning rates depend on it) and the
-plugin modules (they provide names; the names and options they resolve to are the experiment, so
+                 "plugins", "stop")
+"""Not part of the experiment: plumbing, the run length and when to stop early (a resumed run may
+extend `rounds`, except under ``train.lr_schedule=cosine``, whose learning rates depend on it) and
+the plugin modules (they provide names; the names and options they resolve to are the experiment, so
 moving a plugin to another module keeps a run's hash)."""
 DATA_LOCATION_KEYS = ("root", "cache_dir", "allow_changed")
 """Where the data lives: moving it (another node, a new cache) is the same run; and the consent to

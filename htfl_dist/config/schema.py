@@ -308,6 +308,21 @@ HEARTBEAT_FLOOR_S = 3.0
 
 
 @dataclass
+class StopConfig:
+    """Early stopping: end the run once ``metric`` has not improved by more than ``min_delta`` for
+    ``patience`` evaluated rounds (HtFLlib's -ab auto-break with -tc N is patience N, min_delta
+    0). Not part of the experiment: it decides when to stop, not what a round computes; the count
+    is derived from metrics.jsonl, so a resumed run keeps it."""
+
+    patience: int = bounded(0, at_least=0, note="0 = never stop early")
+    """Evaluated rounds without an improvement after which the run ends (0: it runs all ``rounds``)."""
+    min_delta: float = bounded(0.0, at_least=0)
+    """The smallest change that counts as an improvement."""
+    metric: Literal["test_acc", "test_acc_head", "train_loss"] = "test_acc"
+    """What must improve: accuracies upwards, the training loss downwards."""
+
+
+@dataclass
 class EvalConfig:
     """Which clients an evaluation round tests. With thousands of clients, testing every one each
     evaluated round costs more than the round's training; a seeded share keeps the rows cheap and
@@ -400,6 +415,8 @@ class Config:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    stop: StopConfig = field(default_factory=StopConfig)
+    """Early stopping (``stop.patience``); off by default."""
     """Sampled evaluation for large federations (``eval.clients_fraction``); all clients by default."""
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""

@@ -49,7 +49,7 @@ REPORT_SPEC = (
 )
 
 CONTROL_SPEC = (Field("stop", torch.int64),)  # rank 0's decision at each round boundary
-STOP, DIVERGING, GIVE_UP = 1, 2, 4
+STOP, DIVERGING, GIVE_UP, FINISHED = 1, 2, 4, 8
 """Bits of that decision: a rank saw SIGTERM; every participant's loss was not finite this round
 (no periodic checkpoint of such a state); ``train.max_diverged_rounds`` such rounds in a row."""
 
@@ -80,18 +80,20 @@ class RoundReports(NamedTuple):
 class StopDecision:
     """Rank 0's decision at each round boundary, as CONTROL_SPEC's bits: STOP when any rank saw
     SIGTERM; DIVERGING when every participant's loss was not finite this round; GIVE_UP after
-    ``max_diverged_rounds`` such rounds in a row (0: never)."""
+    ``max_diverged_rounds`` such rounds in a row (0: never); FINISHED when the run has converged
+    (``stop.patience``: the caller says so)."""
 
     def __init__(self, max_diverged_rounds: int) -> None:
         self.max_diverged_rounds = max_diverged_rounds
         self.diverged_rounds = 0
 
-    def decide(self, reports: RoundReports) -> int:
+    def decide(self, reports: RoundReports, converged: bool = False) -> int:
         self.diverged_rounds = self.diverged_rounds + 1 if every_loss_diverged(reports.clients) else 0
         limit = self.max_diverged_rounds
         return ((STOP if any(r.stop_requested for r in reports.ranks) else 0)
                 | (DIVERGING if self.diverged_rounds else 0)
-                | (GIVE_UP if limit and self.diverged_rounds >= limit else 0))
+                | (GIVE_UP if limit and self.diverged_rounds >= limit else 0)
+                | (FINISHED if converged else 0))
 
 
 class ClientReport(NamedTuple):

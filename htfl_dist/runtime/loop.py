@@ -51,6 +51,7 @@ from htfl_dist.privacy.startup import (
 from htfl_dist.runtime import checkpoint
 from htfl_dist.runtime.exchange import (
     DIVERGING,
+    FINISHED,
     GIVE_UP,
     STOP,
     ClientReport,
@@ -64,7 +65,7 @@ from htfl_dist.runtime.liveness import Liveness, describe_plain, tell_supervisor
 from htfl_dist.runtime.participation import payload_bytes, rank0_participation
 from htfl_dist.runtime.placement import evaluated_clients, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
-from htfl_dist.runtime.records import RoundOutcome, RoundRecords
+from htfl_dist.runtime.records import RoundOutcome, RoundRecords, early_stop_due
 from htfl_dist.runtime.screening import LeftOut, screen_uploads
 from htfl_dist.runtime.startup import (
     ClientFactory,
@@ -227,11 +228,13 @@ class Federation:
             round_seconds.append(time.perf_counter() - began)
             if self.is_server:
                 self._rank0_records.record(outcome, round_seconds)
-            stop = self._close_round(outcome)
+            decision = self._close_round(outcome)
             self.watchdog.disarm()
-            if stop:
+            if decision & STOP:
                 self.preempted_after = round_index + 1
                 return None
+            if decision & FINISHED:
+                break
         if not self.is_server:
             return None
         facts = {"world_size": self.world_size, "transport": self.transport.name, "device": str(self.device)}
@@ -420,21 +423,37 @@ class Federation:
         assert epsilon is not None, "a private run gives every client a ledger"
         return [epsilon]
 
-    def _close_round(self, outcome: RoundOutcome) -> bool:
-        """Every rank: agree whether to stop (a SIGTERM anywhere) and checkpoint when stopping or
-        when one is due, inside the round's deadline (a stuck save must not hang MPI)."""
+    def _close_round(self, outcome: RoundOutcome) -> int:
+        """Every rank: agree whether to stop (a SIGTERM anywhere, or ``stop.patience`` reached) and
+        checkpoint when preempted or when one is due, inside the round's deadline (a stuck save
+        must not hang MPI). Returns the decision's bits."""
         verdict = None
         if self.is_server:
             assert outcome.reports is not None, "rank 0 gathers the reports"
-            verdict = self.stop_decision.decide(outcome.reports)
+            verdict = self.stop_decision.decide(outcome.reports, converged=self._converged(outcome))
         decision = self.exchange.agree(verdict)
         completed = outcome.round_index + 1
         if decision & GIVE_UP:
             raise _diverged(self.config, completed, self.run_context.out_dir)
-        stop, every = bool(decision & STOP), self.config.checkpoint_every
-        if stop or (every and completed % every == 0 and not decision & DIVERGING):
+        every = self.config.checkpoint_every
+        if decision & STOP or (every and completed % every == 0 and not decision & DIVERGING):
             self._save_checkpoint(completed)
-        return stop
+        return decision
+
+    def _converged(self, outcome: RoundOutcome) -> bool:
+        """Rank 0, on an evaluated round: whether ``stop.patience`` ends the run here (said, and
+        recorded in summary.json)."""
+        stop = self.config.stop
+        if not stop.patience or not outcome.evaluated:
+            return False
+        due = early_stop_due(self._rank0_records.metrics.rows, stop.metric, stop.patience, stop.min_delta)
+        if due is None:
+            return False
+        self.run_context.extra_summary["stopped_early"] = due
+        progress(f"early stop after round {due['after_round']}: {stop.metric} has not improved on "
+                 f"{due['best']:.4f} (round {due['best_round']}) for {stop.patience} evaluated rounds "
+                 f"(stop.patience)")
+        return True
 
     # ------------------------------------------------------------------ checkpoints
 

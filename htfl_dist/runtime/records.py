@@ -83,6 +83,26 @@ def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, sk
     return row
 
 
+def early_stop_due(rows: list[dict[str, Any]], metric: str, patience: int, min_delta: float) -> dict[str, Any] | None:
+    """Whether ``metric`` has gone ``patience`` evaluated rows without improving on its best by more
+    than ``min_delta`` (accuracies upwards, the training loss downwards); what to record if so.
+    Read from the rows alone, so a resumed run, which reloads them, keeps the count."""
+    sign = -1.0 if metric == "train_loss" else 1.0
+    best_value, best_round, since = None, None, 0
+    for row in rows:
+        value = row.get(metric)
+        if not isinstance(value, (int, float)) or value != value:  # absent, null (withheld) or NaN
+            continue
+        if best_value is None or sign * (value - best_value) > min_delta:
+            best_value, best_round, since = value, row["round"], 0
+        else:
+            since += 1
+    if not patience or best_value is None or since < patience:
+        return None
+    return {"after_round": rows[-1]["round"], "metric": metric, "best": best_value, "best_round": best_round,
+            "patience": patience, "min_delta": min_delta}
+
+
 class RoundRecords:
     """Rank 0's metrics log, sinks, progress line and summary for one run directory."""
 
