@@ -92,6 +92,8 @@ class HtfllibH5Sink:
             "rs_test_acc": np.array([row["test_acc"] for row in rows], dtype=np.float64),
             "rs_train_loss": np.array([np.nan if row.get("train_loss") is None else row["train_loss"]
                                        for row in rows], dtype=np.float64),
+            "rs_test_auc": np.array([np.nan if row.get("test_auc") is None else row["test_auc"]
+                                     for row in rows], dtype=np.float64),
         }
         with replaced_atomically(self.path) as tmp, h5py.File(tmp, "w") as handle:
             for name, values in arrays.items():

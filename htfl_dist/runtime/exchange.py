@@ -43,7 +43,7 @@ class RankReport(NamedTuple):
 
 REPORT_SPEC = (
     Field("train", torch.float64, (2,), max_rows=1),  # [loss_sum, samples]
-    Field("eval", torch.float64, (3,), max_rows=1),  # [correct (algorithm's rule), correct (head), samples]
+    Field("eval", torch.float64, (4,), max_rows=1),  # [correct (algorithm's rule), correct (head), samples, AUC]
     Field("rank", torch.float64, (len(RankReport._fields),), max_rows=1),  # rank entry only
     Field("privacy", torch.float64, (1,), max_rows=1),  # [ε spent so far]; privacy.enabled only
 )
@@ -100,7 +100,7 @@ class ClientReport(NamedTuple):
     """One client's report rows; None where the client has nothing of that kind this round."""
 
     train: list[float] | None  # [loss_sum, samples]
-    evaluation: list[float] | None  # [correct, correct by the head, samples]
+    evaluation: list[float] | None  # [correct, correct by the head, samples, AUC (NaN: undefined)]
     epsilon: list[float] | None  # [ε spent so far], privacy.enabled only
 
 
@@ -203,10 +203,10 @@ class Exchange:
         clients ``tested`` this round, none on a round without evaluation); a report that cannot
         be true ends the job naming its rank."""
         entries: dict[int, Payload] = {
-            client_id: {"train": _rows(report.train, 2), "eval": _rows(report.evaluation, 3),
+            client_id: {"train": _rows(report.train, 2), "eval": _rows(report.evaluation, 4),
                         "rank": _rows(None, len(RankReport._fields)), "privacy": _rows(report.epsilon, 1)}
             for client_id, report in sorted(clients.items())}
-        entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 3),
+        entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 4),
                                "rank": _rows(list(mine), len(mine)), "privacy": _rows(None, 1)}
         gathered = self.transport.gather(encode(REPORT_SPEC, entries), message_bounds(
             self.transport, REPORT_SPEC, lambda rank: len(self.placement.clients_of(rank)) + 1))

@@ -14,6 +14,7 @@ Per round t (0-based; metrics call it round t+1):
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -36,6 +37,7 @@ from htfl_dist.algorithms.optimizers import begin_local_training
 from htfl_dist.config import Config
 from htfl_dist.errors import HtflError, TrainingDiverged
 from htfl_dist.generators import generator_latent_dim
+from htfl_dist.metrics.auc import micro_auc
 from htfl_dist.metrics.generated import GeneratedImageGrids
 from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_payloads
 from htfl_dist.metrics.writer import TrainingProgress, progress
@@ -343,14 +345,26 @@ class Federation:
             self.client_algorithm.prepare_evaluation(client, knowledge)
             client.model.eval()
             correct = correct_head = 0
+            scores = []
             for start in range(0, client.test_y.shape[0], 1000):
                 x, y = client.test_x[start : start + 1000], client.test_y[start : start + 1000]
                 features, logits = client.model.forward_with_features(x)
                 predicted = self.client_algorithm.predict(client, knowledge, features, logits, x)
                 correct += int((predicted == y).sum())
                 correct_head += int((self.client_algorithm.head_predict(client, logits) == y).sum())
-            rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0])]
+                scores.append(logits)
+            rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0]),
+                               self._head_auc(scores, client.test_y)]
         return rows
+
+    def _head_auc(self, scores: list, labels: torch.Tensor) -> float:
+        """HtFLlib's AUC of a client's test split from its head's raw outputs (NaN where the head's
+        outputs are not one score per class, or the split has a single class)."""
+        num_classes = self.context.num_classes
+        if not scores or not all(isinstance(s, torch.Tensor) and s.dim() == 2 and s.shape[1] == num_classes
+                                 for s in scores):
+            return math.nan
+        return micro_auc(torch.cat(scores).cpu(), labels.cpu(), num_classes)
 
     def _server_step(self, outcome: RoundOutcome, gathered: dict[int, Payload], left_out: LeftOut) -> None:
         """Rank 0: screen the uploads, say in one line who the round left out (``left_out`` holds

@@ -8,6 +8,7 @@ round without evaluation does not lose who it skipped. Nothing here talks to oth
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,22 @@ class RoundOutcome:
     """Rank 0, with ``participation.*`` in use: who was lost, late or aggregated, the simulated times."""
 
 
+def worst_share_mean(per_client: np.ndarray, share: float) -> float:
+    """The mean accuracy of the worst ``share`` of the clients (at least one): how the clients the
+    federation serves worst fare, which a pooled mean hides."""
+    count = max(1, math.ceil(share * per_client.size))
+    return float(np.sort(per_client)[:count].mean())
+
+
+def pooled_auc(aucs: np.ndarray, samples: np.ndarray) -> float | None:
+    """HtFLlib's run AUC: each client's weighted by its test samples, over the clients whose AUC
+    is defined (None when none is)."""
+    defined = ~np.isnan(aucs)
+    if not defined.any():
+        return None
+    return float((aucs[defined] * samples[defined]).sum() / samples[defined].sum())
+
+
 def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, skipped: list[int]) -> dict[str, Any]:
     """The row of an evaluation round: pooled accuracy (Σ correct / Σ samples over every client),
     the std of the per-client accuracies, the training loss over the participants, bytes, times,
@@ -66,6 +83,8 @@ def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, sk
         "test_acc": float(evals[:, 0].sum() / samples),
         "test_acc_head": float(evals[:, 1].sum() / samples),
         "test_acc_std": float(per_client.std()),
+        "test_acc_worst10": worst_share_mean(per_client, 0.1),
+        "test_auc": pooled_auc(evals[:, 3], evals[:, 2]),
         "train_loss": float(trains[:, 0].sum() / max(trains[:, 1].sum(), 1)) if len(trains) else None,
         "bytes_up": traffic.up,
         "bytes_down": traffic.down,

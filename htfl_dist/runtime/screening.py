@@ -156,11 +156,11 @@ def check_rank_report(entries: dict[int, Payload], train_ids: list[int], eval_id
             if not _is_count(samples):
                 raise ProtocolError(f"reported an impossible training row for client {cid}: {row.tolist()}")
         for row in entry["eval"]:
-            correct, correct_head, samples = row.tolist()
+            correct, correct_head, samples, auc = row.tolist()
             if not (_is_count(samples) and _is_count(correct) and _is_count(correct_head)
-                    and correct <= samples and correct_head <= samples):
+                    and correct <= samples and correct_head <= samples and (math.isnan(auc) or 0 <= auc <= 1)):
                 raise ProtocolError(f"reported an impossible evaluation row for client {cid}: {row.tolist()} "
-                                    f"(correct, correct by the head, samples)")
+                                    f"(correct, correct by the head, samples, AUC)")
         for row in entry.get("privacy", ()):
             _check_epsilon(cid, float(row[0]), epsilon_budget)
 

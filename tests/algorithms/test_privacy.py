@@ -538,7 +538,7 @@ def test_a_ranks_epsilon_rows_are_screened(epsilon, budget, message):
     from htfl_dist.errors import ProtocolError
     from htfl_dist.runtime.screening import check_rank_report
 
-    entry = {"train": torch.tensor([[1.0, 10.0]], dtype=torch.float64), "eval": torch.zeros(0, 3),
+    entry = {"train": torch.tensor([[1.0, 10.0]], dtype=torch.float64), "eval": torch.zeros(0, 4),
              "privacy": torch.tensor([[epsilon]], dtype=torch.float64)}
     if message is None:
         check_rank_report({5: entry}, [5], [], epsilon_budget=budget)

@@ -147,7 +147,7 @@ def test_a_private_clients_rank_reports_no_training_loss_or_count(played):
 
 def test_rank0_refuses_a_training_row_for_a_private_client():
     """A rank that sends a private client's training row anyway is refused, naming the client."""
-    entry = {"train": torch.tensor([[30.68, 12.0]], dtype=torch.float64), "eval": torch.zeros(0, 3),
+    entry = {"train": torch.tensor([[30.68, 12.0]], dtype=torch.float64), "eval": torch.zeros(0, 4),
              "privacy": torch.tensor([[1.0]], dtype=torch.float64)}
     with pytest.raises(ProtocolError, match=re.escape("reported training for clients [5] and evaluation for [], "
                                                       "expected [] and []")):

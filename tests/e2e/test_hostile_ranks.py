@@ -100,7 +100,7 @@ honest = Federation.evaluate_clients
 def inflated(self, knowledge, tested=None):
     """Rank 1 claims more correct predictions than it has test samples."""
     rows = honest(self, knowledge, tested)
-    return {cid: [samples + 5.0, head, samples] for cid, (correct, head, samples) in rows.items()}
+    return {cid: [samples + 5.0, head, samples, auc] for cid, (correct, head, samples, auc) in rows.items()}
 
 
 if os.environ.get("RANK") == "1":
@@ -127,16 +127,18 @@ def test_rank_zero_refuses_an_impossible_report_from_a_real_rank(tmp_path, cache
 
 
 @pytest.mark.parametrize("entries,train_ids,eval_ids,message", [
-    ({0: {"train": [[1.0, 10.0]], "eval": [[3.0, 2.0, 5.0]]}}, [0], [0], None),
-    ({0: {"train": [], "eval": [[5.0, 5.0, 5.0]]}}, [], [0], None),  # every test sample right, by both
+    ({0: {"train": [[1.0, 10.0]], "eval": [[3.0, 2.0, 5.0, 0.75]]}}, [0], [0], None),
+    ({0: {"train": [], "eval": [[5.0, 5.0, 5.0, 1.0]]}}, [], [0], None),  # every test sample right, by both
+    ({0: {"train": [], "eval": [[5.0, 5.0, 5.0, float("nan")]]}}, [], [0], None),  # one class: no AUC
     ({0: {"train": [[float("nan"), 10.0]], "eval": []}}, [0], [], None),  # diverged training is real
     ({0: {"train": [[1.0, 10.5]], "eval": []}}, [0], [], "impossible training row"),
-    ({0: {"train": [], "eval": [[6.0, 2.0, 5.0]]}}, [], [0], "impossible evaluation row"),
-    ({0: {"train": [], "eval": [[3.0, -1.0, 5.0]]}}, [], [0], "impossible evaluation row"),
-    ({0: {"train": [], "eval": [[3.0, 2.0, float("inf")]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [], "eval": [[6.0, 2.0, 5.0, 0.5]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [], "eval": [[3.0, -1.0, 5.0, 0.5]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [], "eval": [[3.0, 2.0, float("inf"), 0.5]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [], "eval": [[3.0, 2.0, 5.0, 1.5]]}}, [], [0], "impossible evaluation row"),  # AUC > 1
     ({0: {"train": [[1.0, 10.0]], "eval": []}}, [0, 2], [], "expected \\[0, 2\\]"),
     ({7: {"train": [[1.0, 10.0]], "eval": []}}, [0], [], "training for clients \\[7\\]"),
-    ({0: {"train": [], "eval": [[3.0, 2.0, 5.0]]}}, [], [], "evaluation for \\[0\\]"),
+    ({0: {"train": [], "eval": [[3.0, 2.0, 5.0, 0.5]]}}, [], [], "evaluation for \\[0\\]"),
 ])
 def test_report_rows_are_checked(entries, train_ids, eval_ids, message):
     import torch

@@ -92,10 +92,11 @@ def test_htfllib_h5_matches_the_metrics(two_rounds_then_resume):
     out, _, _ = two_rounds_then_resume
     rows = read_metrics(out)
     with h5py.File(out / "fmnist_fedproto_test_0.h5", "r") as handle:
-        assert set(handle) == {"rs_round", "rs_test_acc", "rs_train_loss"}
+        assert set(handle) == {"rs_round", "rs_test_acc", "rs_train_loss", "rs_test_auc"}
         np.testing.assert_array_equal(handle["rs_round"][()], [1, 2, 3])
         np.testing.assert_allclose(handle["rs_test_acc"][()], [row["test_acc"] for row in rows])
         np.testing.assert_allclose(handle["rs_train_loss"][()], [row["train_loss"] for row in rows])
+        np.testing.assert_allclose(handle["rs_test_auc"][()], [row["test_auc"] for row in rows])
     assert not list(out.glob(".*.tmp"))  # the atomic rewrite leaves no temp file behind
 
 

@@ -26,13 +26,13 @@ def _client(train: list[float] | None, evaluation: list[float] | None) -> dict[s
     def rows(values, width):
         return torch.tensor([values], dtype=torch.float64) if values else torch.empty(0, width, dtype=torch.float64)
 
-    return {"train": rows(train, 2), "eval": rows(evaluation, 3), "privacy": rows(None, 1)}
+    return {"train": rows(train, 2), "eval": rows(evaluation, 4), "privacy": rows(None, 1)}
 
 
 def _outcome(round_index: int, evaluated: bool, skipped: list[int], losses=(2.0, 6.0)) -> RoundOutcome:
     """Two clients: client 0 trained on 10 samples (loss sum losses[0]) and got 3 of 4 test
     samples right (1 by the head); client 1 trained on 30 (loss sum losses[1]), 1 of 6 right."""
-    evaluation = ([3.0, 1.0, 4.0], [1.0, 5.0, 6.0]) if evaluated else (None, None)
+    evaluation = ([3.0, 1.0, 4.0, 0.75], [1.0, 5.0, 6.0, float("nan")]) if evaluated else (None, None)
     reports = RoundReports({0: _client([losses[0], 10.0], evaluation[0]), 1: _client([losses[1], 30.0], evaluation[1])},
                            [RankReport(0.5, 100.0, 0.0), RankReport(2.0, 300.0, 0.0), RankReport(1.0, 0.0, 0.0)])
     return RoundOutcome(round_index, [0, 1], evaluated, traffic=RoundTraffic(up=40, down=60), server_seconds=0.25,
@@ -59,6 +59,8 @@ def test_a_row_pools_accuracy_and_reports_the_skips_of_rounds_without_a_row(reco
     assert row["test_acc_head"] == 6 / 10
     assert row["test_acc_std"] == pytest.approx(math.sqrt(((3 / 4 - 11 / 24) ** 2 + (1 / 6 - 11 / 24) ** 2) / 2))
     assert row["train_loss"] == (2.0 + 6.0) / 40
+    assert row["test_acc_worst10"] == 1 / 6  # the worst 10 % of 2 clients: one, client 1
+    assert row["test_auc"] == 0.75  # client 1's AUC is undefined: client 0's alone, weighted by its samples
     assert row["skipped_clients"] == [4, 5, 2]  # round 1's skip is not lost for want of a row
     assert row["bytes_setup_up"] == 7
     assert row["bytes_theory_up"] == 400  # the ranks' own counts, summed
