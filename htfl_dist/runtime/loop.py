@@ -67,7 +67,7 @@ from htfl_dist.runtime.liveness import Liveness, describe_plain, tell_supervisor
 from htfl_dist.runtime.participation import payload_bytes, rank0_participation
 from htfl_dist.runtime.placement import evaluated_clients, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
-from htfl_dist.runtime.records import RoundOutcome, RoundRecords, early_stop_due
+from htfl_dist.runtime.records import PER_CLIENT_FILE, RoundOutcome, RoundRecords, early_stop_due
 from htfl_dist.runtime.screening import LeftOut, screen_uploads
 from htfl_dist.runtime.startup import (
     ClientFactory,
@@ -491,6 +491,7 @@ class Federation:
                 if source is not None:
                     progress(f"resume: no complete checkpoint in {source}; starting from round 1")
                 metrics.load_existing(0)  # rows of a run that died before its first checkpoint
+                self._rank0_records.per_client.load_existing(0)
             return 0
         completed, changed = checkpoint.load(directory, self.config, clients=self.clients, server=self.server,
                                              device=self.device, data_identity=self.partition.identity,
@@ -507,5 +508,6 @@ class Federation:
         if metrics is not None:
             metrics.load_existing(completed, source=directory.parent.parent / "metrics.jsonl",
                                   required_rounds=checkpoint.metric_rounds(directory, self.config.eval_every))
+            self._rank0_records.per_client.load_existing(completed, source=directory.parent.parent / PER_CLIENT_FILE)
             progress(f"resume: continuing after round {completed} from {directory}")
         return completed

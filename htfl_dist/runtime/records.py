@@ -68,6 +68,24 @@ def pooled_auc(aucs: np.ndarray, samples: np.ndarray) -> float | None:
     return float((aucs[defined] * samples[defined]).sum() / samples[defined].sum())
 
 
+PER_CLIENT_FILE = "per_client.jsonl"
+"""One row per evaluated round with every tested client's own figures, beside metrics.jsonl's
+pooled ones (a mean hides the clients a federation serves badly)."""
+
+
+def per_client_row(outcome: RoundOutcome) -> dict[str, Any]:
+    """The tested clients in id order with their accuracy, head accuracy, test samples and AUC
+    (null where undefined)."""
+    assert outcome.reports is not None, "rank 0's outcome"
+    tested = {cid: r["eval"][0].tolist() for cid, r in outcome.reports.clients.items() if r["eval"].shape[0]}
+    ids = sorted(tested)
+    return {"round": outcome.round_index + 1, "clients": ids,
+            "test_acc": [tested[c][0] / max(tested[c][2], 1) for c in ids],
+            "test_acc_head": [tested[c][1] / max(tested[c][2], 1) for c in ids],
+            "test_samples": [int(tested[c][2]) for c in ids],
+            "test_auc": [None if math.isnan(tested[c][3]) else tested[c][3] for c in ids]}
+
+
 def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, skipped: list[int]) -> dict[str, Any]:
     """The row of an evaluation round: pooled accuracy (Σ correct / Σ samples over every client),
     the std of the per-client accuracies, the training loss over the participants, bytes, times,
@@ -130,6 +148,7 @@ class RoundRecords:
         self.out_dir = out_dir
         self.world_size = world_size
         self.metrics = MetricsLog(out_dir / "metrics.jsonl")
+        self.per_client = MetricsLog(out_dir / PER_CLIENT_FILE)
         self.sinks: list[MetricsSink] = []
         self._skipped_since_row: list[int] = []
         self._setup_bytes_up = 0
@@ -164,6 +183,7 @@ class RoundRecords:
             if self._setup_bytes_up:
                 row["bytes_setup_up"], self._setup_bytes_up = self._setup_bytes_up, 0
             self.metrics.append(row)
+            self.per_client.append(per_client_row(outcome))
             for sink in self.sinks:
                 sink.write(self.metrics.rows)
             self._skipped_since_row = []

@@ -3,6 +3,8 @@ a deadline on the simulated clock and random participation; the clock's rows; th
 on any world size and after a resume; nothing of it when the section is left at its defaults."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from conftest import SMOKE, maths_only, read_metrics, run_program, run_smoke
@@ -109,6 +111,12 @@ def test_resume_continues_the_same_clock(tmp_path, cache_dir):
     resumed = read_metrics(out)
     assert [r["sim_clock_s"] for r in resumed] == [r["sim_clock_s"] for r in whole]
     assert maths_only(resumed) == maths_only(whole)
+    def per_client_rows(run):
+        return [json.loads(line) for line in (run / "per_client.jsonl").read_text().splitlines()]
+
+    per_client = per_client_rows(out)
+    assert per_client == per_client_rows(tmp_path / "whole")
+    assert [r["round"] for r in per_client] == [1, 2, 3, 4]  # the resumed run kept rounds 1-2 once
 
 
 @pytest.mark.launch

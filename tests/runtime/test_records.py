@@ -19,7 +19,7 @@ from htfl_dist.runtime.exchange import (
     RoundTraffic,
     StopDecision,
 )
-from htfl_dist.runtime.records import RoundOutcome, RoundRecords
+from htfl_dist.runtime.records import RoundOutcome, RoundRecords, per_client_row
 
 
 def _client(train: list[float] | None, evaluation: list[float] | None) -> dict[str, torch.Tensor]:
@@ -97,3 +97,9 @@ def test_the_stop_decision_counts_diverged_rounds_in_a_row():
     stopping = RoundReports(half.clients, [RankReport(0.0, 0.0, 0.0), RankReport(0.0, 0.0, 1.0)])
     assert decide(stopping) == STOP
     assert StopDecision(0).decide(nan) == DIVERGING  # 0: never give up
+
+
+def test_per_client_row_holds_every_tested_clients_own_figures():
+    row = per_client_row(_outcome(1, evaluated=True, skipped=[]))
+    assert row == {"round": 2, "clients": [0, 1], "test_acc": [3 / 4, 1 / 6], "test_acc_head": [1 / 4, 5 / 6],
+                   "test_samples": [4, 6], "test_auc": [0.75, None]}
