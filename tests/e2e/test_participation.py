@@ -120,11 +120,13 @@ def test_resume_continues_the_same_clock(tmp_path, cache_dir):
 
 
 @pytest.mark.launch
-def test_one_process_and_three_ranks_agree(tmp_path, cache_dir):
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun"])
+def test_one_process_and_three_ranks_agree(tmp_path, cache_dir, launcher):
     overrides = [*_deadline_overrides(_trace(tmp_path), cache_dir)[1:], "participation.drop_rate=0.25",
-                 "participation.random_join=true", "join_ratio=0.5", "participation.send_slow_rate=0.5"]
+                 "participation.random_join=true", "join_ratio=0.5", "participation.send_slow_rate=0.5",
+                 "eval.clients_fraction=0.5", "stop.patience=2"]
     single = run_smoke("single", 1, tmp_path / "one", cache_dir, *overrides)
-    spread = run_smoke("torchrun", 3, tmp_path / "three", cache_dir, *overrides)
+    spread = run_smoke(launcher, 3, tmp_path / "three", cache_dir, *overrides)
     assert maths_only(spread) == maths_only(single)
     assert [r["sim_clock_s"] for r in spread] == [r["sim_clock_s"] for r in single]
 
