@@ -152,7 +152,10 @@ class Suite:
         with log.open("w") as handle, GpuSampler(self.out / "logs" / f"{name}.gpu.csv") as sampler:
             handle.write(f"$ {' '.join(command)}\n")
             handle.flush()
-            process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT, cwd=cwd,
+            # through the study's cell leader: a suite that is killed takes its command along
+            # (the parent-death signal), though the command runs in a session of its own
+            leader = [self.python, "-I", str(REPO / "htfl_dist" / "study" / "leader.py"), str(os.getpid())]
+            process = subprocess.Popen([*leader, *command], stdout=handle, stderr=subprocess.STDOUT, cwd=cwd,
                                        env={**os.environ, **(env or {})}, start_new_session=True)
             try:
                 rc = process.wait(timeout=timeout)
