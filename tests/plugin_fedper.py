@@ -6,29 +6,11 @@ tests/algorithms/test_conformance_kit.py imports it into a scratch copy of the r
 ``htfl_dist.testing`` on it, and its launched ranks import it with ``--import plugin_fedper``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from fedper_parts import FedPerClient, FedPerOptions, FedPerServer
 
 from htfl_dist.algorithms import register_algorithm
-from htfl_dist.algorithms.blocks.model_part import FEATURE_EXTRACTOR, Average, PartAveragingServer, PartSharingClient
 from htfl_dist.algorithms.registry import ConformanceHints
 
-
-@dataclass
-class PluginFedPerOptions:
-    avg: Average = "sample_weighted"
-    """Server mean of the uploaded extractors: n_i / Σn (FedAvg) | uniform."""
-
-
-class PluginFedPerClient(PartSharingClient):
-    part = FEATURE_EXTRACTOR
-    algorithm_name = "FedPer"
-
-
-class PluginFedPerServer(PartAveragingServer):
-    part = FEATURE_EXTRACTOR
-    average_option = "avg"
-
-
-register_algorithm("plugin_fedper", server=PluginFedPerServer, client=PluginFedPerClient, options=PluginFedPerOptions,
+register_algorithm("plugin_fedper", server=FedPerServer, client=FedPerClient, options=FedPerOptions,
                    summary="FedAvg over the feature extractor, local heads (a plugin)", shares_parameters=True,
                    conformance=ConformanceHints(overrides=("model.group=cnn",)))  # identical extractors

@@ -274,7 +274,8 @@ class Federation:
             evaluated=(round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds)
         if knowledge is None:
             knowledge = self._broadcast_knowledge(outcome.traffic)
-        outcome.download_bytes = payload_bytes(knowledge)
+        if self.participation is not None:  # what the simulated link carries down
+            outcome.download_bytes = payload_bytes(knowledge)
         if self.is_server:
             outcome.traffic.theory_down = self._rank0_server.theory_download_floats() * 4 * len(outcome.participants)
         began = time.perf_counter()
@@ -416,7 +417,7 @@ class Federation:
             outcome.participation["tested_clients"] = len(outcome.tested)
         knowledge = self._broadcast_knowledge(outcome.traffic)
         began = time.perf_counter()
-        eval_rows = self.evaluate_clients(knowledge, outcome.tested)
+        eval_rows = self.evaluate_clients(knowledge, set(outcome.tested))
         outcome.client_seconds += time.perf_counter() - began
         return knowledge, eval_rows
 

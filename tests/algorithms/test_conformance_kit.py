@@ -24,29 +24,29 @@ PLUGIN = "plugin_fedper"
 def _register_broken_variants(plugin) -> None:
     """Variants of the plugin's algorithm that break one contract each."""
 
-    class Miscounts(plugin.PluginFedPerClient):
+    class Miscounts(plugin.FedPerClient):
         def theory_upload_floats(self, client):
             return super().theory_upload_floats(client) + 1
 
-    class Unbounded(plugin.PluginFedPerClient):
+    class Unbounded(plugin.FedPerClient):
         @classmethod
         def upload_fields(cls, context):
             return tuple(dataclasses.replace(field, max_rows=None) for field in super().upload_fields(context))
 
-    class Forgetful(plugin.PluginFedPerServer):
+    class Forgetful(plugin.FedPerServer):
         def load_state_dict(self, state):
             pass
 
-    class Amnesiac(plugin.PluginFedPerServer):
+    class Amnesiac(plugin.FedPerServer):
         def update(self, uploads, round_index, generator):
             if not uploads:
                 self.set_row(torch.zeros_like(self.row))
                 return {}
             return super().update(uploads, round_index, generator)
 
-    def register(name, client=plugin.PluginFedPerClient, server=plugin.PluginFedPerServer, shares_parameters=True,
+    def register(name, client=plugin.FedPerClient, server=plugin.FedPerServer, shares_parameters=True,
                  hints=None):
-        register_algorithm(name, server=server, client=client, options=plugin.PluginFedPerOptions, summary="broken",
+        register_algorithm(name, server=server, client=client, options=plugin.FedPerOptions, summary="broken",
                            shares_parameters=shares_parameters,
                            conformance=hints or ConformanceHints(overrides=("model.group=cnn",)))
 

@@ -3,10 +3,9 @@ average worked by hand, and a FedPer-style method (FedAvg over the feature extra
 the block in a few lines and played through the real round loop in this process."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+from fedper_parts import FedPerClient, FedPerOptions, FedPerServer
 
 from conftest import SMOKE
 from htfl_dist.algorithms import AlgorithmContext, register_algorithm, registry
@@ -14,28 +13,10 @@ from htfl_dist.algorithms.blocks.model_part import (
     FEATURE_EXTRACTOR,
     HEAD,
     WHOLE_MODEL,
-    Average,
-    PartAveragingServer,
-    PartSharingClient,
 )
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.runtime.simulate import simulate
-
-
-@dataclass
-class FedPerOptions:
-    avg: Average = "sample_weighted"
-
-
-class FedPerClient(PartSharingClient):
-    part = FEATURE_EXTRACTOR
-    algorithm_name = "FedPer"
-
-
-class FedPerServer(PartAveragingServer):
-    part = FEATURE_EXTRACTOR
-    average_option = "avg"
 
 
 @pytest.fixture
