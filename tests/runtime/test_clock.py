@@ -45,6 +45,8 @@ def test_htfllib_slow_clients_are_drawn_with_replacement():
     slow = htfllib_slow_clients(0, 10, 0.5, "train")
     assert 1 <= len(slow) <= 5 and slow <= set(range(10))
     assert htfllib_slow_clients(0, 10, 0.0, "train") == set()
+    # with replacement, as HtFLlib draws them: some seeds give fewer than int(rate·N) distinct clients
+    assert min(len(htfllib_slow_clients(seed, 10, 0.5, "train")) for seed in range(20)) < 5
     devices = profile_devices(0, 10, bandwidth_mbps=80, train_slow_rate=0.5, send_slow_rate=0.0)
     assert {c for c, d in enumerate(devices) if d.slow_training} == slow
     assert all(d.bandwidth == 10e6 and d.speed == 1.0 and not d.slow_sending for d in devices)
@@ -72,6 +74,8 @@ def test_a_deadline_keeps_the_uploads_that_arrive_by_it():
     assert (times.arrived, times.late, times.round_seconds) == ([0, 2, 3], [], 9.0)
     times = round_times(seconds, dropped=[3], deadline_s=0.0)  # a lost upload is not waited for
     assert times.round_seconds == 5.0
+    times = round_times({0: 4.0, 1: 4.000001}, dropped=[], deadline_s=4.0)  # at the deadline is in time
+    assert (times.arrived, times.late) == ([0], [1])
     times = round_times({0: 7.0}, dropped=[], deadline_s=4.0)
     assert (times.arrived, times.late, times.round_seconds) == ([], [0], 4.0)
 

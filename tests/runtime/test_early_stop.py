@@ -23,6 +23,8 @@ def test_patience_counts_evaluated_rows_since_the_best_beyond_min_delta():
     assert early_stop_due(rows, "test_acc", patience=4, min_delta=0.01) is None
     assert early_stop_due(rows, "test_acc", patience=3, min_delta=0.0) is None  # 0.605 improves: 0 since
     assert early_stop_due(rows, "test_acc", patience=0, min_delta=0.0) is None  # off
+    flat = _rows("test_acc", [0.5, 0.6, 0.6, 0.6])  # an equal value is no improvement, even at min_delta 0
+    assert early_stop_due(flat, "test_acc", patience=2, min_delta=0.0)["best_round"] == 2
 
 
 def test_the_training_loss_must_go_down_and_withheld_values_do_not_count():

@@ -19,7 +19,7 @@ from htfl_dist.runtime.exchange import (
     RoundTraffic,
     StopDecision,
 )
-from htfl_dist.runtime.records import RoundOutcome, RoundRecords, per_client_row
+from htfl_dist.runtime.records import RoundOutcome, RoundRecords, per_client_row, pooled_auc
 
 
 def _client(train: list[float] | None, evaluation: list[float] | None) -> dict[str, torch.Tensor]:
@@ -103,3 +103,11 @@ def test_per_client_row_holds_every_tested_clients_own_figures():
     row = per_client_row(_outcome(1, evaluated=True, skipped=[]))
     assert row == {"round": 2, "clients": [0, 1], "test_acc": [3 / 4, 1 / 6], "test_acc_head": [1 / 4, 5 / 6],
                    "test_samples": [4, 6], "test_auc": [0.75, None]}
+
+
+def test_the_run_auc_weights_each_client_by_its_test_samples():
+    import numpy as np
+
+    # (0.5·1 + 1.0·3) / 4 (HtFLlib's weighting; the plain mean would be 0.75); undefined ones left out
+    assert pooled_auc(np.array([0.5, 1.0, np.nan]), np.array([1.0, 3.0, 5.0])) == 0.875
+    assert pooled_auc(np.array([np.nan]), np.array([2.0])) is None
