@@ -353,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if liveness.needs_supervisor(os.environ):  # under mpirun: this process names the rank if it is killed
         return liveness.supervise([sys.executable, *sys.orig_argv[1:]])
     liveness.become_supervised_worker()
+    liveness.follow_torchrun_agent()
     preemption.install()  # before torch starts threads: SIGTERM must reach the listener, not them
     from htfl_dist.runtime.bootstrap import launch_rank_hint
 

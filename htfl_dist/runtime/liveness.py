@@ -362,6 +362,20 @@ def _last_line(read_end: int) -> str:
     return lines[-1][:300] if lines else ""
 
 
+def follow_torchrun_agent() -> None:
+    """Under torchrun: get SIGTERM when the agent dies. torchrun starts each rank in a session of
+    its own, so a kill -9 of the agent (an out-of-memory kill, a scheduler's hard stop, a harness
+    that caps a run) reaches no rank, and the ranks would run on as orphans that hold the device
+    and the run directory. SIGTERM, not SIGKILL: every rank of the node gets it at once, so they
+    checkpoint together at the round boundary, as for a preemption. Elsewhere, nothing."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    ask_for_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != agent:  # the agent died before the request was in place
+        os._exit(1)
+
+
 def become_supervised_worker() -> None:
     """In a supervised worker: die with the supervisor (``PR_SET_PDEATHSIG``: mpirun's teardown,
     or a kill -9 of it, must leave no orphan holding an MPI rank), and keep the pipe to it out of

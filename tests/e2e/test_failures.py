@@ -72,6 +72,31 @@ def test_sigterm_checkpoints_at_the_round_boundary_then_resumes(uninterrupted, t
 
 
 @pytest.mark.launch
+def test_kill_9_of_torchrun_leaves_no_orphan_rank(tmp_path, cache_dir):
+    """torchrun starts its ranks in sessions of their own, so a kill -9 of the agent alone reaches
+    none of them: each rank asks for SIGTERM at the agent's death and checkpoints at the round
+    boundary, as for a preemption, instead of running on with the device and the run directory."""
+    agent = _start_torchrun(tmp_path, cache_dir, "rounds=50")
+    _wait_for_line(agent, "round 1/50")
+    workers = _worker_pids(agent.pid)
+    assert len(workers) == 3
+    began = time.monotonic()
+    agent.kill()
+    agent.communicate(timeout=30)
+    deadline = time.monotonic() + 60
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}")]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    print(f"kill -9 of torchrun -> every rank gone in {time.monotonic() - began:.1f} s")
+    assert alive == [], f"ranks {alive} outlived their torchrun by 60 s"
+    stopped_at = len(read_metrics(tmp_path))
+    assert 1 <= stopped_at < 50
+    assert (tmp_path / "checkpoints" / f"round_{stopped_at:05d}" / "MANIFEST.json").is_file()
+
+
+@pytest.mark.launch
 def test_elastic_restart_after_a_killed_rank(uninterrupted, tmp_path, cache_dir):
     """torchrun --max-restarts=1: kill -9 a client rank mid-run; the restart resumes from the
     last checkpoint and ends with the uninterrupted run's metrics."""
