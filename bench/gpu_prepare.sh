@@ -6,7 +6,7 @@
 #   htfllib/   HtFLlib's system/ at commit SHA (default 728e52a, the last commit with the
 #              HCNNs8 family, FedTGP Table 10's models), without the two folders of FedKTL's image generators
 #              (StyleGAN and Stable Diffusion: binaries, unused here), plus COMMIT naming it
-#   wheels/    Opacus and cryptography for the suite's DP-SGD step (the GPU image lacks both;
+#   wheels/    Opacus, cryptography and its cffi for the suite's DP-SGD step (the GPU image lacks them;
 #              the suite unpacks them into its work folder, nothing is installed)
 # SOURCE: a git URL (default https://github.com/TsingZ0/HtFLlib.git) or a local clone or bare
 # mirror of it. --no-reference leaves htfllib/ out (the suite then runs our side alone);
@@ -69,7 +69,7 @@ fi
 # The DP-SGD step's two packages, as the wheels the GPU machine's Python 3.12 takes.
 [ "$wheels" = 0 ] || "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d "$partial/wheels" "opacus==1.6.0" "cryptography==50.0.2"
+  -d "$partial/wheels" "opacus==1.6.0" "cryptography==50.0.2" "cffi==2.0.0" "pycparser==2.23"
 
 for part in "$partial"/*; do mv "$part" "$dir/"; done
 rmdir "$partial"

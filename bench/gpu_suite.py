@@ -20,6 +20,7 @@ so the suite keeps working as the code changes); its figures mean nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -125,6 +126,30 @@ class GpuSampler:
         return rows
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``'s process group and every process descended from it. The group alone is not
+    enough: torchrun starts each rank in a session of its own, and a rank that outlives its step
+    would share the device with the next step's timings."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # ended meanwhile
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        tree.append(current)
+        pending.extend(children.get(current, []))
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for member in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
+
+
 class Suite:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -160,7 +185,7 @@ class Suite:
             try:
                 rc = process.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
+                kill_tree(process.pid)
                 process.wait()
                 rc = 124
                 handle.write(f"\n[gpu_suite: stopped after {timeout:.0f} s: the step's cap or the budget]\n")
@@ -442,6 +467,7 @@ def step_server(suite: Suite, cap_s: float) -> None:
 
 def step_dp_and_packing(suite: Suite, cap_s: float) -> None:
     ends = time.monotonic() + cap_s
+    dp_ends = time.monotonic() + DP_SHARE * cap_s  # the rest is the packing's
     site = suite.work / "site"
     lines: list[str] = []
     if unpack_wheels(suite.prepared, site):
@@ -450,7 +476,7 @@ def step_dp_and_packing(suite: Suite, cap_s: float) -> None:
     base = [*fedproto_overrides(suite), "algo.proto_from=post_update", f"rounds={suite.sizes.dp_rounds}"]
     timings = {}
     for name, extra in (("5_plain", []), ("5_dpsgd", ["privacy.enabled=true", "privacy.target_epsilon=4"])):
-        launched = suite.ours(name, FEDPROTO, base + extra, 1, ends - time.monotonic())
+        launched = suite.ours(name, FEDPROTO, base + extra, 1, dp_ends - time.monotonic())
         timings[name] = per_round_s([r["client_s"] for r in suite.rows(name)])
         lines.append(f"- {name[2:]}: client s/round {fmt(timings[name])} (rc {launched.rc})")
     if timings.get("5_plain") and timings.get("5_dpsgd"):
@@ -494,6 +520,8 @@ STEPS: list[tuple[str, float, Callable[[Suite, float], None]]] = [
     ("DP-SGD and packing", 0.20, step_dp_and_packing),
 ]
 """Steps in order of value, each with its share of the budget as its cap."""
+DP_SHARE = 0.55
+"""Of step 5's cap, what DP-SGD against plain training may take; the study packing has the rest."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -503,9 +531,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=480.0, help="the whole suite ends before this")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: a dry run of every step")
+    parser.add_argument("--steps", default=",".join(str(n) for n in range(1, len(STEPS) + 1)),
+                        help="which steps to run, by number (e.g. 3,5: a rerun of two steps; "
+                             "the budget is shared among them; 2 needs 1)")
     parser.add_argument("--work", type=Path, default=None,
                         help="scratch for data and runs (default $TMPDIR/htfl_gpu_suite; keep it off OUT)")
     args = parser.parse_args(argv)
+    try:
+        args.steps = {int(number) for number in args.steps.split(",")}
+    except ValueError:
+        parser.error(f"--steps {args.steps}: step numbers separated by commas, e.g. 3,5")
+    if not args.steps or not args.steps <= set(range(1, len(STEPS) + 1)):
+        parser.error(f"--steps: numbers from 1 to {len(STEPS)}")
+    if 2 in args.steps and 1 not in args.steps:
+        parser.error("--steps: step 2 compares step 1's runs; name 1 too")
     if not (args.dir / "fmnist").is_dir():
         parser.error(f"{args.dir} holds no fmnist/: run bench/gpu_prepare.sh {args.dir} first")
     if args.device == "cuda":
@@ -523,9 +562,11 @@ def main(argv: list[str] | None = None) -> int:
     suite.write_summary()
     prepare_data(suite)
     total = suite.left()
-    for title, share, step in STEPS:
+    chosen = [(number, *entry) for number, entry in enumerate(STEPS, 1) if number in suite.args.steps]
+    shares = sum(share for _, _, share, _ in chosen)
+    for _, title, share, step in chosen:
         # a dry run checks that every step works, not that it fits a GPU's shares of the budget
-        cap = (suite.left() if suite.args.tiny else total * share) if share else 0.0
+        cap = (suite.left() if suite.args.tiny else total * share / shares) if share else 0.0
         if share and suite.left() < min(cap, 20):
             suite.add_section(title, [f"Skipped: {suite.left():.0f} s of the budget left."])
             continue

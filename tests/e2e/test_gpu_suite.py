@@ -84,6 +84,49 @@ def _section(summary: str, number: int) -> str:
     return match[0]
 
 
+def test_a_capped_step_leaves_no_process_in_another_session():
+    """torchrun's ranks run in sessions of their own: killing the step's process group alone
+    leaves them running beside the next step."""
+    script = ("import subprocess, sys, time; "
+              "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+              "time.sleep(60)")
+    step = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while not (rank := _children(step.pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert rank, "the stand-in for torchrun started no rank"
+    gpu_suite.kill_tree(step.pid)
+    step.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{rank[0]}") and _state(rank[0]) != "Z" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{rank[0]}") or _state(rank[0]) == "Z"
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(child) for child in out.split()]
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+@pytest.mark.parametrize(("steps", "message"), [
+    ("2", "step 2 compares step 1's runs"), ("0,6", "numbers from 1 to 5"), ("three", "separated by commas"),
+])
+def test_steps_that_cannot_run_are_refused(tmp_path, capsys, steps, message):
+    (tmp_path / "fmnist").mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        gpu_suite.parse_args([str(tmp_path), str(tmp_path / "out"), "--device", "cpu", "--steps", steps])
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.launch
 def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
     env = _env()
