@@ -1,5 +1,5 @@
 """Compare runs: ``python -m htfl_dist.report RUN_DIR [RUN_DIR ...] [--metric M] [--plot F.png] [--csv F.csv]
-[--margins F.png] [--prototypes F.png] [--rounds R ...]``.
+[--margins F.png] [--prototypes F.png] [--clients F.png] [--rounds R ...]``.
 
 Prints a Markdown table (one row per run) on stdout, so it can be pasted or redirected into notes;
 optionally writes learning curves and every run's rounds as CSV. Finished and running runs alike.
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from htfl_dist.errors import EXIT_USER_ERROR, HtflError
-from htfl_dist.metrics.figures import plot_class_margins, plot_prototype_projection
+from htfl_dist.metrics.figures import plot_class_margins, plot_client_spread, plot_prototype_projection
 from htfl_dist.metrics.report import ReportError, plot_curves, read_run, report_table, withheld_runs, write_csv
 
 DEFAULT_METRIC = "test_acc"
@@ -35,8 +35,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="FedTGP Fig. 1: per class, global prototype margin vs the best client's (fedtgp runs)")
     parser.add_argument("--prototypes", type=Path, metavar="FILE.png",
                         help="2-D PCA of the uploaded and global prototypes (runs with output.prototypes_every=N)")
+    parser.add_argument("--clients", type=Path, metavar="FILE.png",
+                        help="per run, a box of the clients' test accuracies per round (per_client.jsonl), "
+                             "the unseen clients' beside them")
     parser.add_argument("--rounds", type=int, nargs="+", metavar="R",
-                        help="rounds for --margins and --prototypes (default: up to 4, first to last)")
+                        help="rounds for --margins, --prototypes and --clients (default: up to 4, first to last)")
     return parser.parse_args(argv)
 
 
@@ -54,6 +57,8 @@ def run(argv: list[str] | None = None) -> int:
             plot_class_margins(runs, args.margins, args.rounds)
         if args.prototypes:
             plot_prototype_projection(runs, args.prototypes, args.rounds)
+        if args.clients:
+            plot_client_spread(runs, args.clients, args.rounds)
         if args.csv:
             write_csv(runs, args.csv)
     except OSError as exc:
@@ -61,7 +66,7 @@ def run(argv: list[str] | None = None) -> int:
                           f"pass a path you can write to") from None
     print(table)
     for kind, path in (("plot", args.plot), ("csv", args.csv), ("margins", args.margins),
-                       ("prototypes", args.prototypes)):
+                       ("prototypes", args.prototypes), ("clients", args.clients)):
         if path:
             print(f"wrote {kind}: {path}", file=sys.stderr)
     return 0

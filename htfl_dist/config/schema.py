@@ -331,6 +331,14 @@ class EvalConfig:
     clients_fraction: float = bounded(1.0, above=0, at_most=1)
     """The share of the N clients tested on an evaluation round: int(N·f) of them (at least one),
     drawn from (seed, round), every one on the run's last round."""
+    new_clients: int = bounded(0, at_least=0)
+    """M clients held out of the federation (PFLlib's ``-nnc``): the data are split among N + M
+    clients and clients N..N+M−1 never train in a round nor upload. On every evaluation round each
+    starts again from its initial model, receives that round's download, trains
+    ``new_client_epochs`` local epochs with the algorithm's own client step and is tested: how
+    well the federation's knowledge serves a newcomer (``new_client_acc`` beside ``test_acc``)."""
+    new_client_epochs: int = bounded(1, at_least=1)
+    """The local epochs an unseen client trains before its test (PFLlib's ``-ften``)."""
 
 
 @dataclass

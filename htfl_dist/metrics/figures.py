@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from htfl_dist.metrics.prototypes import GLOBAL_FIELDS, Snapshot, load_snapshot, snapshot_rounds
-from htfl_dist.metrics.report import ReportError, RunRecord, new_figure, run_labels, save_figure
+from htfl_dist.metrics.report import PER_CLIENT_FILE, ReportError, RunRecord, new_figure, run_labels, save_figure
+from htfl_dist.metrics.writer import read_rows
 
 MARGIN_KEYS = ("class_margin_global", "class_margin_client_max")
 MAX_DEFAULT_PANELS = 4
@@ -153,3 +154,49 @@ def _class_colours(num_classes: int):
         return colormaps["tab20"]
     cmap = colormaps["turbo"]
     return lambda c: cmap(c / max(num_classes - 1, 1))
+
+
+# ---------------------------------------------------------------------------------- per-client spread
+
+def per_client_rows(run: RunRecord) -> dict[int, dict[str, Any]]:
+    """The run's per_client.jsonl rows, by round (none for a run made before it existed)."""
+    path = run.path / PER_CLIENT_FILE
+    return {row["round"]: row for row in read_rows(path)} if path.is_file() else {}
+
+
+def plot_client_spread(runs: Sequence[RunRecord], out: Path, rounds: Sequence[int] | None = None) -> None:
+    """Per run, a box of the tested clients' accuracies (%) at each chosen round, and beside it
+    the unseen clients' (``eval.new_clients``) where the run has them: the spread a pooled
+    accuracy hides, and how the federation's worst clients move."""
+    labels = run_labels(runs)
+    figure = new_figure(size=(7.0, 3.6 * len(runs)))
+    for index, (label, run) in enumerate(zip(labels, runs, strict=True)):
+        by_round = per_client_rows(run)
+        chosen = _chosen_rounds(sorted(by_round), rounds, label, f"per-client accuracies ({PER_CLIENT_FILE})")
+        ax = figure.add_subplot(len(runs), 1, index + 1)
+        _client_boxes(ax, [by_round[r] for r in chosen])
+        ax.set_title(label, fontsize="small")
+    save_figure(figure, out)
+
+
+def _client_boxes(ax, rows: list[dict[str, Any]]) -> None:
+    unseen = any(row.get("new_client_acc") for row in rows)
+    width = 0.35 if unseen else 0.6
+    positions = range(len(rows))
+    federation = ax.boxplot([[100 * a for a in row["test_acc"]] for row in rows], widths=width, patch_artist=True,
+                            positions=[p - (width / 2 if unseen else 0) for p in positions])
+    handles, names = [federation["boxes"][0]], ["federation's clients"]
+    if unseen:
+        newcomers = ax.boxplot([[100 * a for a in row.get("new_client_acc", [])] for row in rows], widths=width,
+                               positions=[p + width / 2 for p in positions], patch_artist=True)
+        for box in newcomers["boxes"]:
+            box.set_facecolor("tab:orange")
+        handles.append(newcomers["boxes"][0])
+        names.append("unseen clients")
+    for box in federation["boxes"]:
+        box.set_facecolor("tab:blue")
+    ax.set_xticks(list(positions), [str(row["round"]) for row in rows])
+    ax.set_xlabel("round")
+    ax.set_ylabel("client test accuracy %")
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(handles, names, fontsize="small")

@@ -24,6 +24,9 @@ from htfl_dist.metrics.writer import MetricsFileError, read_rows, write_atomic
 from htfl_dist.privacy import withheld_reason
 
 METRICS_FILE, CONFIG_FILE, SUMMARY_FILE = "metrics.jsonl", "config.yaml", "summary.json"
+PER_CLIENT_FILE = "per_client.jsonl"
+"""One row per evaluated round with every tested client's own figures, beside metrics.jsonl's
+pooled ones (a mean hides the clients a federation serves badly)."""
 RUN_DIRECTORY = (f"a run directory is the --out of `python -m htfl_dist.main` and holds {METRICS_FILE}, "
                  f"{CONFIG_FILE} and, once finished, {SUMMARY_FILE}")
 CONFIG_HINT = f"{CONFIG_FILE} is the resolved config `python -m htfl_dist.main` writes; restore it or leave the run out"

@@ -199,22 +199,24 @@ class Exchange:
     def gather_reports(self, clients: dict[int, ClientReport], mine: RankReport, participants: list[int],
                        tested: Collection[int]) -> RoundReports | None:
         """Each rank's report rows to rank 0, checked against what the rank can truthfully say
-        (only its hosted clients; training rows for its participants, evaluation rows for the
-        clients ``tested`` this round, none on a round without evaluation); a report that cannot
-        be true ends the job naming its rank."""
+        (only its hosted clients, unseen ones included; training rows for its participants,
+        evaluation rows for the clients ``tested`` this round, none on a round without
+        evaluation); a report that cannot be true ends the job naming its rank."""
         entries: dict[int, Payload] = {
             client_id: {"train": _rows(report.train, 2), "eval": _rows(report.evaluation, 4),
                         "rank": _rows(None, len(RankReport._fields)), "privacy": _rows(report.epsilon, 1)}
             for client_id, report in sorted(clients.items())}
         entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 4),
                                "rank": _rows(list(mine), len(mine)), "privacy": _rows(None, 1)}
+        placement = self.placement
         gathered = self.transport.gather(encode(REPORT_SPEC, entries), message_bounds(
-            self.transport, REPORT_SPEC, lambda rank: len(self.placement.clients_of(rank)) + 1))
+            self.transport, REPORT_SPEC,
+            lambda rank: len(placement.clients_of(rank)) + len(placement.unseen_of(rank)) + 1))
         if gathered is None:
             return None
         reports, rank_rows = {}, []
         for rank, message in enumerate(gathered):  # ranks in order, rank 0 first
-            hosted = self.placement.clients_of(rank)
+            hosted = placement.clients_of(rank) + placement.unseen_of(rank)
             try:
                 decoded = decode(REPORT_SPEC, message)
                 own = decoded.pop(RANK_ENTRY, None)

@@ -14,7 +14,6 @@ Per round t (0-based; metrics call it round t+1):
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable, Collection
@@ -37,9 +36,9 @@ from htfl_dist.algorithms.optimizers import begin_local_training
 from htfl_dist.config import Config
 from htfl_dist.errors import HtflError, TrainingDiverged
 from htfl_dist.generators import generator_latent_dim
-from htfl_dist.metrics.auc import micro_auc
 from htfl_dist.metrics.generated import GeneratedImageGrids
 from htfl_dist.metrics.prototypes import PrototypeSnapshots, check_prototype_payloads
+from htfl_dist.metrics.report import PER_CLIENT_FILE
 from htfl_dist.metrics.writer import TrainingProgress, progress
 from htfl_dist.models import architecture_for_client
 from htfl_dist.payload import Payload
@@ -51,6 +50,7 @@ from htfl_dist.privacy.startup import (
     privacy_plan,
 )
 from htfl_dist.runtime import checkpoint
+from htfl_dist.runtime.evaluation import UnseenClients, test_client
 from htfl_dist.runtime.exchange import (
     DIVERGING,
     FINISHED,
@@ -67,7 +67,7 @@ from htfl_dist.runtime.liveness import Liveness, describe_plain, tell_supervisor
 from htfl_dist.runtime.participation import payload_bytes, rank0_participation
 from htfl_dist.runtime.placement import evaluated_clients, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
-from htfl_dist.runtime.records import PER_CLIENT_FILE, RoundOutcome, RoundRecords, early_stop_due
+from htfl_dist.runtime.records import RoundOutcome, RoundRecords, early_stop_due
 from htfl_dist.runtime.screening import LeftOut, screen_uploads
 from htfl_dist.runtime.startup import (
     ClientFactory,
@@ -158,6 +158,7 @@ class Federation:
         self.my_client_ids = self.placement.clients_of(self.rank)
         factory = ClientFactory(config, self.partition, self.device, self.client_algorithm, self.privacy_plan)
         self.clients = client_store(config, factory, self.my_client_ids, self.device, self.rank)
+        self.unseen = self._unseen_clients()
         if run.liveness is not None:
             run.liveness.watch(self.placement.describe_rank, on_silent=run.liveness.end_job)
         self.watchdog.disarm()
@@ -173,6 +174,11 @@ class Federation:
         self.stop_decision = StopDecision(config.train.max_diverged_rounds)  # rank 0's, at each round's end
         where = "" if self.world_size == 1 else f"rank {self.rank}"
         self.training_progress = TrainingProgress(config.output.progress_every_s, where)
+
+    def _unseen_clients(self) -> UnseenClients | None:
+        """This rank's share of ``eval.new_clients`` (None when it hosts none)."""
+        hosted = self.placement.unseen_of(self.rank)
+        return UnseenClients(self.config, self.context, self.entry.client, self.partition, hosted) if hosted else None
 
     def _algorithm_context(self, options: Any) -> AlgorithmContext:
         config, info = self.config, self.partition
@@ -331,11 +337,9 @@ class Federation:
         seed_training(seed, client.client_id, round_index)
         return [self.client_algorithm.train(client, knowledge, round_index, generator)]
 
-    @torch.no_grad()
     def evaluate_clients(self, knowledge: Payload, tested: Collection[int] | None = None) -> dict[int, list[float]]:
         """Every client of this rank (or those of them in ``tested``) on its test split, in eval
-        mode, with ``knowledge``: [correct by the algorithm's rule, correct by the head, samples]
-        per client."""
+        mode, with ``knowledge``: ``evaluation.test_client``'s row per client."""
         rows = {}
         installs = self.entry.evaluation_installs_knowledge
         for client_id in self.clients:
@@ -343,29 +347,8 @@ class Federation:
                 continue
             # evaluation only reads a client unless the algorithm installs knowledge first
             client = self.clients[client_id] if installs else self.clients.peek(client_id)
-            self.client_algorithm.prepare_evaluation(client, knowledge)
-            client.model.eval()
-            correct = correct_head = 0
-            scores = []
-            for start in range(0, client.test_y.shape[0], 1000):
-                x, y = client.test_x[start : start + 1000], client.test_y[start : start + 1000]
-                features, logits = client.model.forward_with_features(x)
-                predicted = self.client_algorithm.predict(client, knowledge, features, logits, x)
-                correct += int((predicted == y).sum())
-                correct_head += int((self.client_algorithm.head_predict(client, logits) == y).sum())
-                scores.append(logits)
-            rows[client_id] = [float(correct), float(correct_head), float(client.test_y.shape[0]),
-                               self._head_auc(scores, client.test_y)]
+            rows[client_id] = test_client(self.client_algorithm, client, knowledge, self.context.num_classes)
         return rows
-
-    def _head_auc(self, scores: list, labels: torch.Tensor) -> float:
-        """HtFLlib's AUC of a client's test split from its head's raw outputs (NaN where the head's
-        outputs are not one score per class, or the split has a single class)."""
-        num_classes = self.context.num_classes
-        if not scores or not all(isinstance(s, torch.Tensor) and s.dim() == 2 and s.shape[1] == num_classes
-                                 for s in scores):
-            return math.nan
-        return micro_auc(torch.cat(scores).cpu(), labels.cpu(), num_classes)
 
     def _server_step(self, outcome: RoundOutcome, gathered: dict[int, Payload], left_out: LeftOut) -> None:
         """Rank 0: screen the uploads, say in one line who the round left out (``left_out`` holds
@@ -418,6 +401,8 @@ class Federation:
         knowledge = self._broadcast_knowledge(outcome.traffic)
         began = time.perf_counter()
         eval_rows = self.evaluate_clients(knowledge, set(outcome.tested))
+        if self.unseen is not None:
+            eval_rows.update(self.unseen.evaluate(knowledge, outcome.round_index))
         outcome.client_seconds += time.perf_counter() - began
         return knowledge, eval_rows
 
@@ -428,11 +413,14 @@ class Federation:
                                            self._epsilon_row(client_id))
                    for client_id in set(train_rows) | set(eval_rows)}
         mine = RankReport(outcome.client_seconds, float(theory_up), float(self.preemption.requested))
-        return self.exchange.gather_reports(clients, mine, outcome.participants, set(outcome.tested))
+        unseen = range(self.config.num_clients, self.config.num_clients + self.config.eval.new_clients)
+        tested = set(outcome.tested) | (set(unseen) if outcome.evaluated else set())
+        return self.exchange.gather_reports(clients, mine, outcome.participants, tested)
 
     def _epsilon_row(self, client_id: int) -> list[float] | None:
-        """privacy.enabled: [ε the client has spent so far] for the report; None otherwise."""
-        if self.privacy_plan is None:
+        """privacy.enabled: [ε the client has spent so far] for the report; None otherwise, and for
+        an unseen client (it releases nothing)."""
+        if self.privacy_plan is None or client_id >= self.config.num_clients:
             return None
         epsilon = client_epsilon(self.clients.peek(client_id))
         assert epsilon is not None, "a private run gives every client a ledger"

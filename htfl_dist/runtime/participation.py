@@ -81,7 +81,7 @@ class Participation:
         self.devices = devices
         self.clock_s = 0.0
         train = config.train
-        self.steps = local_steps(info.class_counts.sum(axis=1), train)
+        self.steps = local_steps(info.class_counts[: config.num_clients].sum(axis=1), train)
         flops: dict[str, float] = {}
         self.flops_per_step = []
         for client_id in range(config.num_clients):

@@ -52,6 +52,9 @@ class Placement:
     empty if unknown."""
     work_unit: str = "samples"
     """What ``work`` counts, as the start-up line names it."""
+    unseen: tuple[int, ...] = ()
+    """``unseen[j]``: the rank hosting unseen client N + j (``eval.new_clients``), which only ever
+    fine-tunes and tests on evaluation rounds."""
 
     @classmethod
     def round_robin(cls, world_size: int, num_clients: int) -> Placement:
@@ -78,6 +81,17 @@ class Placement:
 
     def rank_of(self, client_id: int) -> int:
         return self.ranks[client_id]
+
+    def with_unseen(self, count: int) -> Placement:
+        """The same placement plus ``count`` unseen clients, ids N..N+count−1, spread over the
+        client ranks in turn (rank 0 at world size 1)."""
+        ranks = (0,) * count if self.world_size == 1 else tuple(1 + j % (self.world_size - 1) for j in range(count))
+        return dataclasses.replace(self, unseen=ranks)
+
+    def unseen_of(self, rank: int) -> list[int]:
+        """The unseen clients ``rank`` hosts, ascending."""
+        first = len(self.ranks)
+        return [first + j for j, host in enumerate(self.unseen) if host == rank]
 
     def clients_of(self, rank: int) -> list[int]:
         """The clients ``rank`` hosts, ascending (read every round: computed once)."""
@@ -145,7 +159,7 @@ def estimated_client_work(config: Config, info: PartitionInfo, step_seconds: dic
     samples; or its samples times its architecture's forward FLOPs per sample (counted on the meta
     device, so every rank gets the same number); or (``timed``, with ``step_seconds``: member ->
     seconds of one SGD step, measured on rank 0) its local steps per round times its step time."""
-    samples = info.class_counts.sum(axis=1)
+    samples = info.class_counts[: config.num_clients].sum(axis=1)  # unseen clients (eval.new_clients) never train
     members = [architecture_for_client(config.model.group, cid) for cid in range(config.num_clients)]
     basis = config.runtime.placement_work
     if basis == "samples":

@@ -17,7 +17,7 @@ import numpy as np
 import yaml
 
 from htfl_dist.config import Config
-from htfl_dist.metrics.report import accuracy_summary
+from htfl_dist.metrics.report import PER_CLIENT_FILE, accuracy_summary
 from htfl_dist.metrics.sinks import MetricsSink, open_sinks
 from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
 from htfl_dist.privacy.startup import epsilon_columns, privacy_summary
@@ -68,22 +68,24 @@ def pooled_auc(aucs: np.ndarray, samples: np.ndarray) -> float | None:
     return float((aucs[defined] * samples[defined]).sum() / samples[defined].sum())
 
 
-PER_CLIENT_FILE = "per_client.jsonl"
-"""One row per evaluated round with every tested client's own figures, beside metrics.jsonl's
-pooled ones (a mean hides the clients a federation serves badly)."""
-
-
-def per_client_row(outcome: RoundOutcome) -> dict[str, Any]:
+def per_client_row(outcome: RoundOutcome, unseen: dict[int, Any] | None = None) -> dict[str, Any]:
     """The tested clients in id order with their accuracy, head accuracy, test samples and AUC
-    (null where undefined)."""
+    (null where undefined); the unseen clients' (``eval.new_clients``) under ``new_*`` keys."""
     assert outcome.reports is not None, "rank 0's outcome"
-    tested = {cid: r["eval"][0].tolist() for cid, r in outcome.reports.clients.items() if r["eval"].shape[0]}
+    row = {"round": outcome.round_index + 1, **_client_columns(outcome.reports.clients, "clients", "test")}
+    if unseen:
+        row.update(_client_columns(unseen, "new_clients", "new_client"))
+    return row
+
+
+def _client_columns(reports: dict[int, Any], ids_key: str, prefix: str) -> dict[str, Any]:
+    tested = {cid: r["eval"][0].tolist() for cid, r in reports.items() if r["eval"].shape[0]}
     ids = sorted(tested)
-    return {"round": outcome.round_index + 1, "clients": ids,
-            "test_acc": [tested[c][0] / max(tested[c][2], 1) for c in ids],
-            "test_acc_head": [tested[c][1] / max(tested[c][2], 1) for c in ids],
-            "test_samples": [int(tested[c][2]) for c in ids],
-            "test_auc": [None if math.isnan(tested[c][3]) else tested[c][3] for c in ids]}
+    return {ids_key: ids,
+            f"{prefix}_acc": [tested[c][0] / max(tested[c][2], 1) for c in ids],
+            f"{prefix}_acc_head": [tested[c][1] / max(tested[c][2], 1) for c in ids],
+            f"{prefix}_samples": [int(tested[c][2]) for c in ids],
+            f"{prefix}_auc": [None if math.isnan(tested[c][3]) else tested[c][3] for c in ids]}
 
 
 def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, skipped: list[int]) -> dict[str, Any]:
@@ -118,6 +120,30 @@ def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, sk
     row.update(outcome.participation)
     row.update(outcome.diagnostics)
     return row
+
+
+def unseen_columns(unseen: dict[int, Any]) -> dict[str, Any]:
+    """The unseen clients' figures (``eval.new_clients``), pooled as the federation's are:
+    ``new_client_acc`` (Σ correct / Σ samples), its head accuracy, the std of the per-client
+    accuracies and the samples-weighted AUC."""
+    evals = np.array([r["eval"][0].tolist() for r in unseen.values()])
+    samples = evals[:, 2].sum()
+    return {"new_client_acc": float(evals[:, 0].sum() / samples),
+            "new_client_acc_head": float(evals[:, 1].sum() / samples),
+            "new_client_acc_std": float((evals[:, 0] / np.maximum(evals[:, 2], 1)).std()),
+            "new_client_auc": pooled_auc(evals[:, 3], evals[:, 2])}
+
+
+def set_unseen_apart(outcome: RoundOutcome, num_clients: int) -> dict[int, Any]:
+    """Take the unseen clients' rows (ids from ``num_clients`` on) out of ``outcome.reports``, so
+    the federation's figures and stop decisions see the federation alone; returns them."""
+    assert outcome.reports is not None, "rank 0's outcome"
+    clients = outcome.reports.clients
+    unseen = {cid: report for cid, report in clients.items() if cid >= num_clients}
+    if unseen:
+        kept = {cid: report for cid, report in clients.items() if cid < num_clients}
+        outcome.reports = outcome.reports._replace(clients=kept)
+    return unseen
 
 
 def early_stop_due(rows: list[dict[str, Any]], metric: str, patience: int, min_delta: float) -> dict[str, Any] | None:
@@ -171,6 +197,7 @@ class RoundRecords:
     def record(self, outcome: RoundOutcome, round_seconds: list[float]) -> None:
         """The row of an evaluation round (and its sinks) and every round's progress line."""
         assert outcome.reports is not None, "rank 0's outcome"
+        unseen = set_unseen_apart(outcome, self.config.num_clients)
         ranks = outcome.reports.ranks
         outcome.traffic.theory_up = int(sum(r.theory_up_bytes for r in ranks))
         self._skipped_since_row.extend(outcome.skipped)
@@ -179,11 +206,13 @@ class RoundRecords:
         row = None
         if outcome.evaluated:
             row = metrics_row(outcome, seconds, max(rank_seconds), self._skipped_since_row)
+            if unseen:
+                row.update(unseen_columns(unseen))
             row["rank_idle_share"] = idle_shares(rank_seconds[1:] if self.world_size > 1 else rank_seconds)
             if self._setup_bytes_up:
                 row["bytes_setup_up"], self._setup_bytes_up = self._setup_bytes_up, 0
             self.metrics.append(row)
-            self.per_client.append(per_client_row(outcome))
+            self.per_client.append(per_client_row(outcome, unseen))
             for sink in self.sinks:
                 sink.write(self.metrics.rows)
             self._skipped_since_row = []

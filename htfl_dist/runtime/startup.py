@@ -98,15 +98,17 @@ def prepare_data(config: Config, transport: Transport):
     """Rank 0 builds the partition cache while the others wait; they then find it (or, on a
     node that does not share the cache directory, build the identical file themselves)."""
     shots = config.data.few_shot
+    split_among = config.num_clients + config.eval.new_clients  # unseen clients' data: the same partition
     if transport.rank != 0:
         transport.barrier()
-        return with_few_shot(prepare_partition(config.data, config.num_clients, config.seed,
+        return with_few_shot(prepare_partition(config.data, split_among, config.seed,
                                                batch_size=config.train.batch_size), shots)
     began = time.perf_counter()
-    info = prepare_partition(config.data, config.num_clients, config.seed, report=progress,
+    info = prepare_partition(config.data, split_among, config.seed, report=progress,
                              batch_size=config.train.batch_size)
     few = f", {shots}-shot training splits" if shots else ""
-    progress(f"data: {info.describe()}, {config.num_clients} clients, {info.num_classes} classes{few}, "
+    unseen = f" + {config.eval.new_clients} unseen" if config.eval.new_clients else ""
+    progress(f"data: {info.describe()}, {config.num_clients} clients{unseen}, {info.num_classes} classes{few}, "
              f"{info.inputs().describe()} ({time.perf_counter() - began:.1f}s)")
     transport.barrier()
     return with_few_shot(info, shots)
@@ -164,7 +166,8 @@ def place_clients(config: Config, partition: Any, transport: Transport, device: 
     step_seconds = timed_step_costs(config, partition, transport, device) \
         if config.runtime.placement_work == "timed" else None
     work, unit = estimated_client_work(config, partition, step_seconds)
-    return plan_placement(config.runtime.placement, transport.world_size, work, unit)
+    return plan_placement(config.runtime.placement, transport.world_size, work, unit).with_unseen(
+        config.eval.new_clients)
 
 
 def build_server(entry: AlgorithmEntry, context: AlgorithmContext, config: Config,

@@ -23,6 +23,15 @@ CSV_COLUMNS = ("cell", "seeds", "best_mean", "best_std", "last_mean", "last_std"
                "rounds_done", "rounds_planned", "seconds_per_round", "server_share", "mb_up_per_round",
                "up_over_theory")
 
+LAST_ROUND_COLUMNS = (
+    ("worst10", "test_acc_worst10", "last worst-10 % acc %", 100.0),
+    ("auc", "test_auc", "last AUC", 1.0),
+    ("unseen", "new_client_acc", "last unseen-client acc %", 100.0),
+)
+"""(name, metrics key, heading, scale): figures of each run's last evaluated row, as mean ± std
+over the seeds; a column appears only where some run of the study reports its key (the AUC of a
+head with one score per class, unseen clients with ``eval.new_clients``)."""
+
 
 def mean_std(values: list[float]) -> tuple[float, float] | None:
     """Mean and population standard deviation, or None without values."""
@@ -54,7 +63,28 @@ def fold(key: str, records: list[RunRecord], planned_rounds: int, paper: float |
         "server_share": statistics.fmean(server) / mean_seconds if server and mean_seconds else None,
         "mb_up_per_round": statistics.fmean(up) / 1e6 if up else None,
         "up_over_theory": max(ratios, default=None),
+        **last_round_columns(records),
     }
+
+
+def last_round_columns(records: list[RunRecord]) -> dict[str, float | None]:
+    """``LAST_ROUND_COLUMNS`` over the runs: <name>_mean and <name>_std (None where no run has it)."""
+    folded: dict[str, float | None] = {}
+    for name, key, _, scale in LAST_ROUND_COLUMNS:
+        values = []
+        for record in records:
+            reported = [row[key] for row in record.rows if isinstance(row.get(key), int | float)]
+            if reported:
+                values.append(reported[-1] * scale)
+        stats = mean_std(values)
+        folded[f"{name}_mean"], folded[f"{name}_std"] = stats if stats else (None, None)
+    return folded
+
+
+def _reported(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The (name, heading) of each ``LAST_ROUND_COLUMNS`` entry that some row has."""
+    return [(name, heading) for name, _, heading, _ in LAST_ROUND_COLUMNS
+            if any(row.get(f"{name}_mean") is not None for row in rows)]
 
 
 def study_records(study: Study, out: Path) -> dict[str, list[RunRecord]]:
@@ -95,14 +125,18 @@ def markdown(rows: list[dict[str, Any]]) -> str:
               f"{row['rounds_done']}/{row['rounds_planned']}", _fmt(row["seconds_per_round"], ".2f"),
               _fmt(None if row["server_share"] is None else row["server_share"] * 100, ".1f", " %"),
               _fmt(row["mb_up_per_round"], ".3f"), _fmt(row["up_over_theory"], ".4f")] for row in rows]
-    return markdown_table(COLUMNS, lines)
+    extra = _reported(rows)
+    for line, row in zip(lines, rows, strict=True):
+        line += [_pm(row[f"{name}_mean"], row[f"{name}_std"]) for name, _ in extra]
+    return markdown_table((*COLUMNS, *(heading for _, heading in extra)), lines)
 
 
 def csv_text(rows: list[dict[str, Any]]) -> str:
     buffer = io.StringIO()
-    writer = csv.DictWriter(buffer, CSV_COLUMNS, lineterminator="\n")
+    columns = (*CSV_COLUMNS, *(f"{name}_{part}" for name, _ in _reported(rows) for part in ("mean", "std")))
+    writer = csv.DictWriter(buffer, columns, lineterminator="\n")
     writer.writeheader()
-    writer.writerows({key: "" if row[key] is None else row[key] for key in CSV_COLUMNS} for row in rows)
+    writer.writerows({key: "" if row[key] is None else row[key] for key in columns} for row in rows)
     return buffer.getvalue()
 
 

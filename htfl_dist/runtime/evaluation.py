@@ -1,0 +1,90 @@
+"""Testing a client on its test split, and the unseen clients (``eval.new_clients``) that the
+round loop tests beside the federation's.
+
+An unseen client is PFLlib's "new client": its data come from the same partition, but it never
+takes part in a round and never uploads. On each evaluation round it starts again from its
+initial model, receives that round's download, trains ``eval.new_client_epochs`` local epochs with
+the algorithm's own client step, and is tested. Starting again each time makes its figure a
+function of that round's knowledge alone (not of earlier fine-tuning), and keeps nothing to
+checkpoint. Its streams are keyed by its own client id (N..N+M−1) and the round, like every
+client's, so any world size gives the same figure.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from htfl_dist.algorithms import AlgorithmContext, ClientAlgorithm, ClientState
+from htfl_dist.algorithms.interface import seed_training
+from htfl_dist.algorithms.optimizers import begin_local_training
+from htfl_dist.config import Config
+from htfl_dist.metrics.auc import micro_auc
+from htfl_dist.payload import Payload
+from htfl_dist.runtime.startup import ClientFactory
+from htfl_dist.seeding import torch_generator
+
+TEST_CHUNK = 1000
+"""Test samples per forward pass."""
+
+
+@torch.no_grad()
+def test_client(algorithm: ClientAlgorithm, client: ClientState, knowledge: Payload, num_classes: int
+                ) -> list[float]:
+    """``client`` on its test split, in eval mode, with ``knowledge``: [correct by the algorithm's
+    rule, correct by the head, samples, the head's AUC (NaN where undefined)]."""
+    algorithm.prepare_evaluation(client, knowledge)
+    client.model.eval()
+    correct = correct_head = 0
+    scores = []
+    for start in range(0, client.test_y.shape[0], TEST_CHUNK):
+        x, y = client.test_x[start : start + TEST_CHUNK], client.test_y[start : start + TEST_CHUNK]
+        features, logits = client.model.forward_with_features(x)
+        predicted = algorithm.predict(client, knowledge, features, logits, x)
+        correct += int((predicted == y).sum())
+        correct_head += int((algorithm.head_predict(client, logits) == y).sum())
+        scores.append(logits)
+    return [float(correct), float(correct_head), float(client.test_y.shape[0]),
+            head_auc(scores, client.test_y, num_classes)]
+
+
+def head_auc(scores: list[Any], labels: torch.Tensor, num_classes: int) -> float:
+    """HtFLlib's AUC of a client's test split from its head's raw outputs (NaN where the head's
+    outputs are not one score per class, or the split has a single class)."""
+    if not scores or not all(isinstance(s, torch.Tensor) and s.dim() == 2 and s.shape[1] == num_classes
+                             for s in scores):
+        return math.nan
+    return micro_auc(torch.cat(scores).cpu(), labels.cpu(), num_classes)
+
+
+class UnseenClients:
+    """This rank's unseen clients: built afresh, fine-tuned on the round's download and tested,
+    one at a time (so they hold no memory between evaluations)."""
+
+    def __init__(self, config: Config, context: AlgorithmContext, client_type: type[ClientAlgorithm],
+                 partition: Any, client_ids: list[int]) -> None:
+        self.config = config
+        self.train = dataclasses.replace(config.train, local_epochs=config.eval.new_client_epochs)
+        self.algorithm = client_type(dataclasses.replace(context, train=self.train))
+        # built like the federation's clients, without a privacy ledger: they release nothing
+        self.build = ClientFactory(config, partition, context.device, self.algorithm, privacy_plan=None).build
+        self.client_ids = client_ids
+        self.num_classes = context.num_classes
+
+    def evaluate(self, knowledge: Payload, round_index: int) -> dict[int, list[float]]:
+        """Each unseen client's test row after fine-tuning on ``knowledge`` in round ``round_index``."""
+        rows = {}
+        for client_id in self.client_ids:
+            client = self.build(client_id)
+            self.fine_tune(client, knowledge, round_index)
+            rows[client_id] = test_client(self.algorithm, client, knowledge, self.num_classes)
+        return rows
+
+    def fine_tune(self, client: ClientState, knowledge: Payload, round_index: int) -> None:
+        seed = self.config.seed
+        begin_local_training([client], self.train, round_index, self.config.rounds)
+        seed_training(seed, client.client_id, round_index)
+        self.algorithm.train(client, knowledge, round_index, torch_generator(seed, "batches", client.client_id,
+                                                                             round_index))
