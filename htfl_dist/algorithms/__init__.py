@@ -10,6 +10,7 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     fedktl,
     fedl2g,
     fedmrl,
+    fednh,
     fedoc,
     fedpcl,
     fedproto,

@@ -79,6 +79,7 @@ ADDED_ON_2026_11_25 = {
 ADDED_ON_2026_11_27 = {
     "fmnist_htcnn8_fedpcl_dirichlet": "47120d3f867855c0",
     "fmnist_htcnn8_fedhkd_dirichlet": "6fc1bd128e12a338",
+    "fmnist_htcnn8_fednh_dirichlet": "1d50077c63fd88ab",
 }
 
 PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25, **ADDED_ON_2026_11_27}
