@@ -247,8 +247,12 @@ class FedL2GClient(ClientAlgorithm):
 
 
 class FedL2GServer(ServerAlgorithm):
-    """The guiding vectors G [C, W], drawn N(0, 1) from the run seed (``nn.Embedding``'s
-    initialisation), stepped by ``guide_step`` every round; all C rows go down."""
+    """The guiding vectors G [C, W], drawn N(0, 1) (``nn.Embedding``'s initialisation) from the
+    run's stream "fedl2g-guides", or under ``model.init=htfllib`` as HtFLlib draws them: its
+    ``clientL2G`` calls ``torch.manual_seed(0)`` after building its model, so the server's
+    ``nn.Embedding``, made after the last client, is the first draw of a freshly seeded
+    generator (here from the run seed, as that init's client models are); stepped by
+    ``guide_step`` every round; all C rows go down."""
 
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
@@ -256,8 +260,9 @@ class FedL2GServer(ServerAlgorithm):
 
     def __init__(self, context: AlgorithmContext) -> None:
         super().__init__(context)
-        self.guides = torch.randn(context.num_classes, guide_width(context),
-                                  generator=torch_generator(context.seed, "fedl2g-guides"))
+        generator = torch.Generator().manual_seed(context.seed) if context.model_init == "htfllib" \
+            else torch_generator(context.seed, "fedl2g-guides")
+        self.guides = torch.randn(context.num_classes, guide_width(context), generator=generator)
 
     def download(self) -> Payload:
         return {"class_ids": torch.arange(self.context.num_classes), "guides": self.guides}

@@ -338,3 +338,25 @@ def test_logit_guide_resumes_from_a_checkpoint_exactly(tmp_path, cache_dir):
     resumed = read_metrics(tmp_path / "resumed")
     for key in ("test_acc", "train_loss", "guide_step_norm"):
         assert [r[key] for r in resumed] == [r[key] for r in full], key
+
+
+@pytest.mark.parametrize("guide", ["feature", "logit"])
+def test_htfllib_init_draws_the_guides_as_htfllib_does(guide):
+    """HtFLlib's clientL2G reseeds torch after building its model, so the server's nn.Embedding(C,
+    W) made after the last client is the first draw after ``torch.manual_seed``; the global RNG is
+    left as it was."""
+    import dataclasses
+
+    from htfl_dist.algorithms import get_algorithm
+
+    _, context = _context(num_classes=3, feature_dim=4, guide=guide)
+    context = dataclasses.replace(context, seed=7, model_init="htfllib")
+    width = 4 if guide == "feature" else 3
+    torch.manual_seed(7)
+    theirs = nn.Embedding(3, width).weight.detach().clone()
+    before = torch.get_rng_state()
+    server = get_algorithm("fedl2g").server(context)
+    assert torch.equal(server.download()["guides"], theirs)
+    assert torch.equal(torch.get_rng_state(), before)
+    per_client = get_algorithm("fedl2g").server(dataclasses.replace(context, model_init="per_client"))
+    assert not torch.equal(per_client.download()["guides"], theirs)
