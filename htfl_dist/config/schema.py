@@ -111,6 +111,13 @@ class DataConfig:
     and PFLlib's ``-fs`` (``read_client_data``). The stored order of a split drawn here is a
     permutation drawn from the partition's seed, so the k are a seeded draw per (seed, client); with
     data.partition=pfllib it is the file's order, exactly the samples HtFLlib keeps."""
+    domains: list[str] = field(default_factory=list)
+    """Domain shift: the domains of ``dataset`` the clients come from (``[mnist, usps, svhn, syn,
+    mnistm]`` of ``digit5``; ``domainnet``'s clipart, infograph, painting, quickdraw, real, sketch),
+    all sharing one label space. Client i gets domain i mod D (D = how many are named), each
+    domain's samples are split among its own clients by ``partition`` (dirichlet, pathological,
+    exdir), and every client's test split comes from its domain. Empty (default): ``dataset``
+    as one pool (for a suite, every domain mixed). docs/datasets.md, "Domain shift"."""
 
     def check(self) -> None:
         if self.partition == "pfllib" and not self.pfllib_dir:
@@ -338,7 +345,8 @@ class EvalConfig:
     ``new_client_epochs`` local epochs with the algorithm's own client step and is tested: how
     well the federation's knowledge serves a newcomer (``new_client_acc`` beside ``test_acc``)."""
     new_client_epochs: int = bounded(1, at_least=1)
-    """The local epochs an unseen client trains before its test (PFLlib's ``-ften``)."""
+    """The local epochs an unseen client trains before its test (PFLlib's ``-ften``), at
+    ``train.lr`` whatever ``train.lr_schedule`` gives the federation's clients that round."""
 
 
 @dataclass

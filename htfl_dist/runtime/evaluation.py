@@ -66,7 +66,10 @@ class UnseenClients:
     def __init__(self, config: Config, context: AlgorithmContext, client_type: type[ClientAlgorithm],
                  partition: Any, client_ids: list[int]) -> None:
         self.config = config
-        self.train = dataclasses.replace(config.train, local_epochs=config.eval.new_client_epochs)
+        # a newcomer fine-tunes at train.lr, as PFLlib's new clients do: the federation's schedule
+        # (which reaches ~0 at the end of a cosine run) is not its own
+        self.train = dataclasses.replace(config.train, local_epochs=config.eval.new_client_epochs,
+                                         lr_schedule="constant")
         self.algorithm = client_type(dataclasses.replace(context, train=self.train))
         # built like the federation's clients, without a privacy ledger: they release nothing
         self.build = ClientFactory(config, partition, context.device, self.algorithm, privacy_plan=None).build

@@ -73,3 +73,24 @@ def test_unseen_clients_give_the_same_figures_on_any_world_size(tmp_path, cache_
     spread = run_smoke("torchrun", 3, tmp_path / "spread", cache_dir, *overrides)
     assert "new_client_acc" in alone[0]
     assert maths_only(alone) == maths_only(spread)
+
+
+def test_an_unseen_client_fine_tunes_its_epochs_at_the_base_rate_whatever_the_schedule():
+    """At the last round of a cosine run the federation's clients train at about lr_min; a
+    newcomer fine-tunes at train.lr, for eval.new_client_epochs epochs (PFLlib's new clients)."""
+    import dataclasses
+
+    from helpers import make_client, make_context
+    from htfl_dist.runtime.evaluation import UnseenClients
+
+    config = load_config(SMOKE, ["algorithm=local", "train.lr_schedule=cosine", "train.lr=0.05", "rounds=20",
+                                 "eval.new_clients=1", "eval.new_client_epochs=3"])
+    entry, context = make_context("local", num_classes=3, feature_dim=4, batch_size=3)
+    context = dataclasses.replace(context, train=config.train)
+    unseen = UnseenClients(config, context, entry.client, partition=None, client_ids=[6])
+    client = make_client(unseen.algorithm.context, client_id=6, samples=9)
+    steps = []
+    client.optimizer.step = lambda *a, _step=client.optimizer.step, **k: (steps.append(1), _step(*a, **k))[1]
+    unseen.fine_tune(client, {}, round_index=19)
+    assert client.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
+    assert len(steps) == 3 * math.ceil(9 / 10)  # 3 epochs of one batch (train.batch_size=10)
