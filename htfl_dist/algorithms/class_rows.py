@@ -193,6 +193,8 @@ class ClassMeanServer(ServerAlgorithm):
     (weighted means) or ``diagnostics``. FedProto (prototypes) and FedDistill (logits) are two
     such variants."""
 
+    accepts_late_uploads = True  # a late upload is one more row in a class's mean
+
     key: ClassVar[str] = "rows"
 
     @classmethod

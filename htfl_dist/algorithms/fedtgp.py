@@ -137,6 +137,8 @@ class TrainablePrototypeServer(ServerAlgorithm):
     A variant supplies ``fit`` (its loss, through :meth:`train_prototypes`) and ``diagnostics``.
     Options read: ``hidden_dim``, ``server_lr``, ``server_epochs``, ``server_batch_size``."""
 
+    accepts_late_uploads = True  # a late upload is one more prototype to train on
+
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         return prototype_fields(context)

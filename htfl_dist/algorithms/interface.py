@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -207,6 +207,12 @@ class ClientAlgorithm:
 
 class ServerAlgorithm:
     """Server half: turns the round's uploads into global knowledge."""
+
+    accepts_late_uploads: ClassVar[bool] = False
+    """Whether ``update`` may receive, beside this round's uploads, a client's upload from the
+    round before (``participation.late=next_round``): true for servers that aggregate uploads as
+    they come (class means, prototypes to train on), false for those whose uploads answer this
+    round's download (a gradient at the current guides, a compressed delta)."""
 
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context

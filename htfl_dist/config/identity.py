@@ -55,6 +55,7 @@ KEYS_ADDED_LATER: dict[str, dict[str, Any]] = {
               "lr_step_rounds": 0, "lr_min": 0.0},
     "data": {"vocab_size": None, "few_shot": 0, "balance": False},
     "eval": {"new_clients": 0, "new_client_epochs": 1},
+    "participation": {"late": "drop"},
 }
 """Keys added after runs existed, per section, with the default that was the only behaviour
 before them: at that default a key is left out of the experiment, so earlier runs and their
@@ -77,11 +78,11 @@ def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
         view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
     if not view.get("privacy", {}).get("enabled", False):
         view.pop("privacy", None)  # off, the section changes nothing: runs without it keep their hash
+    if view.get("participation") == dataclasses.asdict(ParticipationConfig()):
+        view.pop("participation")  # everyone aggregated, no clock: runs made before it keep their hash
     _drop_defaults_added_later(view)
     if view.get("eval") == {"clients_fraction": 1.0}:
         view.pop("eval")  # every client tested: runs made before sampled evaluation keep their hash
-    if view.get("participation") == dataclasses.asdict(ParticipationConfig()):
-        view.pop("participation")  # everyone aggregated, no clock: runs made before it keep their hash
     _legacy_partition_view(view.get("data", {}))
     for key in PLUMBING_KEYS:
         if key == "rounds" and view.get("train", {}).get("lr_schedule") == "cosine":

@@ -46,6 +46,11 @@ class ParticipationConfig:
     """A round with fewer aggregated uploads than this skips the server step and says so."""
     random_join: bool = False
     """HtFLlib's -rjr: each round's participant count drawn from int(N·join_ratio)..N."""
+    late: Literal["drop", "next_round"] = "drop"
+    """What becomes of an upload that misses ``deadline_s``: drop (lost, as HtFLlib's -tth);
+    next_round: the server takes it in the next round, with that round's uploads, unless its
+    client has a fresh one there (the metrics row says whose: ``late_folded_clients``); only for
+    algorithms whose server aggregates uploads as they come."""
 
     def check(self) -> None:
         needs_clock = [name for name, on in (("deadline_s", self.deadline_s > 0),
@@ -56,6 +61,9 @@ class ParticipationConfig:
             raise ConfigError(f"config key 'participation.{needs_clock[0]}' is "
                               f"{getattr(self, needs_clock[0])}, which acts on the simulated clock; "
                               f"set participation.clock=true")
+        if self.late == "next_round" and self.deadline_s <= 0:
+            raise ConfigError("config key 'participation.late' is next_round, but without participation.deadline_s "
+                              "no upload is late; set a deadline or leave participation.late=drop")
         if (self.profile == "trace") != bool(self.trace):
             raise ConfigError("config key 'participation.trace' names the trace file of participation.profile=trace; "
                               "set both or neither")

@@ -18,6 +18,7 @@ import torch
 
 from htfl_dist.config import Config
 from htfl_dist.data.cache import PartitionInfo
+from htfl_dist.errors import ConfigError
 from htfl_dist.models import architecture_for_client
 from htfl_dist.models.cost import forward_flops_per_sample
 from htfl_dist.payload import Payload
@@ -54,6 +55,19 @@ def payload_bytes(payload: Payload | None) -> int:
     return sum(t.numel() * t.element_size() for t in payload.values() if isinstance(t, torch.Tensor))
 
 
+def check_late_uploads(config: Config) -> None:
+    """``participation.late=next_round`` needs a server that can take last round's uploads beside
+    this round's (``ServerAlgorithm.accepts_late_uploads``); refused in one line otherwise."""
+    if config.participation.late != "next_round":
+        return
+    from htfl_dist.algorithms import get_algorithm
+
+    if not get_algorithm(config.algorithm).server.accepts_late_uploads:
+        raise ConfigError(f"participation.late=next_round: {config.algorithm}'s server answers each round's "
+                          f"uploads to that round's download and cannot take a late one a round later; "
+                          f"use participation.late=drop")
+
+
 @dataclass
 class RoundArrivals:
     """What :meth:`Participation.decide` tells the round loop and the metrics row."""
@@ -62,11 +76,16 @@ class RoundArrivals:
     times: RoundTimes
     too_few: bool
     """Fewer than ``participation.min_clients`` arrived: the server step is skipped."""
+    folded: list[int] | None = None
+    """``participation.late=next_round``: the clients whose upload of the round before is in
+    ``kept`` (None otherwise: the row has no such key)."""
 
     def row(self, clock_on: bool, clock_s: float) -> dict[str, Any]:
         """The metrics row's keys: who was lost, late or aggregated; with the clock, the times."""
         row: dict[str, Any] = {"dropped_clients": self.times.dropped, "late_clients": self.times.late,
                                "arrived_clients": len(self.times.arrived)}
+        if self.folded is not None:
+            row["late_folded_clients"] = self.folded
         if clock_on:
             row.update(sim_round_s=round(self.times.round_seconds, 6), sim_clock_s=round(clock_s, 6))
         return row
@@ -80,6 +99,8 @@ class Participation:
         self.options = config.participation
         self.devices = devices
         self.clock_s = 0.0
+        self.held: dict[int, Payload] = {}
+        """``late=next_round``: last round's late uploads, by client, for this round's server."""
         train = config.train
         self.steps = local_steps(info.class_counts[: config.num_clients].sum(axis=1), train)
         flops: dict[str, float] = {}
@@ -108,13 +129,20 @@ class Participation:
                             options.deadline_s)
         self.clock_s += times.round_seconds
         kept = {c: gathered[c] for c in times.arrived if c in gathered}
-        return RoundArrivals(kept, times, too_few=len(times.arrived) < options.min_clients)
+        if options.late != "next_round":
+            return RoundArrivals(kept, times, too_few=len(times.arrived) < options.min_clients)
+        # last round's late uploads join, except where their client's fresh one arrived
+        folded = sorted(c for c in self.held if c not in kept)
+        kept = dict(sorted({**kept, **{c: self.held[c] for c in folded}}.items()))
+        self.held = {c: gathered[c] for c in times.late if c in gathered}
+        return RoundArrivals(kept, times, too_few=len(kept) < options.min_clients, folded=folded)
 
-    def state_dict(self) -> dict[str, float]:
-        return {"clock_s": self.clock_s}
+    def state_dict(self) -> dict[str, Any]:
+        return {"clock_s": self.clock_s, "held_uploads": {c: dict(p) for c, p in self.held.items()}}
 
-    def load_state_dict(self, state: Mapping[str, float]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.clock_s = float(state.get("clock_s", 0.0))
+        self.held = {int(c): dict(p) for c, p in state.get("held_uploads", {}).items()}
 
 
 def rank0_participation(config: Config, info: PartitionInfo) -> Participation | None:

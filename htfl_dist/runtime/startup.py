@@ -310,12 +310,13 @@ def check_config(config: Config, world_size: int | None = None) -> None:
     from htfl_dist.metrics.sinks import check_outputs_available
     from htfl_dist.models import architecture_for_client
     from htfl_dist.models.pretrained import files_in_use as pretrained_files
-    from htfl_dist.runtime.participation import client_devices
+    from htfl_dist.runtime.participation import check_late_uploads, client_devices
     from htfl_dist.runtime.placement import check_world_size
 
     architecture_for_client(config.model.group, 0)
     check_outputs_available(config)
     client_devices(config)  # participation.trace: read and checked before any rank talks
+    check_late_uploads(config)  # participation.late=next_round: a server that can take them
     pretrained_files(config)  # model.pretrained: every architecture's file is there
     if world_size is not None:
         check_world_size(world_size, config.num_clients)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from conftest import SMOKE, maths_only, read_metrics, run_program, run_smoke
+from htfl_dist.config import load_config
 from htfl_dist.runtime.simulate import simulate
 
 FAST, SLOW = 1000.0, 1e-4
@@ -62,6 +63,48 @@ def test_only_the_arrived_uploads_reach_the_server(tmp_path, cache_dir):
         arrived = sorted(set(range(6)) - set(row["dropped_clients"]) - set(row["late_clients"]))
         assert row["arrived_clients"] == len(arrived) and set(row["late_clients"]) <= {1, 3}
         assert row["server_pairs"] == int(np.count_nonzero(counts[arrived]))
+
+
+@pytest.mark.integration
+def test_late_uploads_join_the_next_round_when_asked(tmp_path, cache_dir):
+    """participation.late=next_round: clients 1 and 3 miss every deadline; from round 2 on their
+    previous round's prototypes are among the pairs FedTGP's server trains on, and round 1, which
+    has none to fold, is the late=drop run's round 1."""
+    import numpy as np
+
+    from htfl_dist.config import load_config
+    from htfl_dist.data import prepare_partition
+
+    overrides = [*_deadline_overrides(_trace(tmp_path), cache_dir), "algorithm=fedtgp", "algo.server_epochs=2"]
+    late = simulate(SMOKE, [*overrides, "participation.late=next_round"], out=tmp_path / "late")
+    dropped = simulate(SMOKE, overrides, out=tmp_path / "drop")
+    counts = prepare_partition(load_config(SMOKE, overrides).data, 6, 0).class_counts
+    on_time = [0, 2, 4, 5]
+    assert [r["late_folded_clients"] for r in late] == [[], [1, 3], [1, 3]]
+    assert [r["server_pairs"] for r in late] == [int(np.count_nonzero(counts[on_time])),
+                                                 *[int(np.count_nonzero(counts))] * 2]
+    assert all(r["server_pairs"] == int(np.count_nonzero(counts[on_time])) for r in dropped)
+    assert "late_folded_clients" not in dropped[0]
+    assert late[0]["test_acc"] == dropped[0]["test_acc"] and late[1]["test_acc"] != dropped[1]["test_acc"]
+    resumed = tmp_path / "resumed"
+    common = ["--config", str(SMOKE), "--out", str(resumed), *overrides, "participation.late=next_round",
+              "checkpoint_every=1"]
+    assert run_program([*common, "rounds=2"]).returncode == 0
+    assert run_program([*common, "--resume", "auto", "rounds=3"]).returncode == 0
+    assert maths_only(read_metrics(resumed)) == maths_only(late)  # the held uploads survive the checkpoint
+
+
+def test_late_uploads_need_a_deadline_and_a_server_that_takes_them(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    result = run_program(["--config", str(SMOKE), "--out", str(out), *_deadline_overrides(_trace(tmp_path), cache_dir),
+                          "algorithm=fedl2g", "participation.late=next_round"])
+    assert result.returncode == 2
+    assert "participation.late=next_round: fedl2g's server answers each round's uploads" in result.stderr
+    assert not (out / "metrics.jsonl").exists()
+    from htfl_dist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"without participation\.deadline_s no upload is late"):
+        load_config(SMOKE, ["participation.clock=true", "participation.late=next_round"])
 
 
 @pytest.mark.integration
@@ -124,7 +167,7 @@ def test_resume_continues_the_same_clock(tmp_path, cache_dir):
 def test_one_process_and_three_ranks_agree(tmp_path, cache_dir, launcher):
     overrides = [*_deadline_overrides(_trace(tmp_path), cache_dir)[1:], "participation.drop_rate=0.25",
                  "participation.random_join=true", "join_ratio=0.5", "participation.send_slow_rate=0.5",
-                 "eval.clients_fraction=0.5", "stop.patience=2"]
+                 "eval.clients_fraction=0.5", "stop.patience=2", "participation.late=next_round"]
     single = run_smoke("single", 1, tmp_path / "one", cache_dir, *overrides)
     spread = run_smoke(launcher, 3, tmp_path / "three", cache_dir, *overrides)
     assert maths_only(spread) == maths_only(single)

@@ -81,6 +81,7 @@ def test_an_unseen_client_fine_tunes_its_epochs_at_the_base_rate_whatever_the_sc
     import dataclasses
 
     from helpers import make_client, make_context
+
     from htfl_dist.runtime.evaluation import UnseenClients
 
     config = load_config(SMOKE, ["algorithm=local", "train.lr_schedule=cosine", "train.lr=0.05", "rounds=20",
