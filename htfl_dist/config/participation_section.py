@@ -46,6 +46,9 @@ class ParticipationConfig:
     """A round with fewer aggregated uploads than this skips the server step and says so."""
     random_join: bool = False
     """HtFLlib's -rjr: each round's participant count drawn from int(N·join_ratio)..N."""
+    availability_period_s: float = bounded(0.0, at_least=0, note="0 = windows do not repeat")
+    """The period after which a trace's availability windows (``available``) repeat, in simulated
+    seconds (86400: a day); 0: they are absolute times."""
     late: Literal["drop", "next_round"] = "drop"
     """What becomes of an upload that misses ``deadline_s``: drop (lost, as HtFLlib's -tth);
     next_round: the server takes it in the next round, with that round's uploads, unless its

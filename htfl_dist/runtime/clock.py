@@ -54,6 +54,19 @@ class ClientDevice:
     bandwidth: float = 12.5e6
     slow_training: bool = False
     slow_sending: bool = False
+    windows: tuple[tuple[float, float], ...] = ()
+    """When the device can take part, as [start, end) intervals of simulated seconds (a trace's
+    ``available``); empty: always."""
+
+
+def is_available(device: ClientDevice, at_s: float, period_s: float) -> bool:
+    """Whether ``device`` can take part in a round that starts at simulated second ``at_s``:
+    inside one of its windows, which repeat every ``period_s`` seconds (0: they do not repeat,
+    as FedScale's traces of one day are read as a day that repeats only if asked)."""
+    if not device.windows:
+        return True
+    t = at_s % period_s if period_s > 0 else at_s
+    return any(start <= t < end for start, end in device.windows)
 
 
 @dataclass(frozen=True)
@@ -93,8 +106,11 @@ def profile_devices(seed: int, num_clients: int, bandwidth_mbps: float, train_sl
 
 def read_trace(path: str | Path, num_clients: int) -> list[ClientDevice]:
     """Per-client speed factor and bandwidth from a CSV (header ``client,speed,bandwidth_mbps``)
-    or a JSON list of such objects. Every client 0..N-1 exactly once; speeds and bandwidths
-    finite and positive; anything else one line naming file, line (CSV) or entry (JSON) and field."""
+    or a JSON list of such objects, each with an optional ``available``: the client's windows of
+    simulated seconds, ``0-3600;7200-9000`` in a CSV cell or ``[[0, 3600], [7200, 9000]]`` in JSON
+    (absent or empty: always available). Every client 0..N-1 exactly once; speeds and bandwidths
+    finite and positive, windows finite with start < end; anything else one line naming file,
+    line (CSV) or entry (JSON) and field."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -138,6 +154,39 @@ def _number(path: Path, where: str, row: Mapping[str, object], name: str, *, int
     return number
 
 
+MAX_WINDOWS = 10_000
+"""Availability windows one client may have (a bound before anything is allocated for them)."""
+
+
+def _windows(path: Path, where: str, value: object) -> tuple[tuple[float, float], ...]:
+    """A trace entry's ``available`` as sorted [start, end) pairs; None or '' means always."""
+    if value is None or value == "" or value == []:
+        return ()
+    if isinstance(value, str):
+        pieces: list[object] = [piece.split("-", 1) for piece in value.split(";") if piece.strip()]
+    elif isinstance(value, list):
+        pieces = value
+    else:
+        pieces = [value]
+    if len(pieces) > MAX_WINDOWS:
+        raise ConfigError(f"participation.trace {path}: {where}: available has {len(pieces)} windows, more than "
+                          f"{MAX_WINDOWS}")
+    windows = []
+    for piece in pieces:
+        try:
+            if not isinstance(piece, list | tuple):
+                raise TypeError
+            start, end = (float(str(bound).strip()) for bound in piece)
+        except (TypeError, ValueError):
+            raise ConfigError(f"participation.trace {path}: {where}: available has {piece!r}; a window is "
+                              f"START-END in a CSV cell or [START, END] in JSON, in simulated seconds") from None
+        if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
+            raise ConfigError(f"participation.trace {path}: {where}: available window {start:g}-{end:g} must have "
+                              f"0 <= start < end, both finite")
+        windows.append((start, end))
+    return tuple(sorted(windows))
+
+
 def _devices_from_rows(path: Path, rows: Sequence[tuple[str, Mapping[str, object]]],
                        num_clients: int) -> list[ClientDevice]:
     devices: dict[int, ClientDevice] = {}
@@ -148,7 +197,8 @@ def _devices_from_rows(path: Path, rows: Sequence[tuple[str, Mapping[str, object
         if client in devices:
             raise ConfigError(f"participation.trace {path}: {where}: client {client} appears twice")
         devices[client] = ClientDevice(_number(path, where, row, "speed"),
-                                       _number(path, where, row, "bandwidth_mbps") * 1e6 / 8)
+                                       _number(path, where, row, "bandwidth_mbps") * 1e6 / 8,
+                                       windows=_windows(path, where, row.get("available")))
     missing = [client for client in range(num_clients) if client not in devices]
     if missing:
         raise ConfigError(f"participation.trace {path}: no entry for client(s) {missing[:5]}"

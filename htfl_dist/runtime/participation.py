@@ -27,6 +27,7 @@ from htfl_dist.runtime.clock import (
     RoundTimes,
     client_seconds,
     dropped_clients,
+    is_available,
     profile_devices,
     read_trace,
     round_times,
@@ -75,6 +76,9 @@ class RoundArrivals:
     kept: dict[int, Payload]
     times: RoundTimes
     too_few: bool
+    unavailable: list[int] | None = None
+    """Participants outside their trace's availability windows when the round started: not
+    heard from (None when no client has windows: the row has no such key)."""
     """Fewer than ``participation.min_clients`` arrived: the server step is skipped."""
     folded: list[int] | None = None
     """``participation.late=next_round``: the clients whose upload of the round before is in
@@ -86,6 +90,8 @@ class RoundArrivals:
                                "arrived_clients": len(self.times.arrived)}
         if self.folded is not None:
             row["late_folded_clients"] = self.folded
+        if self.unavailable is not None:
+            row["unavailable_clients"] = self.unavailable
         if clock_on:
             row.update(sim_round_s=round(self.times.round_seconds, 6), sim_clock_s=round(clock_s, 6))
         return row
@@ -98,6 +104,7 @@ class Participation:
         self.config = config
         self.options = config.participation
         self.devices = devices
+        self.has_windows = any(device.windows for device in devices)
         self.clock_s = 0.0
         self.held: dict[int, Payload] = {}
         """``late=next_round``: last round's late uploads, by client, for this round's server."""
@@ -121,8 +128,15 @@ class Participation:
 
     def decide(self, round_index: int, participants: list[int], gathered: Mapping[int, Payload],
                download_bytes: int) -> RoundArrivals:
-        """Of the gathered uploads, those that reach the server this round; advances the clock."""
+        """Of the gathered uploads, those that reach the server this round; advances the clock.
+        A participant outside its availability windows at the round's start is not heard from
+        and not waited for (it trained on its rank all the same: every rank plays the same round)."""
         options = self.options
+        unavailable = None
+        if self.has_windows:
+            unavailable = [c for c in participants
+                           if not is_available(self.devices[c], self.clock_s, options.availability_period_s)]
+            participants = [c for c in participants if c not in set(unavailable)]
         seconds = {c: (self.seconds(c, round_index, download_bytes + payload_bytes(gathered.get(c)))
                        if options.clock else 0.0) for c in participants}
         times = round_times(seconds, dropped_clients(self.config.seed, round_index, participants, options.drop_rate),
@@ -130,12 +144,14 @@ class Participation:
         self.clock_s += times.round_seconds
         kept = {c: gathered[c] for c in times.arrived if c in gathered}
         if options.late != "next_round":
-            return RoundArrivals(kept, times, too_few=len(times.arrived) < options.min_clients)
+            return RoundArrivals(kept, times, too_few=len(times.arrived) < options.min_clients,
+                                 unavailable=unavailable)
         # last round's late uploads join, except where their client's fresh one arrived
         folded = sorted(c for c in self.held if c not in kept)
         kept = dict(sorted({**kept, **{c: self.held[c] for c in folded}}.items()))
         self.held = {c: gathered[c] for c in times.late if c in gathered}
-        return RoundArrivals(kept, times, too_few=len(kept) < options.min_clients, folded=folded)
+        return RoundArrivals(kept, times, too_few=len(kept) < options.min_clients, folded=folded,
+                             unavailable=unavailable)
 
     def state_dict(self) -> dict[str, Any]:
         return {"clock_s": self.clock_s, "held_uploads": {c: dict(p) for c, p in self.held.items()}}

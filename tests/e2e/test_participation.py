@@ -94,6 +94,20 @@ def test_late_uploads_join_the_next_round_when_asked(tmp_path, cache_dir):
     assert maths_only(read_metrics(resumed)) == maths_only(late)  # the held uploads survive the checkpoint
 
 
+@pytest.mark.integration
+def test_clients_outside_their_windows_are_not_heard(tmp_path, cache_dir):
+    """Clients 1 and 3 miss every 10 s deadline, so rounds start at 0, 10 and 20 simulated s;
+    client 0 can take part in [0, 15), client 2 from 10 s on."""
+    windows = {0: "0-15", 2: "10-100"}
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,speed,bandwidth_mbps,available\n" + "".join(
+        f"{c},{s},1000,{windows.get(c, '')}\n" for c, s in enumerate(SPEEDS)))
+    rows = simulate(SMOKE, _deadline_overrides(str(trace), cache_dir), out=tmp_path / "run")
+    assert [r["unavailable_clients"] for r in rows] == [[2], [], [0]]
+    assert [r["arrived_clients"] for r in rows] == [3, 4, 3]
+    assert [r["late_clients"] for r in rows] == [[1, 3]] * 3
+
+
 def test_late_uploads_need_a_deadline_and_a_server_that_takes_them(tmp_path, cache_dir):
     out = tmp_path / "run"
     result = run_program(["--config", str(SMOKE), "--out", str(out), *_deadline_overrides(_trace(tmp_path), cache_dir),

@@ -14,6 +14,7 @@ from htfl_dist.runtime.clock import (
     client_seconds,
     dropped_clients,
     htfllib_slow_clients,
+    is_available,
     join_count,
     profile_devices,
     read_trace,
@@ -92,6 +93,32 @@ def test_a_trace_gives_each_client_its_speed_and_bandwidth(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps([{"client": 0, "speed": 1, "bandwidth_mbps": 8}]))
     assert read_trace(path, 1) == [ClientDevice(1.0, 1e6)]
+
+
+def test_availability_windows_from_a_trace(tmp_path):
+    """CSV cells START-END;START-END, JSON pairs; windows are [start, end), repeating with a period."""
+    devices = read_trace(_csv(tmp_path, "client,speed,bandwidth_mbps,available\n0,1,8,3600-7200;0-60\n1,1,8,\n"), 2)
+    assert devices[0].windows == ((0.0, 60.0), (3600.0, 7200.0)) and devices[1].windows == ()
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps([{"client": 0, "speed": 1, "bandwidth_mbps": 8, "available": [[10, 20]]}]))
+    (device,) = read_trace(path, 1)
+    assert [is_available(device, t, 0) for t in (9.9, 10, 19.9, 20, 110)] == [False, True, True, False, False]
+    assert [is_available(device, t, 100) for t in (110, 125, 1015)] == [True, False, True]
+    assert is_available(devices[1], 1e9, 0)  # no windows: always
+
+
+@pytest.mark.parametrize("available, needle", [
+    ("5-2", "available window 5-2 must have 0 <= start < end"),
+    ("a-b", "available has ['a', 'b']; a window is START-END"),
+    ("7", "available has ['7']; a window is START-END"),
+    ("1-inf", "available window 1-inf must have 0 <= start < end, both finite"),
+])
+def test_a_bad_availability_window_is_one_line(tmp_path, available, needle):
+    path = _csv(tmp_path, f"client,speed,bandwidth_mbps,available\n0,1,8,{available}\n")
+    with pytest.raises(ConfigError) as refused:
+        read_trace(path, 1)
+    assert str(refused.value).startswith(f"participation.trace {path}: line 2: ")
+    assert needle in str(refused.value) and "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize("text, needles", [
