@@ -53,7 +53,7 @@ KEYS_ADDED_LATER: dict[str, dict[str, Any]] = {
     "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off", "optimizer": "sgd",
               "momentum": 0.0, "weight_decay": 0.0, "lr_schedule": "constant", "lr_decay": 0.99,
               "lr_step_rounds": 0, "lr_min": 0.0},
-    "data": {"vocab_size": None, "few_shot": 0, "balance": False},
+    "data": {"vocab_size": None, "few_shot": 0, "balance": False, "domains": []},
     "eval": {"new_clients": 0, "new_client_epochs": 1},
     "participation": {"late": "drop", "availability_period_s": 0.0},
 }

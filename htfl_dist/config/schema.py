@@ -41,7 +41,8 @@ class DataConfig:
 
     dataset: str = "fmnist"
     """A dataset registered with ``htfl_dist.data.sources.register_dataset``: the built-in sources
-    (fmnist, cifar10, cifar100, tinyimagenet, flowers102) or a plugin's; the resolution step
+    (fmnist, cifar10, cifar100, tinyimagenet, flowers102; the domain suites digit5 and domainnet)
+    or a plugin's; the resolution step
     (``htfl_dist.resolution``) refuses a name no source holds."""
     root: str | None = None
     """Directory holding the dataset files (fmnist default: the OS package's directory). The

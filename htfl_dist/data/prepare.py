@@ -58,6 +58,7 @@ from .pfllib import (
     read_pfllib_config,
     read_pfllib_file,
 )
+from .sources.domains import check_domains, domain_of_client, domain_suite, load_domains
 
 Report = Callable[[str], None]
 """Receives one progress line per step (rank 0 prints them)."""
@@ -82,14 +83,15 @@ def _cache_path(data: DataConfig, label: str, partition: str, key_json: str) -> 
 
 
 def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | None,
-                   batch_size: int) -> dict:
+                   batch_size: int, source: list | None = None) -> dict:
     """Every input that changes a split drawn here. Its JSON is hashed into the file name and
     stored in the file, so any change means another cache; a new key must leave the JSON of
-    configs that do not use it unchanged, or every existing cache would be rebuilt."""
+    configs that do not use it unchanged, or every existing cache would be rebuilt. ``source``:
+    the fingerprint of what is read (default: the whole dataset's)."""
     key = {
         "format_version": FORMAT_VERSION,
         "dataset": data.dataset,
-        "source": dataset_fingerprint(data.dataset, root),
+        "source": dataset_fingerprint(data.dataset, root) if source is None else source,
         "partition": data.partition,
         "subsample": float(data.subsample),
         "train_ratio": float(data.train_ratio),
@@ -213,6 +215,79 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Re
     report(f"data: writing the partition cache {path}")
     write_cache(path, attrs, num_clients, arrays.num_classes, client_arrays)
     return read_partition_info(path)
+
+
+# --------------------------------------------------------------------------- domains (data.domains)
+
+
+def _prepare_domains(data: DataConfig, num_clients: int, seed: int, report: Report,
+                     batch_size: int) -> PartitionInfo:
+    """Client i gets domain i mod D; each domain's samples are split among its own clients by
+    ``data.partition`` exactly as a whole dataset would be (the same rules, the split seed, that
+    domain's labels alone), so every client's train and test samples come from its domain."""
+    suite = domain_suite(data.dataset)
+    domains = check_domains(suite, list(data.domains), num_clients)
+    if data.partition in ("pathological", "exdir") and data.classes_per_client > suite.num_classes:
+        raise ConfigError(
+            f"config key 'data.classes_per_client' is {data.classes_per_client} but the dataset "
+            f"has only {suite.num_classes} classes; use a value in 1..{suite.num_classes}"
+        )
+    owners = domain_of_client(num_clients, len(domains))
+    clients_of = [[cid for cid in range(num_clients) if owners[cid] == d] for d in range(len(domains))]
+    folder = suite.folder(dataset_root(data))
+    source = []
+    for domain in domains:
+        suite.files(folder, domain)  # a missing domain: one line naming its files
+        source.append([domain, *suite.fingerprint(folder, domain)])
+    key = _partition_key(data, num_clients, seed, folder, batch_size, source=source)
+    key["domains"] = domains
+    key["domain_of_client"] = "i mod D"
+    key_json = _key_json(key)
+    label = _safe_label(f"{data.dataset}-{'+'.join(domains)}")
+    path = _cache_path(data, label, data.partition, key_json)
+    if is_complete(path, key_json):
+        report(f"data: partition cache found ({path})")
+        return read_partition_info(path)
+
+    report(f"data: no partition cache for this config yet; reading {data.dataset} domains "
+           f"{', '.join(domains)} from {folder}")
+    parts = load_domains(suite, folder, domains)
+    num_classes = int(max(int(labels.max()) for _, labels in parts if labels.size) + 1)
+    splits: dict[int, tuple[int, np.ndarray, np.ndarray]] = {}
+    for d, (domain, (_, labels)) in enumerate(zip(domains, parts, strict=True)):
+        members = clients_of[d]
+        report(f"data: domain {domain}: {labels.shape[0]} samples, {num_classes} classes; partitioning "
+               f"({data.partition}, {data.partition_rules} rules) into clients {_client_list(members)}")
+        for cid, (train, test) in zip(members, _build_indices(data, labels, num_classes, len(members), seed,
+                                                               batch_size), strict=True):
+            splits[cid] = (d, train, test)
+
+    def client_arrays(cid: int) -> ClientArrays:
+        d, train, test = splits[cid]
+        images, labels = parts[d]
+        return images[train], labels[train], images[test], labels[test]
+
+    attrs = {
+        "format_version": FORMAT_VERSION,
+        "dataset": data.dataset,
+        "partition": data.partition,
+        "num_classes": num_classes,
+        "in_channels": 3,
+        "image_size": int(suite.image_size),
+        "num_clients": int(num_clients),
+        "x_format": "uint8",
+        "key_json": key_json,
+        "domains": ",".join(domains),
+        "domain_of_client": np.asarray(owners, dtype=np.int64),
+    }
+    report(f"data: writing the partition cache {path}")
+    write_cache(path, attrs, num_clients, num_classes, client_arrays)
+    return read_partition_info(path)
+
+
+def _client_list(members: list[int]) -> str:
+    shown_ = ", ".join(str(cid) for cid in members[:6])
+    return shown_ + (f", ... ({len(members)} clients)" if len(members) > 6 else "")
 
 
 # --------------------------------------------------------------------------- a PFLlib directory
@@ -347,6 +422,9 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
     is drawn from ``data.partition_seed`` when set, else from the run's ``seed``.
     """
     check_value("num_clients", num_clients, at_least=1)
+    if data.domains and data.partition == "pfllib":
+        raise ConfigError("config key 'data.domains' splits a dataset's domains here, but data.partition=pfllib "
+                          "reads a finished split; leave data.domains empty or pick dirichlet, pathological or exdir")
     if data.partition == "pfllib":
         return _apply_vocab_size(_prepare_pfllib(data, num_clients, report), data)
     if data.partition not in ("pathological", "dirichlet", "exdir"):
@@ -356,4 +434,6 @@ def prepare_partition(data: DataConfig, num_clients: int, seed: int, report: Rep
         )
     data.check()  # before the dataset is read
     split_seed = seed if data.partition_seed is None else data.partition_seed
+    if data.domains:
+        return _prepare_domains(data, num_clients, split_seed, report, batch_size)
     return _apply_vocab_size(_prepare_generated(data, num_clients, split_seed, report, batch_size), data)

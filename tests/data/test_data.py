@@ -517,7 +517,8 @@ def test_registered_dataset_is_allowed_and_unknown_refused(tmp_path, monkeypatch
     assert os.path.basename(info.path).startswith("toy-dirichlet-") and info.num_classes == 2
 
     expected = ("config key 'data.dataset' is 'mnist-ish'; "
-                f"registered: fmnist, cifar10, cifar100, tinyimagenet, flowers102, toy ({PLUGIN_HINT})")
+                "registered: fmnist, cifar10, cifar100, tinyimagenet, flowers102, digit5, domainnet, "
+                f"toy ({PLUGIN_HINT})")
     from htfl_dist.resolution import resolved_config
 
     resolved = resolved_config(None, ["data.dataset=toy", f"data.root={tmp_path}"])  # a registered source is named
@@ -537,7 +538,8 @@ def test_unknown_dataset_message_is_the_configs():
     with pytest.raises(ConfigError) as from_registry:
         load_dataset("mnist-ish", None)
     assert _one_line(from_config) == _one_line(from_registry) == (
-        "config key 'data.dataset' is 'mnist-ish'; registered: fmnist, cifar10, cifar100, tinyimagenet, flowers102 "
+        "config key 'data.dataset' is 'mnist-ish'; registered: fmnist, cifar10, cifar100, tinyimagenet, flowers102, "
+        "digit5, domainnet "
         f"({PLUGIN_HINT})")
 
 

@@ -82,7 +82,12 @@ ADDED_ON_2026_11_27 = {
     "fmnist_htcnn8_fednh_dirichlet": "1d50077c63fd88ab",
 }
 
-PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25, **ADDED_ON_2026_11_27}
+ADDED_BY_DOMAINS = {
+    "digit5_htcnn8_fedproto_domains": "56c02e9ed83ff664",
+}
+
+PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25, **ADDED_ON_2026_11_27,
+          **ADDED_BY_DOMAINS}
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
