@@ -55,7 +55,7 @@ KEYS_ADDED_LATER: dict[str, dict[str, Any]] = {
               "lr_step_rounds": 0, "lr_min": 0.0},
     "data": {"vocab_size": None, "few_shot": 0, "balance": False, "domains": []},
     "eval": {"new_clients": 0, "new_client_epochs": 1},
-    "participation": {"late": "drop", "availability_period_s": 0.0},
+    "participation": {"late": "drop", "availability_period_s": 0.0, "tiers": None},
 }
 """Keys added after runs existed, per section, with the default that was the only behaviour
 before them: at that default a key is left out of the experiment, so earlier runs and their

@@ -4,11 +4,33 @@ participation on a simulated clock), a leaf like the rest of the schema: the run
 defaults without importing the whole schema."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 from htfl_dist.config.rules import bounded
 from htfl_dist.errors import ConfigError
+
+
+def parse_tiers(text: str) -> list[tuple[float, float, float]]:
+    """``SHARE:SPEED:MBPS,...`` as (share, speed, Mbit/s) triples: shares in (0, 1] summing to 1,
+    speeds and bandwidths finite and positive; anything else one line naming the tier."""
+    tiers = []
+    for index, part in enumerate(text.split(",")):
+        fields = part.strip().split(":")
+        try:
+            share, speed, mbps = (float(field) for field in fields)
+        except ValueError:
+            raise ConfigError(f"config key 'participation.tiers': tier {index + 1} is {part.strip()!r}; a tier is "
+                              f"SHARE:SPEED:MBPS, e.g. 0.5:1:100") from None
+        if not all(math.isfinite(v) and v > 0 for v in (share, speed, mbps)) or share > 1:
+            raise ConfigError(f"config key 'participation.tiers': tier {index + 1} ({part.strip()}) needs a share in "
+                              f"(0, 1] and a finite speed and bandwidth > 0")
+        tiers.append((share, speed, mbps))
+    if abs(sum(share for share, _, _ in tiers) - 1) > 1e-6:
+        raise ConfigError(f"config key 'participation.tiers': the shares sum to "
+                          f"{sum(share for share, _, _ in tiers):g}, not 1")
+    return tiers
 
 
 @dataclass
@@ -22,9 +44,13 @@ class ParticipationConfig:
     """Simulate every participant's seconds per round (compute from its architecture's FLOPs and
     its device's speed, transfers from its bytes and bandwidth): rows get ``sim_round_s`` and
     ``sim_clock_s``. A deadline, slow clients or a trace need it."""
-    profile: Literal["uniform", "trace"] = "uniform"
-    """uniform: every client at the reference speed and ``bandwidth_mbps`` (HtFLlib's slow
-    fractions on top); trace: speed and bandwidth per client from ``trace``."""
+    profile: Literal["uniform", "tiers", "trace"] = "uniform"
+    """uniform: every client at the reference speed and ``bandwidth_mbps``; tiers: shares of the
+    clients at a speed and bandwidth each (``tiers``); both with HtFLlib's slow fractions on top;
+    trace: speed, bandwidth and availability per client from ``trace``."""
+    tiers: str | None = None
+    """``SHARE:SPEED:MBPS,...`` (e.g. ``0.5:1:100,0.3:0.5:20,0.2:0.1:5``): the shares, summing to
+    1, of the clients that get each speed factor and bandwidth; which clients from (seed)."""
     trace: str | None = None
     """CSV (``client,speed,bandwidth_mbps``) or JSON list of such objects, one per client."""
     reference_tflops: float = bounded(1.0, above=0, note="TFLOP/s of a speed-1 client")
@@ -59,7 +85,7 @@ class ParticipationConfig:
         needs_clock = [name for name, on in (("deadline_s", self.deadline_s > 0),
                                              ("train_slow_rate", self.train_slow_rate > 0),
                                              ("send_slow_rate", self.send_slow_rate > 0),
-                                             ("profile", self.profile == "trace")) if on]
+                                             ("profile", self.profile != "uniform")) if on]
         if needs_clock and not self.clock:
             raise ConfigError(f"config key 'participation.{needs_clock[0]}' is "
                               f"{getattr(self, needs_clock[0])}, which acts on the simulated clock; "
@@ -67,6 +93,11 @@ class ParticipationConfig:
         if self.late == "next_round" and self.deadline_s <= 0:
             raise ConfigError("config key 'participation.late' is next_round, but without participation.deadline_s "
                               "no upload is late; set a deadline or leave participation.late=drop")
+        if (self.profile == "tiers") != bool(self.tiers):
+            raise ConfigError("config key 'participation.tiers' gives the tiers of participation.profile=tiers; "
+                              "set both or neither")
+        if self.tiers:
+            parse_tiers(self.tiers)
         if (self.profile == "trace") != bool(self.trace):
             raise ConfigError("config key 'participation.trace' names the trace file of participation.profile=trace; "
                               "set both or neither")

@@ -27,6 +27,7 @@ checkpoint.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -102,6 +103,26 @@ def profile_devices(seed: int, num_clients: int, bandwidth_mbps: float, train_sl
     slow_sending = htfllib_slow_clients(seed, num_clients, send_slow_rate, "send")
     return [ClientDevice(1.0, bandwidth_mbps * 1e6 / 8, client in slow_training, client in slow_sending)
             for client in range(num_clients)]
+
+
+def tier_devices(seed: int, num_clients: int, tiers: Sequence[tuple[float, float, float]],
+                 train_slow_rate: float, send_slow_rate: float) -> list[ClientDevice]:
+    """Clients in tiers of (share, speed, Mbit/s): the counts by largest remainder of share·N (so
+    they sum to N; ties to the earlier tier), the members by a permutation from (seed); HtFLlib's
+    slow fractions on top, as for the uniform profile."""
+    quotas = [share * num_clients for share, _, _ in tiers]
+    counts = [int(q) for q in quotas]
+    for index in sorted(range(len(tiers)), key=lambda i: (-(quotas[i] - counts[i]), i))[: num_clients - sum(counts)]:
+        counts[index] += 1
+    order = numpy_rng(seed, "device-tiers").permutation(num_clients)
+    tier_of = np.empty(num_clients, dtype=np.int64)
+    start = 0
+    for index, count in enumerate(counts):
+        tier_of[order[start : start + count]] = index
+        start += count
+    base = profile_devices(seed, num_clients, 1.0, train_slow_rate, send_slow_rate)
+    return [dataclasses.replace(device, speed=tiers[tier_of[c]][1], bandwidth=tiers[tier_of[c]][2] * 1e6 / 8)
+            for c, device in enumerate(base)]
 
 
 def read_trace(path: str | Path, num_clients: int) -> list[ClientDevice]:

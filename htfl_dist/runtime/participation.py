@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from htfl_dist.config import Config
+from htfl_dist.config.participation_section import parse_tiers
 from htfl_dist.data.cache import PartitionInfo
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import architecture_for_client
@@ -31,6 +32,7 @@ from htfl_dist.runtime.clock import (
     profile_devices,
     read_trace,
     round_times,
+    tier_devices,
 )
 from htfl_dist.runtime.placement import local_steps
 
@@ -45,6 +47,10 @@ def client_devices(config: Config) -> list[ClientDevice]:
     if options.profile == "trace":
         assert options.trace is not None, "checked with the config"
         return read_trace(options.trace, config.num_clients)
+    if options.profile == "tiers":
+        assert options.tiers is not None, "checked with the config"
+        return tier_devices(config.seed, config.num_clients, parse_tiers(options.tiers), options.train_slow_rate,
+                            options.send_slow_rate)
     return profile_devices(config.seed, config.num_clients, options.bandwidth_mbps, options.train_slow_rate,
                            options.send_slow_rate)
 

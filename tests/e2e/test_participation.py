@@ -108,6 +108,19 @@ def test_clients_outside_their_windows_are_not_heard(tmp_path, cache_dir):
     assert [r["late_clients"] for r in rows] == [[1, 3]] * 3
 
 
+@pytest.mark.integration
+def test_a_slow_tier_misses_the_deadline(tmp_path, cache_dir):
+    """participation.profile=tiers: half the clients a million times slower than the rest are the
+    ones late in every round, the same half each round, drawn from the seed."""
+    from htfl_dist.runtime.clock import tier_devices
+
+    rows = simulate(SMOKE, [f"data.cache_dir={cache_dir}", "participation.clock=true", "participation.profile=tiers",
+                            "participation.tiers=0.5:1000:1000,0.5:0.0000001:1000", "participation.deadline_s=10"],
+                    out=tmp_path / "run")
+    slow = [c for c, d in enumerate(tier_devices(0, 6, [(0.5, 1000, 1000), (0.5, 1e-7, 1000)], 0, 0)) if d.speed < 1]
+    assert len(slow) == 3 and all(r["late_clients"] == slow and r["arrived_clients"] == 3 for r in rows)
+
+
 def test_late_uploads_need_a_deadline_and_a_server_that_takes_them(tmp_path, cache_dir):
     out = tmp_path / "run"
     result = run_program(["--config", str(SMOKE), "--out", str(out), *_deadline_overrides(_trace(tmp_path), cache_dir),

@@ -4,6 +4,7 @@ and traces refused in one line naming file, line or entry, and field."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -19,6 +20,7 @@ from htfl_dist.runtime.clock import (
     profile_devices,
     read_trace,
     round_times,
+    tier_devices,
 )
 
 
@@ -51,6 +53,32 @@ def test_htfllib_slow_clients_are_drawn_with_replacement():
     devices = profile_devices(0, 10, bandwidth_mbps=80, train_slow_rate=0.5, send_slow_rate=0.0)
     assert {c for c, d in enumerate(devices) if d.slow_training} == slow
     assert all(d.bandwidth == 10e6 and d.speed == 1.0 and not d.slow_sending for d in devices)
+
+
+def test_tiers_split_the_clients_by_their_shares():
+    """10 clients at 0.5 / 0.3 / 0.2: 5, 3 and 2 of them; 7 clients at 0.5 / 0.5: 4 and 3 (the
+    remainder to the earlier tier); the members from the seed; the slow fractions on top."""
+    tiers = [(0.5, 1.0, 100.0), (0.3, 0.5, 20.0), (0.2, 0.1, 8.0)]
+    devices = tier_devices(0, 10, tiers, train_slow_rate=0.0, send_slow_rate=0.0)
+    assert sorted(d.speed for d in devices) == [0.1] * 2 + [0.5] * 3 + [1.0] * 5
+    assert all(d.bandwidth == {1.0: 12.5e6, 0.5: 2.5e6, 0.1: 1e6}[d.speed] for d in devices)
+    assert devices == tier_devices(0, 10, tiers, 0.0, 0.0) != tier_devices(1, 10, tiers, 0.0, 0.0)
+    halves = tier_devices(0, 7, [(0.5, 1.0, 8.0), (0.5, 2.0, 8.0)], 0.0, 0.0)
+    assert sorted(d.speed for d in halves) == [1.0] * 4 + [2.0] * 3
+    slow = tier_devices(0, 10, tiers, train_slow_rate=0.5, send_slow_rate=0.0)
+    assert {c for c, d in enumerate(slow) if d.slow_training} == htfllib_slow_clients(0, 10, 0.5, "train")
+
+
+@pytest.mark.parametrize("tiers, needle", [
+    ("0.5:1:100,0.4:0.5:20", "the shares sum to 0.9, not 1"),
+    ("0.5:1:100,0.5:0:20", "tier 2 (0.5:0:20) needs a share in (0, 1] and a finite speed and bandwidth > 0"),
+    ("1:1", "tier 1 is '1:1'; a tier is SHARE:SPEED:MBPS"),
+])
+def test_bad_tiers_are_one_line(tiers, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        ParticipationConfig(clock=True, profile="tiers", tiers=tiers).check()
+    with pytest.raises(ConfigError, match="set both or neither"):
+        ParticipationConfig(clock=True, profile="tiers").check()
 
 
 def test_client_seconds_by_hand():
