@@ -17,6 +17,7 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     fedsa,
     fedtgp,
     fml,
+    fpl,
     lgfedavg,
     local,
     protonorm,

@@ -198,7 +198,7 @@ def test_a_batched_path_is_declared_exactly_where_train_and_train_group_come_fro
         own = _defined_by(client, "train_group") is _defined_by(client, "train") is not ClientAlgorithm
         assert get_algorithm(name).batched_clients == own, name
     declared = {name for name in algorithm_names() if get_algorithm(name).batched_clients}
-    assert declared == {"local", "fedproto", "fedtgp", "protonorm"}
+    assert declared == {"local", "fedproto", "fedtgp", "fpl", "protonorm"}
 
 
 def _check(algorithm: str, group: str) -> None:
@@ -212,7 +212,7 @@ def test_start_up_check_accepts_the_batched_algorithms_on_htcnn8_and_refuses_the
     for algorithm in ("local", "fedproto", "fedtgp"):
         _check(algorithm, "HtCNN8")
     with pytest.raises(ConfigError, match=r"^train.client_batching=vmap: fedoc has no batched client path "
-                                          r"\(these have: fedproto, fedtgp, local, protonorm\); "
+                                          r"\(these have: fedproto, fedtgp, fpl, local, protonorm\); "
                                           r"use train.client_batching=off$"):
         _check("fedoc", "HtCNN8")
     with pytest.raises(ConfigError, match=r"cannot batch googlenet: it has a BatchNorm2d layer .*client_batching=off$"):

@@ -80,6 +80,7 @@ ADDED_ON_2026_11_27 = {
     "fmnist_htcnn8_fedpcl_dirichlet": "47120d3f867855c0",
     "fmnist_htcnn8_fedhkd_dirichlet": "6fc1bd128e12a338",
     "fmnist_htcnn8_fednh_dirichlet": "1d50077c63fd88ab",
+    "fmnist_htcnn8_fpl_dirichlet": "dd66149b6a5928ef",
 }
 
 ADDED_BY_DOMAINS = {
