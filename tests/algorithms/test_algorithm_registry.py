@@ -305,3 +305,15 @@ def test_local_batch_order_follows_the_given_stream_not_the_global_rng():
         results.append((result.loss_sum, client.model.head.weight.detach().clone()))
     assert results[0][0] == results[1][0]
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_the_readme_counts_the_registered_algorithms():
+    """README.md's "Algorithms today (N)" is the number of names in the registry, each named."""
+    import re
+
+    from conftest import REPO
+    from htfl_dist.algorithms import algorithm_names
+
+    readme = (REPO / "README.md").read_text()
+    count = re.search(r"Algorithms today \((\d+)\)", readme)
+    assert count is not None and int(count.group(1)) == len(algorithm_names())
