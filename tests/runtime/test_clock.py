@@ -184,3 +184,39 @@ def test_clock_options_need_the_clock():
             ParticipationConfig(**options).check()
     with pytest.raises(ConfigError, match="set both or neither"):
         ParticipationConfig(clock=True, profile="trace").check()
+
+
+def test_a_late_upload_is_folded_once_and_a_fresh_one_wins(cache_dir):
+    """participation.late=next_round on rank 0's arrivals: a late upload joins the next round's
+    uploads (its client listed), is not kept longer, and gives way to its client's fresh upload."""
+    import torch
+
+    from conftest import SMOKE
+    from htfl_dist.config import load_config
+    from htfl_dist.data import prepare_partition
+    from htfl_dist.runtime.participation import Participation
+
+    config = load_config(SMOKE, [f"data.cache_dir={cache_dir}", "participation.clock=true",
+                                 "participation.deadline_s=10", "participation.late=next_round"])
+    late_in = {0: {1, 2}, 1: {2, 3}, 2: set()}  # round -> clients past the deadline
+    sampled = {0: list(range(6)), 1: list(range(6)), 2: [0, 1, 2, 4, 5]}
+
+    class Scripted(Participation):
+        def seconds(self, client_id, round_index, bytes_moved):
+            return 20.0 if client_id in late_in[round_index] else 1.0
+
+    info = prepare_partition(config.data, 6, 0)
+    participation = Scripted(config, info, [ClientDevice()] * 6)
+    upload = lambda r, c: {"protos": torch.tensor([[float(10 * r + c)]])}  # noqa: E731
+    decided = [participation.decide(r, sampled[r], {c: upload(r, c) for c in sampled[r]}, 0) for r in range(3)]
+    assert [d.folded for d in decided] == [[], [2], [3]]  # round 1: client 1's fresh upload wins
+    assert [sorted(d.kept) for d in decided] == [[0, 3, 4, 5], [0, 1, 2, 4, 5], [0, 1, 2, 3, 4, 5]]
+    assert float(decided[1].kept[1]["protos"]) == 11.0 and float(decided[1].kept[2]["protos"]) == 2.0
+    assert float(decided[2].kept[2]["protos"]) == 22.0 and float(decided[2].kept[3]["protos"]) == 13.0
+    assert participation.held == {}  # folded once, not kept longer
+    held = Scripted(config, info, [ClientDevice()] * 6)
+    held.decide(0, sampled[0], {c: upload(0, c) for c in sampled[0]}, 0)
+    restored = Scripted(config, info, [ClientDevice()] * 6)
+    restored.load_state_dict(held.state_dict())
+    assert sorted(restored.held) == [1, 2] and float(restored.held[2]["protos"]) == 2.0
+    assert restored.clock_s == held.clock_s == 10.0
