@@ -50,7 +50,13 @@ from htfl_dist.algorithms.interface import (
     TrainResult,
 )
 from htfl_dist.algorithms.registry import register_algorithm
-from htfl_dist.algorithms.training import Batch, batch_cross_entropy, run_local_training, weighted_mean
+from htfl_dist.algorithms.training import (
+    Batch,
+    batch_cross_entropy,
+    gradient_clipper,
+    run_local_training,
+    weighted_mean,
+)
 from htfl_dist.config import bounded
 from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
@@ -174,14 +180,9 @@ class FedHKDClient(ClientAlgorithm):
 
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
-        clip = self.options.clip_grad_norm
-
-        def clip_gradients() -> None:
-            torch.nn.utils.clip_grad_norm_(client.model.parameters(), max_norm=clip)
-
-        before_step = None if clip is None else clip_gradients
         loss_sum, seen = run_local_training(client, self.context, self.loss_function(client, knowledge), generator,
-                                            before_step=before_step)
+                                            before_step=gradient_clipper(client.model.parameters(),
+                                                                         self.options.clip_grad_norm))
         return TrainResult(self.upload(client), loss_sum, seen)
 
     def upload(self, client: ClientState) -> Payload:

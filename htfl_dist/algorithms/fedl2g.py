@@ -37,7 +37,7 @@ from htfl_dist.algorithms.interface import (
     TrainResult,
 )
 from htfl_dist.algorithms.registry import register_algorithm
-from htfl_dist.algorithms.training import Batch, run_local_training
+from htfl_dist.algorithms.training import Batch, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
 from htfl_dist.errors import ConfigError
 from htfl_dist.models.base import SplitModel
@@ -220,11 +220,9 @@ class FedL2GClient(ClientAlgorithm):
             def loss_fn(batch: Batch) -> torch.Tensor:
                 return guided_objective(batch.features, batch.logits, batch.labels, guides, options.guide)
 
-            def clip() -> None:
-                torch.nn.utils.clip_grad_norm_(client.model.parameters(), options.clip_norm)
-
             loss_sum, seen = run_local_training(study, self.context, loss_fn, generator,
-                                                before_step=clip if options.clip_norm > 0 else None)
+                                                before_step=gradient_clipper(client.model.parameters(),
+                                                                             options.clip_norm))
         batch_size = self.context.train.batch_size
         order = torch.randperm(study.train_y.shape[0], generator=torch_generator(
             self.context.seed, "fedl2g-study", client.client_id, round_index)).to(client.device)

@@ -42,7 +42,7 @@ from htfl_dist.algorithms.fedproto import prototype_fields
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, ServerAlgorithm, TrainResult
 from htfl_dist.algorithms.optimizers import companion_optimizer
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
-from htfl_dist.algorithms.training import Batch, batch_cross_entropy, run_local_training
+from htfl_dist.algorithms.training import Batch, batch_cross_entropy, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
 from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
@@ -85,8 +85,6 @@ class FedNHOptions:
     """Clip each local step's gradient (backbone and s_i together) to this norm; None: no clipping
     (the reference code clips at 10)."""
 
-    def validate(self) -> None:
-        """Every limit is a ``bounded`` range."""
 
 
 # ------------------------------------------------------------------------------ the spread
@@ -194,15 +192,10 @@ class FedNHClient(ClientAlgorithm):
         optimizers = [client.optimizer]
         if options.learn_scale:  # afresh each round, at the client's rate (the reference rebuilds its optimizer)
             optimizers.append(companion_optimizer(client, [scale], self.context.train))
-        trained = [*client.model.parameters(), scale]
-
-        def clip() -> None:
-            torch.nn.utils.clip_grad_norm_(trained, options.clip_grad_norm)
-
         loss_sum, seen = run_local_training(
             client, self.context, loss_fn, generator,
             optimizers=optimizers if options.learn_scale else None,
-            before_step=clip if options.clip_grad_norm is not None else None)
+            before_step=gradient_clipper([*client.model.parameters(), scale], options.clip_grad_norm))
         return TrainResult(self.make_upload(client), loss_sum, seen)
 
     def make_upload(self, client: ClientState) -> Payload:

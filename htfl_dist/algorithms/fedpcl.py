@@ -25,7 +25,6 @@ place where PFLlib or the official code (yuetan031/FedPCL) does otherwise is a n
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,14 +33,14 @@ import torch.nn.functional as F
 
 from htfl_dist.algorithms.class_rows import (
     ClassMeanServer,
-    check_class_rows,
     class_means,
     class_row_fields,
+    dense_class_table,
     global_prototype_diagnostics,
 )
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, TrainResult
 from htfl_dist.algorithms.registry import register_algorithm
-from htfl_dist.algorithms.training import Batch, run_local_training, weighted_mean
+from htfl_dist.algorithms.training import Batch, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
@@ -75,8 +74,6 @@ class FedPCLOptions:
     """Clip the client's gradient to this L2 norm before each step (PFLlib: 10, "prevent
     divergency"); None: no clipping."""
 
-    def validate(self) -> None:
-        """Nothing to derive: every option stands alone."""
 
 
 def prototype_logits(features: torch.Tensor, tables: torch.Tensor, available: torch.Tensor,
@@ -99,26 +96,22 @@ def contrastive_terms(features: torch.Tensor, labels: torch.Tensor, tables: torc
     safe = torch.where(known, labels.expand_as(known), available.float().argmax(dim=1, keepdim=True))
     losses = -logits.log_softmax(dim=2).gather(2, safe.unsqueeze(2)).squeeze(2)
     row_weights = known.float() if weights is None else known.float() * weights
-    return torch.stack([weighted_mean(torch.where(k, loss, 0.0), w)
-                        for loss, k, w in zip(losses, known, row_weights, strict=True)])
+    # weighted_mean per table, all tables at once
+    return (torch.where(known, losses, 0.0) * row_weights).sum(dim=1) / row_weights.sum(dim=1).clamp(min=1)
 
 
-def split_download(knowledge: Payload, num_classes: int, feature_dim: int, device: torch.device | str = "cpu"
+def split_download(knowledge: Payload, num_classes: int, device: torch.device | str = "cpu"
                    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """(global table [C, K], its mask [C], {client: (its own table [C, K], its mask [C])}) from
     a download's (class_ids, owners, protos) rows."""
     class_ids, owners, protos = knowledge["class_ids"], knowledge["owners"], knowledge["protos"]
-    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for owner in torch.unique(owners).tolist():
-        rows = owners == owner
-        table = torch.zeros(num_classes, feature_dim, device=device)
-        mask = torch.zeros(num_classes, dtype=torch.bool, device=device)
-        table[class_ids[rows].to(device)] = protos[rows].to(device)
-        mask[class_ids[rows].to(device)] = True
-        tables[int(owner)] = (table, mask)
-    empty = (torch.zeros(num_classes, feature_dim, device=device),
-             torch.zeros(num_classes, dtype=torch.bool, device=device))
-    global_table, global_mask = tables.pop(GLOBAL_OWNER, empty)
+
+    def table_of(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return dense_class_table({"class_ids": class_ids[rows], "protos": protos[rows]}, "protos", num_classes, device)
+
+    tables = {int(owner): table_of(owners == owner) for owner in torch.unique(owners).tolist()
+              if owner != GLOBAL_OWNER}
+    global_table, global_mask = table_of(owners == GLOBAL_OWNER)  # all zeros before the first update
     return global_table, global_mask, tables
 
 
@@ -143,8 +136,7 @@ class FedPCLClient(ClientAlgorithm):
         client's c_j ⊕ c̄ in client-id order, weighted as ``global_term``, ``local_reduction`` and
         ``local_from`` say."""
         options = self.options
-        global_table, global_mask, locals_ = split_download(knowledge, self.context.num_classes,
-                                                            self.context.feature_dim, device)
+        global_table, global_mask, locals_ = split_download(knowledge, self.context.num_classes, device)
         owners = [j for j in sorted(locals_) if options.local_from == "all" or j != client_id]
         tables, masks = [global_table], [global_mask]
         for j in owners:
@@ -167,20 +159,10 @@ class FedPCLClient(ClientAlgorithm):
                 return (terms * term_weights).sum()
 
             loss_sum, seen = run_local_training(client, self.context, loss_fn, generator,
-                                                before_step=self.clipper(client))
+                                                before_step=gradient_clipper(client.model.parameters(),
+                                                                             self.options.grad_clip))
         class_ids, protos = class_means(client, self.context.num_classes, "features", unit_rows=True)
         return TrainResult({"class_ids": class_ids, "protos": protos}, loss_sum, seen)
-
-    def clipper(self, client: ClientState) -> Callable[[], None] | None:
-        """PFLlib's gradient clipping (``grad_clip``) as a ``before_step``; None without it."""
-        limit = self.options.grad_clip
-        if limit is None:
-            return None
-
-        def clip() -> None:
-            torch.nn.utils.clip_grad_norm_(client.model.parameters(), limit)
-
-        return clip
 
     def theory_upload_floats(self, client: ClientState) -> int:
         """K·|C_i|: one prototype per class held."""
@@ -189,8 +171,7 @@ class FedPCLClient(ClientAlgorithm):
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
                 logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
         device = features.device
-        global_table, global_mask, locals_ = split_download(knowledge, self.context.num_classes,
-                                                            self.context.feature_dim, device)
+        global_table, global_mask, locals_ = split_download(knowledge, self.context.num_classes, device)
         table, mask = global_table, global_mask
         own = locals_.get(client.client_id) if self.options.predict_with != "global" else None
         if own is not None:  # a client not yet in the set falls back on c̄
@@ -225,9 +206,6 @@ class FedPCLServer(ClassMeanServer):
         super().__init__(context)
         self.local_set: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def validate_upload(self, client_id: int, upload: Payload) -> None:
-        check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
-
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
         if not uploads:
             return {}
@@ -237,11 +215,8 @@ class FedPCLServer(ClassMeanServer):
         metrics["set_clients"] = float(len(self.local_set))
         return metrics
 
-    def global_rows(self) -> Payload:
-        return {"class_ids": self.class_ids, "protos": self.rows}
-
     def diagnostics(self, uploads: dict[int, Payload], previous: Payload) -> dict[str, Any]:
-        return global_prototype_diagnostics(uploads, self.context.num_classes, self.global_rows(),
+        return global_prototype_diagnostics(uploads, self.context.num_classes, super().download(),
                                             {"class_ids": previous["class_ids"][previous["owners"] == GLOBAL_OWNER],
                                              "protos": previous["protos"][previous["owners"] == GLOBAL_OWNER]})
 
@@ -259,8 +234,7 @@ class FedPCLServer(ClassMeanServer):
         return self.context.feature_dim * self.context.num_classes * (1 + self.context.num_clients)
 
     def state_dict(self) -> dict[str, Any]:
-        download = self.download()
-        return {"class_ids": download["class_ids"], "owners": download["owners"], "protos": download["protos"]}
+        return self.download()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         class_ids, owners, protos = state["class_ids"], state["owners"], state["protos"]

@@ -65,8 +65,6 @@ class FPLOptions:
     prototypes of the trained model); during_training, the features of the batches trained on
     (the reference collects them in its last local epoch, in train mode); pre_update, before."""
 
-    def validate(self) -> None:
-        """Nothing to derive: every option stands alone."""
 
 
 # ------------------------------------------------------------------------------------ FINCH

@@ -3,7 +3,7 @@ same-architecture clients at once (``train.client_batching=vmap``), and the serv
 loop over (vector, label) pairs (FedTGP's prototypes, FedGH's head, FedOC)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +31,20 @@ def batch_cross_entropy(batch: Batch) -> torch.Tensor:
     if batch.weights is None:
         return F.cross_entropy(batch.logits, batch.labels)
     return weighted_mean(F.cross_entropy(batch.logits, batch.labels, reduction="none"), batch.weights)
+
+
+def gradient_clipper(parameters: Iterable[torch.Tensor], max_norm: float | None) -> Callable[[], None] | None:
+    """A ``before_step`` for :func:`run_local_training` that clips the gradients of ``parameters``
+    (together) to L2 norm ``max_norm``, as the reference codes' ``clip_grad_norm_`` before each
+    step; None (no hook) when ``max_norm`` is None or not positive, the options' "off"."""
+    if max_norm is None or max_norm <= 0:
+        return None
+    clipped, limit = list(parameters), max_norm
+
+    def clip() -> None:
+        torch.nn.utils.clip_grad_norm_(clipped, limit)
+
+    return clip
 
 
 def run_local_training(client: ClientState, context: AlgorithmContext,

@@ -174,13 +174,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
 
 def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Report,
                        batch_size: int) -> PartitionInfo:
-    known_classes = dataset_source(data.dataset).num_classes
-    if data.partition in ("pathological", "exdir") and known_classes and data.classes_per_client > known_classes:
-        # Fail before the dataset is read.
-        raise ConfigError(
-            f"config key 'data.classes_per_client' is {data.classes_per_client} but the dataset "
-            f"has only {known_classes} classes; use a value in 1..{known_classes}"
-        )
+    _check_classes_per_client(data, dataset_source(data.dataset).num_classes)  # before the dataset is read
     root = dataset_root(data)
     key = _partition_key(data, num_clients, seed, root, batch_size)
     key_json = _key_json(key)
@@ -217,6 +211,15 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Re
     return read_partition_info(path)
 
 
+def _check_classes_per_client(data: DataConfig, num_classes: int | None) -> None:
+    """``data.classes_per_client`` within the dataset's classes (when they are known up front)."""
+    if data.partition in ("pathological", "exdir") and num_classes and data.classes_per_client > num_classes:
+        raise ConfigError(
+            f"config key 'data.classes_per_client' is {data.classes_per_client} but the dataset "
+            f"has only {num_classes} classes; use a value in 1..{num_classes}"
+        )
+
+
 # --------------------------------------------------------------------------- domains (data.domains)
 
 
@@ -227,13 +230,9 @@ def _prepare_domains(data: DataConfig, num_clients: int, seed: int, report: Repo
     domain's labels alone), so every client's train and test samples come from its domain."""
     suite = domain_suite(data.dataset)
     domains = check_domains(suite, list(data.domains), num_clients)
-    if data.partition in ("pathological", "exdir") and data.classes_per_client > suite.num_classes:
-        raise ConfigError(
-            f"config key 'data.classes_per_client' is {data.classes_per_client} but the dataset "
-            f"has only {suite.num_classes} classes; use a value in 1..{suite.num_classes}"
-        )
+    _check_classes_per_client(data, suite.num_classes)
     owners = domain_of_client(num_clients, len(domains))
-    clients_of = [[cid for cid in range(num_clients) if owners[cid] == d] for d in range(len(domains))]
+    clients_of = [list(range(d, num_clients, len(domains))) for d in range(len(domains))]  # client i: domain i mod D
     folder = suite.folder(dataset_root(data))
     source = []
     for domain in domains:

@@ -233,7 +233,7 @@ def report_table(runs: Sequence[RunRecord], metric: str | None = None) -> str:
         cells = _table_cells(summarise(run))
         cells[0] = label
         if metric:
-            cells.append(_format_metric(metric, _last_value(run.rows, metric)))
+            cells.append(_format_metric(metric, last_value(run.rows, metric)))
         rows.append(cells)
     return markdown_table(header, rows)
 
@@ -250,7 +250,8 @@ def _table_cells(s: dict[str, Any]) -> list[str]:
     ]
 
 
-def _last_value(rows: list[dict[str, Any]], metric: str) -> float | None:
+def last_value(rows: list[dict[str, Any]], metric: str) -> float | None:
+    """The metric in the last row that has it as a number (None: no row does)."""
     return next((row[metric] for row in reversed(rows) if _is_number(row.get(metric))), None)
 
 

@@ -280,7 +280,7 @@ class Federation:
             evaluated=(round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds)
         if knowledge is None:
             knowledge = self._broadcast_knowledge(outcome.traffic)
-        if self.participation is not None:  # what the simulated link carries down
+        if self.participation is not None and config.participation.clock:  # what the simulated link carries down
             outcome.download_bytes = payload_bytes(knowledge)
         if self.is_server:
             outcome.traffic.theory_down = self._rank0_server.theory_download_floats() * 4 * len(outcome.participants)

@@ -82,10 +82,10 @@ class RoundArrivals:
     kept: dict[int, Payload]
     times: RoundTimes
     too_few: bool
+    """Fewer than ``participation.min_clients`` arrived: the server step is skipped."""
     unavailable: list[int] | None = None
     """Participants outside their trace's availability windows when the round started: not
     heard from (None when no client has windows: the row has no such key)."""
-    """Fewer than ``participation.min_clients`` arrived: the server step is skipped."""
     folded: list[int] | None = None
     """``participation.late=next_round``: the clients whose upload of the round before is in
     ``kept`` (None otherwise: the row has no such key)."""
@@ -140,23 +140,23 @@ class Participation:
         options = self.options
         unavailable = None
         if self.has_windows:
-            unavailable = [c for c in participants
-                           if not is_available(self.devices[c], self.clock_s, options.availability_period_s)]
-            participants = [c for c in participants if c not in set(unavailable)]
+            available = {c for c in participants
+                         if is_available(self.devices[c], self.clock_s, options.availability_period_s)}
+            unavailable = [c for c in participants if c not in available]
+            participants = [c for c in participants if c in available]
         seconds = {c: (self.seconds(c, round_index, download_bytes + payload_bytes(gathered.get(c)))
                        if options.clock else 0.0) for c in participants}
         times = round_times(seconds, dropped_clients(self.config.seed, round_index, participants, options.drop_rate),
                             options.deadline_s)
         self.clock_s += times.round_seconds
         kept = {c: gathered[c] for c in times.arrived if c in gathered}
-        if options.late != "next_round":
-            return RoundArrivals(kept, times, too_few=len(times.arrived) < options.min_clients,
-                                 unavailable=unavailable)
-        # last round's late uploads join, except where their client's fresh one arrived
-        folded = sorted(c for c in self.held if c not in kept)
-        kept = dict(sorted({**kept, **{c: self.held[c] for c in folded}}.items()))
-        self.held = {c: gathered[c] for c in times.late if c in gathered}
-        return RoundArrivals(kept, times, too_few=len(kept) < options.min_clients, folded=folded,
+        folded = None
+        if options.late == "next_round":  # last round's late uploads join, unless their client's fresh one arrived
+            folded = sorted(c for c in self.held if c not in kept)
+            kept = dict(sorted({**kept, **{c: self.held[c] for c in folded}}.items()))
+            self.held = {c: gathered[c] for c in times.late if c in gathered}
+        aggregated = len(kept) if folded is not None else len(times.arrived)
+        return RoundArrivals(kept, times, too_few=aggregated < options.min_clients, folded=folded,
                              unavailable=unavailable)
 
     def state_dict(self) -> dict[str, Any]:

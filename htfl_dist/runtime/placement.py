@@ -89,9 +89,15 @@ class Placement:
         return dataclasses.replace(self, unseen=ranks)
 
     def unseen_of(self, rank: int) -> list[int]:
-        """The unseen clients ``rank`` hosts, ascending."""
-        first = len(self.ranks)
-        return [first + j for j, host in enumerate(self.unseen) if host == rank]
+        """The unseen clients ``rank`` hosts, ascending (read every evaluated round: computed once)."""
+        return list(self._unseen_hosted.get(rank, ()))
+
+    @cached_property
+    def _unseen_hosted(self) -> dict[int, tuple[int, ...]]:
+        hosted: dict[int, list[int]] = {}
+        for j, rank in enumerate(self.unseen):
+            hosted.setdefault(rank, []).append(len(self.ranks) + j)
+        return {rank: tuple(cids) for rank, cids in hosted.items()}
 
     def clients_of(self, rank: int) -> list[int]:
         """The clients ``rank`` hosts, ascending (read every round: computed once)."""

@@ -94,17 +94,10 @@ def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, sk
     ε columns (privacy) and the server's diagnostics."""
     assert outcome.reports is not None, "rank 0's outcome"
     reports, traffic = outcome.reports.clients, outcome.traffic
-    evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])
     trains = np.array([r["train"][0].tolist() for r in reports.values() if r["train"].shape[0]])
-    per_client = evals[:, 0] / np.maximum(evals[:, 2], 1)
-    samples = evals[:, 2].sum()
     row = {
         "round": outcome.round_index + 1,
-        "test_acc": float(evals[:, 0].sum() / samples),
-        "test_acc_head": float(evals[:, 1].sum() / samples),
-        "test_acc_std": float(per_client.std()),
-        "test_acc_worst10": worst_share_mean(per_client, 0.1),
-        "test_auc": pooled_auc(evals[:, 3], evals[:, 2]),
+        **pooled_columns(reports, "test"),
         "train_loss": float(trains[:, 0].sum() / max(trains[:, 1].sum(), 1)) if len(trains) else None,
         "bytes_up": traffic.up,
         "bytes_down": traffic.down,
@@ -122,16 +115,19 @@ def metrics_row(outcome: RoundOutcome, seconds: float, client_seconds: float, sk
     return row
 
 
-def unseen_columns(unseen: dict[int, Any]) -> dict[str, Any]:
-    """The unseen clients' figures (``eval.new_clients``), pooled as the federation's are:
-    ``new_client_acc`` (Σ correct / Σ samples), its head accuracy, the std of the per-client
-    accuracies and the samples-weighted AUC."""
-    evals = np.array([r["eval"][0].tolist() for r in unseen.values()])
+def pooled_columns(reports: dict[int, Any], prefix: str) -> dict[str, Any]:
+    """The tested clients' figures, pooled: ``<prefix>_acc`` (Σ correct / Σ samples over the
+    clients, by the algorithm's rule) and ``_acc_head`` (by the head), the std of the per-client
+    accuracies, the mean of the worst 10 % of them, and ``<prefix>_auc`` (samples-weighted). The
+    federation's row uses prefix ``test``, the unseen clients' (``eval.new_clients``) ``new_client``."""
+    evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])
+    per_client = evals[:, 0] / np.maximum(evals[:, 2], 1)
     samples = evals[:, 2].sum()
-    return {"new_client_acc": float(evals[:, 0].sum() / samples),
-            "new_client_acc_head": float(evals[:, 1].sum() / samples),
-            "new_client_acc_std": float((evals[:, 0] / np.maximum(evals[:, 2], 1)).std()),
-            "new_client_auc": pooled_auc(evals[:, 3], evals[:, 2])}
+    return {f"{prefix}_acc": float(evals[:, 0].sum() / samples),
+            f"{prefix}_acc_head": float(evals[:, 1].sum() / samples),
+            f"{prefix}_acc_std": float(per_client.std()),
+            f"{prefix}_acc_worst10": worst_share_mean(per_client, 0.1),
+            f"{prefix}_auc": pooled_auc(evals[:, 3], evals[:, 2])}
 
 
 def set_unseen_apart(outcome: RoundOutcome, num_clients: int) -> dict[int, Any]:
@@ -207,7 +203,7 @@ class RoundRecords:
         if outcome.evaluated:
             row = metrics_row(outcome, seconds, max(rank_seconds), self._skipped_since_row)
             if unseen:
-                row.update(unseen_columns(unseen))
+                row.update(pooled_columns(unseen, "new_client"))
             row["rank_idle_share"] = idle_shares(rank_seconds[1:] if self.world_size > 1 else rank_seconds)
             if self._setup_bytes_up:
                 row["bytes_setup_up"], self._setup_bytes_up = self._setup_bytes_up, 0

@@ -13,7 +13,15 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from htfl_dist.metrics.report import RunRecord, markdown_table, new_figure, read_run, save_figure, summarise
+from htfl_dist.metrics.report import (
+    RunRecord,
+    last_value,
+    markdown_table,
+    new_figure,
+    read_run,
+    save_figure,
+    summarise,
+)
 from htfl_dist.metrics.writer import write_atomic
 from htfl_dist.study.plan import Cell, Study
 
@@ -71,11 +79,8 @@ def last_round_columns(records: list[RunRecord]) -> dict[str, float | None]:
     """``LAST_ROUND_COLUMNS`` over the runs: <name>_mean and <name>_std (None where no run has it)."""
     folded: dict[str, float | None] = {}
     for name, key, _, scale in LAST_ROUND_COLUMNS:
-        values = []
-        for record in records:
-            reported = [row[key] for row in record.rows if isinstance(row.get(key), int | float)]
-            if reported:
-                values.append(reported[-1] * scale)
+        lasts = [last_value(record.rows, key) for record in records]
+        values = [value * scale for value in lasts if value is not None]
         stats = mean_std(values)
         folded[f"{name}_mean"], folded[f"{name}_std"] = stats if stats else (None, None)
     return folded

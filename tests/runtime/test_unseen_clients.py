@@ -12,7 +12,7 @@ from conftest import SMOKE, maths_only, run_smoke
 from htfl_dist.config import load_config
 from htfl_dist.runtime.exchange import RoundReports
 from htfl_dist.runtime.placement import Placement
-from htfl_dist.runtime.records import RoundOutcome, per_client_row, set_unseen_apart, unseen_columns
+from htfl_dist.runtime.records import RoundOutcome, per_client_row, pooled_columns, set_unseen_apart
 
 
 def _report(correct, head, samples, auc):
@@ -35,11 +35,12 @@ def test_unseen_rows_are_pooled_apart_from_the_federation():
                                     2: _report(3, 4, 10, 0.8), 3: _report(1, 2, 5, math.nan)}, [])
     unseen = set_unseen_apart(outcome, num_clients=2)
     assert sorted(unseen) == [2, 3] and sorted(outcome.reports.clients) == [0, 1]
-    columns = unseen_columns(unseen)
+    columns = pooled_columns(unseen, "new_client")
     assert columns["new_client_acc"] == pytest.approx(4 / 15)  # Σ correct / Σ samples
     assert columns["new_client_acc_head"] == pytest.approx(6 / 15)
     assert columns["new_client_acc_std"] == pytest.approx(0.05)  # accuracies 0.3 and 0.2
     assert columns["new_client_auc"] == pytest.approx(0.8)  # client 3's AUC is undefined
+    assert columns["new_client_acc_worst10"] == pytest.approx(0.2)  # the worse of the two
     row = per_client_row(outcome, unseen)
     assert row["clients"] == [0, 1] and row["test_acc"] == [0.5, 0.1]
     assert row["new_clients"] == [2, 3] and row["new_client_acc"] == pytest.approx([0.3, 0.2])
