@@ -168,15 +168,24 @@ def dense_prototypes(knowledge: Payload, num_classes: int, device: torch.device 
     return dense_class_table(knowledge, "protos", num_classes, device)
 
 
-def check_class_rows(client_id: int, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:
-    """Semantic checks on an upload of class-indexed rows (the runtime already checked dtype,
-    shape and finiteness)."""
+def check_class_rows(sender: int | str, class_ids: torch.Tensor, rows: torch.Tensor, num_classes: int) -> None:
+    """Semantic checks on class-indexed rows (the runtime already checked dtype, shape and
+    finiteness): an upload of client ``sender`` (its id), or a download (``sender`` names who,
+    "the server")."""
+    who = f"client {sender}" if isinstance(sender, int) else sender
     if class_ids.shape[0] != rows.shape[0]:
-        raise ProtocolError(f"client {client_id} sent {class_ids.shape[0]} class ids for {rows.shape[0]} rows")
+        raise ProtocolError(f"{who} sent {class_ids.shape[0]} class ids for {rows.shape[0]} rows")
     if class_ids.numel() and (class_ids.min() < 0 or class_ids.max() >= num_classes):
-        raise ProtocolError(f"client {client_id} sent a class id outside [0, {num_classes})")
+        raise ProtocolError(f"{who} sent a class id outside [0, {num_classes})")
     if torch.unique(class_ids).numel() != class_ids.numel():
-        raise ProtocolError(f"client {client_id} sent a class id twice")
+        raise ProtocolError(f"{who} sent a class id twice")
+
+
+def check_class_counts(client_id: int, class_ids: torch.Tensor, counts: torch.Tensor) -> None:
+    """An upload's per-class sample counts (for count-weighted means): one per class row, each
+    positive, so no class's weight is zero, negative or unmatched."""
+    if counts.shape[0] != class_ids.shape[0] or bool((counts <= 0).any()):
+        raise ProtocolError(f"client {client_id} sent invalid class counts")
 
 
 def euclidean_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

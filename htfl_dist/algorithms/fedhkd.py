@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from htfl_dist.algorithms.class_rows import (
     ClassMeans,
+    check_class_counts,
     check_class_rows,
     dense_class_table,
     global_prototype_diagnostics,
@@ -58,7 +59,6 @@ from htfl_dist.algorithms.training import (
     weighted_mean,
 )
 from htfl_dist.config import bounded
-from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 ClientLoss = Literal["paper", "reference"]
@@ -224,9 +224,7 @@ class FedHKDServer(ServerAlgorithm):
         num_classes = self.context.num_classes
         check_class_rows(client_id, upload["class_ids"], upload["protos"], num_classes)
         check_class_rows(client_id, upload["class_ids"], upload["soft"], num_classes)
-        counts = upload["counts"]
-        if counts.shape[0] != upload["class_ids"].shape[0] or bool((counts <= 0).any()):
-            raise ProtocolError(f"client {client_id} sent invalid class counts")
+        check_class_counts(client_id, upload["class_ids"], upload["counts"])
 
     def aggregate(self, uploads: dict[int, Payload]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(present [C] bool, features [C, K], soft [C, C]) of this round's uploads, float64."""

@@ -34,6 +34,7 @@ from torch import nn
 
 from htfl_dist.algorithms.class_rows import (
     ClassMeans,
+    check_class_counts,
     check_class_rows,
     class_means,
     global_prototype_diagnostics,
@@ -44,7 +45,6 @@ from htfl_dist.algorithms.optimizers import companion_optimizer
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, batch_cross_entropy, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
-from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 from htfl_dist.seeding import torch_generator
 
@@ -249,9 +249,7 @@ class FedNHServer(ServerAlgorithm):
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
-        counts = upload["counts"]
-        if counts.shape[0] != upload["class_ids"].shape[0] or bool((counts <= 0).any()):
-            raise ProtocolError(f"client {client_id} sent invalid class counts")
+        check_class_counts(client_id, upload["class_ids"], upload["counts"])
 
     def aggregate(self, uploads: dict[int, Payload]) -> tuple[torch.Tensor, torch.Tensor]:
         """(a [C, K], present [C]): Σ_i n_i^c μ_i^c / Σ_i n_i^c, in float64 and client-id order (so

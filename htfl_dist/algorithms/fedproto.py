@@ -17,6 +17,7 @@ from htfl_dist.algorithms.class_rows import (
     ClassMeanServer,
     GroupClassMeans,
     batch_class_means,
+    check_class_counts,
     class_prototypes,
     class_row_fields,
     dense_prototypes,
@@ -38,7 +39,6 @@ from htfl_dist.algorithms.training import (
     weighted_mean,
 )
 from htfl_dist.config import bounded
-from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 ClientRegulariser = Literal["paper", "htfllib"]
@@ -208,9 +208,7 @@ class FedProtoServer(ClassMeanServer):
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         super().validate_upload(client_id, upload)
         if self.options.weighted:
-            counts = upload["counts"]
-            if counts.shape[0] != upload["class_ids"].shape[0] or bool((counts <= 0).any()):
-                raise ProtocolError(f"client {client_id} sent invalid class counts")
+            check_class_counts(client_id, upload["class_ids"], upload["counts"])
 
     def diagnostics(self, uploads: dict[int, Payload], previous: Payload) -> dict[str, float]:
         return global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)

@@ -156,10 +156,7 @@ def check_download(knowledge: Payload, context: AlgorithmContext) -> None:
     num_classes, clients, width = context.num_classes, max(context.num_clients, 1), context.feature_dim
     class_ids, protos = knowledge["class_ids"], knowledge["protos"]
     cluster_ids, clusters = knowledge["cluster_class_ids"], knowledge["cluster_protos"]
-    try:
-        check_class_rows(0, class_ids, protos, num_classes)
-    except ProtocolError as exc:
-        raise ProtocolError(f"the server's unbiased prototypes: {exc}".replace("client 0 ", "")) from exc
+    check_class_rows("the server", class_ids, protos, num_classes)  # the unbiased prototypes
     if cluster_ids.dim() != 1 or cluster_ids.shape[0] != clusters.shape[0]:
         raise ProtocolError(f"the server sent {tuple(cluster_ids.shape)} cluster class ids for "
                             f"{clusters.shape[0]} cluster rows")

@@ -262,7 +262,7 @@ def _context(num_classes=2, num_clients=2):
     (_download([0], [[1.0, 0.0]], [0, 2], [[1.0, 0.0]] * 2), "outside"),
     (_download([0], [[1.0, 0.0]], [0, -1], [[1.0, 0.0]] * 2), "outside"),
     (_download([2], [[1.0, 0.0]], [0], [[1.0, 0.0]]), "outside"),
-    (_download([0, 0], [[1.0, 0.0]] * 2, [0], [[1.0, 0.0]]), "twice"),
+    (_download([0, 0], [[1.0, 0.0]] * 2, [0], [[1.0, 0.0]]), "^the server sent a class id twice$"),
     (_download([0], [[1.0, 0.0]], [0, 1], [[1.0, 0.0]] * 2), "different classes"),
     (_download([0, 1], [[1.0, 0.0]] * 2, [0], [[1.0, 0.0]]), "different classes"),
     (_download([0], [[1.0, 0.0]], [0, 0], [[1.0, 0.0]]), "cluster rows"),
