@@ -13,6 +13,7 @@ level, so a client's pixels say which domain they came from.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import h5py
@@ -24,6 +25,8 @@ from scipy.io import savemat
 from conftest import REPO, SMOKE, launch, read_metrics, run_program
 from htfl_dist.config import DataConfig
 from htfl_dist.data import load_client_split, load_dataset, prepare_partition
+from htfl_dist.data.sources.digit5 import digit5_folder
+from htfl_dist.data.sources.domainnet import domainnet_folder
 from htfl_dist.errors import ConfigError
 
 LEVEL = {"mnist": 10, "mnistm": 60, "svhn": 110, "syn": 160, "usps": 127}
@@ -277,3 +280,17 @@ def test_smoke_with_two_domains_runs(tmp_path):
                         f"data.cache_dir={tmp_path / 'cache'}"])
     assert done.returncode == 0, done.stderr[-2000:]
     assert np.isfinite(read_metrics(tmp_path / "run")[0]["train_loss"])
+
+
+@pytest.mark.parametrize("folder_of, holds", [(digit5_folder, "Digit-5's .mat files"),
+                                              (domainnet_folder, "DomainNet's domain folders and splits/")])
+def test_a_suite_without_its_directory_is_one_line(tmp_path, folder_of, holds):
+    from htfl_dist.errors import DataError
+
+    with pytest.raises(DataError, match=r"needs data\.root=DIR, a directory holding " + re.escape(holds)):
+        folder_of(None)
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(DataError, match=f"{re.escape(str(afile))} is not a directory"):
+        folder_of(str(afile))
+    assert folder_of(str(tmp_path)) == str(tmp_path)

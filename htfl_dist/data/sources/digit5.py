@@ -24,7 +24,7 @@ import numpy as np
 
 from htfl_dist.errors import DataError
 
-from .domains import DomainSuite, as_uint8, missing_domain, register_suite, to_rgb_square, under_rawdata
+from .domains import DomainSuite, as_uint8, missing_domain, register_suite, suite_root, to_rgb_square
 from .jpeg import file_entry, flat
 
 IMAGE_SIZE = 32
@@ -43,13 +43,7 @@ GET = ("unzip PFLlib's Digit5.zip (the link in its dataset/generate_Digit5.py) i
 
 
 def digit5_folder(root: str | None) -> str:
-    if not root:
-        raise DataError(f"data.dataset=digit5 needs data.root=DIR, a directory holding Digit-5's .mat files "
-                        f"({GET}; nothing is downloaded)")
-    if not os.path.isdir(root):
-        raise DataError(f"Digit-5 not found: {root} is not a directory; set data.root=DIR where DIR holds "
-                        f"Digit-5's .mat files ({GET})")
-    return under_rawdata(root)
+    return suite_root(root, "digit5", "Digit-5's .mat files", GET)
 
 
 def digit5_files(folder: str, domain: str) -> list[str]:

@@ -20,7 +20,7 @@ import numpy as np
 
 from htfl_dist.errors import DataError
 
-from .domains import DomainSuite, missing_domain, register_suite, under_rawdata
+from .domains import DomainSuite, missing_domain, register_suite, suite_root
 from .jpeg import decode_images, dir_entry, file_entry
 
 IMAGE_SIZE = 64
@@ -32,12 +32,7 @@ GET = ("get each domain's zip and its splits/<domain>_train.txt and _test.txt as
 
 
 def domainnet_folder(root: str | None) -> str:
-    if not root:
-        raise DataError(f"data.dataset=domainnet needs data.root=DIR, a directory holding DomainNet's domain "
-                        f"folders and splits/ ({GET}; nothing is downloaded)")
-    if not os.path.isdir(root):
-        raise DataError(f"DomainNet not found: {root} is not a directory; set data.root=DIR ({GET})")
-    return under_rawdata(root)
+    return suite_root(root, "domainnet", "DomainNet's domain folders and splits/", GET)
 
 
 def _lists(domain: str) -> tuple[str, str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from htfl_dist.errors import ConfigError
+from htfl_dist.errors import ConfigError, DataError
 
 from .registry import DatasetArrays, DatasetSource, register_dataset
 
@@ -88,6 +88,19 @@ def check_domains(suite: DomainSuite, domains: list[str], num_clients: int) -> l
 def domain_of_client(num_clients: int, num_domains: int) -> list[int]:
     """Client i's domain: i mod D (PFLlib's domain benchmarks give client i domain i)."""
     return [cid % num_domains for cid in range(num_clients)]
+
+
+def suite_root(root: str | None, dataset: str, holds: str, get: str) -> str:
+    """The folder a suite's domains are read from: ``data.root`` (or its PFLlib ``rawdata/``),
+    which must be a directory; otherwise one line saying what the directory holds and how to get
+    it (``dataset``: the suite's name for the reader, ``holds``: what the directory holds)."""
+    if not root:
+        raise DataError(f"data.dataset={dataset} needs data.root=DIR, a directory holding {holds} "
+                        f"({get}; nothing is downloaded)")
+    if not os.path.isdir(root):
+        raise DataError(f"{dataset} not found: {root} is not a directory; set data.root=DIR where DIR holds "
+                        f"{holds} ({get})")
+    return under_rawdata(root)
 
 
 def missing_domain(suite: DomainSuite, folder: str, domain: str, missing: list[str]) -> ConfigError:
