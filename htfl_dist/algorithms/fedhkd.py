@@ -194,14 +194,18 @@ class FedHKDClient(ClientAlgorithm):
         return {"class_ids": class_ids, "protos": features, "soft": soft, "counts": counts}
 
     def theory_upload_floats(self, client: ClientState) -> int:
-        """(K + C)·|C_i|: a mean feature and a mean soft prediction per class held (the class ids and
-        counts travel as integers beside them)."""
-        return (self.context.feature_dim + self.context.num_classes) * int(client.classes.numel())
+        """(K + C)·|C_i|: a mean feature and a mean soft prediction per class uploaded, the classes
+        held with at least ν·N_i samples (the class ids and counts travel as integers beside them)."""
+        counts = torch.bincount(client.train_y, minlength=self.context.num_classes)[client.classes]
+        uploaded = int((counts >= self.options.min_class_share * counts.sum()).sum())
+        return (self.context.feature_dim + self.context.num_classes) * uploaded
 
 
 class FedHKDServer(ServerAlgorithm):
     """Per class, the count-weighted mean (or the last uploader's row) of the uploaded features and
     soft predictions."""
+
+    accepts_late_uploads = True  # a late upload is one more (weighted) row in its classes' means
 
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:

@@ -231,6 +231,8 @@ def smooth_prototypes(prototypes: torch.Tensor, aggregate: torch.Tensor, present
 class FedNHServer(ServerAlgorithm):
     """The C unit prototypes: spread at the start, then smoothed towards the count-weighted means."""
 
+    accepts_late_uploads = True  # a late upload is one more weighted row in its classes' means
+
     @classmethod
     def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         return prototype_fields(context)

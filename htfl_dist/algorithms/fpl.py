@@ -32,7 +32,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from htfl_dist.algorithms.class_rows import check_class_rows, global_prototype_diagnostics
+from htfl_dist.algorithms.class_rows import check_class_rows, dense_prototypes, global_prototype_diagnostics
 from htfl_dist.algorithms.fedproto import PrototypeClient, PrototypeSource
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState, ServerAlgorithm
 from htfl_dist.algorithms.registry import register_algorithm
@@ -192,11 +192,7 @@ class PrototypeTargets:
 
     @classmethod
     def from_download(cls, knowledge: Payload, num_classes: int, device: torch.device | str) -> PrototypeTargets:
-        class_ids = knowledge["class_ids"].to(device)
-        unbiased = torch.zeros(num_classes, knowledge["protos"].shape[1], device=device)
-        unbiased[class_ids] = knowledge["protos"].to(device)
-        available = torch.zeros(num_classes, dtype=torch.bool, device=device)
-        available[class_ids] = True
+        unbiased, available = dense_prototypes(knowledge, num_classes, device)
         return cls(F.normalize(knowledge["cluster_protos"].to(device), dim=1),
                    knowledge["cluster_class_ids"].to(device), unbiased, available)
 

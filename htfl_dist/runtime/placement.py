@@ -204,18 +204,21 @@ def sample_participants(seed: int, round_index: int, num_clients: int, join_rati
                         random_join: bool = False) -> list[int]:
     """int(N·ρ) clients (at least one; with ``random_join``, HtFLlib's -rjr, a count drawn from
     int(N·ρ)..N each round), drawn without replacement from the (seed, round) stream."""
-    count = join_count(seed, round_index, num_clients, join_ratio, random_join)
-    if count >= num_clients:
-        return list(range(num_clients))
-    chosen = numpy_rng(seed, "participants", round_index).choice(num_clients, size=count, replace=False)
-    return sorted(int(c) for c in chosen)
+    return _seeded_subset(seed, "participants", round_index, num_clients,
+                          join_count(seed, round_index, num_clients, join_ratio, random_join))
 
 
 def evaluated_clients(seed: int, round_index: int, num_clients: int, fraction: float, last_round: bool) -> list[int]:
     """The clients an evaluation round tests (``eval.clients_fraction``): all of them at fraction 1
     and on the last round, else int(N·f) (at least one) drawn from the (seed, round) stream."""
-    count = max(1, int(num_clients * fraction))
-    if last_round or count >= num_clients:
+    count = num_clients if last_round else max(1, int(num_clients * fraction))
+    return _seeded_subset(seed, "evaluated", round_index, num_clients, count)
+
+
+def _seeded_subset(seed: int, stream: str, round_index: int, num_clients: int, count: int) -> list[int]:
+    """``count`` of the clients 0..N−1 in id order, drawn without replacement from the (seed,
+    stream, round) stream; all of them, drawing nothing, when ``count`` ≥ N."""
+    if count >= num_clients:
         return list(range(num_clients))
-    chosen = numpy_rng(seed, "evaluated", round_index).choice(num_clients, size=count, replace=False)
+    chosen = numpy_rng(seed, stream, round_index).choice(num_clients, size=count, replace=False)
     return sorted(int(c) for c in chosen)

@@ -202,6 +202,7 @@ def test_min_class_share_drops_rare_classes():
         _, context = make_context("fedhkd", num_classes=2, feature_dim=2, min_class_share=share)
         upload = get_client(context).upload(client)
         assert upload["class_ids"].tolist() == kept
+        assert get_client(context).theory_upload_floats(client) == (2 + 2) * len(kept)  # (K + C) per class sent
         assert upload["counts"].shape == upload["class_ids"].shape == upload["protos"].shape[:1]
 
 
