@@ -1,5 +1,5 @@
-"""FedOC (Guo et al. 2025): trainable global prototypes trained with orthogonality constraints
-(docs/algorithms.md, "FedOC").
+"""FedOC (Guo et al., arXiv 2502.16119 v1, 2025): trainable global prototypes trained with
+orthogonality constraints (docs/algorithms.md, "FedOC and FedORGP").
 
 The server is FedTGP's (``fedtgp.TrainablePrototypeServer``: P̂^c = F(P̃^c), one trainable vector
 per class and a two-layer F, all C prototypes sent down), trained for 1 epoch per round with the
@@ -13,9 +13,9 @@ for the classes they hold, train CE + λ_c·(1 − (1/|B|) Σ cos(r, P̂^y)) (Eq
 their own head. In round 1 the clients align to the untrained P̂ (Algorithm 1 sends P̂ before any
 server training), or train with CE only (``first_round=ce_only``, the reference code).
 
-FedORGP (``fedorgp``, the same authors' renamed method) is registered here too, as FedOC's classes
-with two switches the authors' code added in July 2025 and turns on by default, and which the
-paper's text does not describe: the client drops outlying features of each class before taking
+FedORGP (``fedorgp``, version 2 of the same paper, the method renamed) is registered here too,
+as FedOC's classes with two switches the authors' code added in July 2025 and turns on by
+default, and which the paper's text does not describe: the client drops outlying features of each class before taking
 its mean (:func:`outlier_mask`), and the server weighs both terms of its loss with sigmoids of the
 cosines (:func:`weighted_orthogonality_loss`). Its d is normalised by |B|·(|C| − 1) (FedORGP
 Eq. 4).
@@ -204,7 +204,7 @@ class FedOCServer(TrainablePrototypeServer):
 
 register_algorithm("fedoc", server=FedOCServer, client=FedOCClient, options=FedOCOptions,
                    summary="trainable global prototypes with orthogonality constraints, cosine alignment "
-                           "(Guo et al. 2025)", private_release=True,
+                           "(Guo et al., arXiv 2502.16119 v1; fedorgp is its v2)", private_release=True,
                    # 3 of 6 clients a round: the run tests/algorithms/test_fedoc.py also checks (and resumes on
                    # mpirun), so the one-process run is shared
                    conformance=ConformanceHints(overrides=("join_ratio=0.5",),
@@ -329,8 +329,10 @@ def outlier_mask(features: torch.Tensor, alpha: float) -> torch.Tensor:
     two-sided: a feature much *closer* to the centre than the rest goes too.
 
     The reference then keeps the ⌊n/2⌋ best scores if fewer than that survive, and the best one if
-    none does. Neither can happen (the scores ranked between the quartiles survive, and so does at
-    least one of the two ranked next to them: more than ⌊n/2⌋ in all), so neither is written here."""
+    none does. Neither fires in exact arithmetic, so neither is written here: the scores ranked
+    between the quartiles survive (only ⌊n/2⌋ − 1 of them for n = 4k + 2), and so does one of the
+    two ranked next to them, or both for n = 4k + 2: at least ⌊n/2⌋ + 1 in all (docs/algorithms.md,
+    "FedORGP", gives the count)."""
     count = features.shape[0]
     if count <= SMALL_CLASS:
         return torch.ones(count, dtype=torch.bool, device=features.device)
@@ -404,8 +406,8 @@ class FedORGPServer(FedOCServer):
 
 
 register_algorithm("fedorgp", server=FedORGPServer, client=FedORGPClient, options=FedORGPOptions,
-                   summary="FedOC with its authors' later parts: outlier-filtered client prototypes and a "
-                           "sigmoid-weighted orthogonality loss (Guo et al. 2025)",
+                   summary="FedOC's paper in its v2 (arXiv 2502.16119, renamed FedORGP) with its authors' later "
+                           "code: outlier-filtered client prototypes and a sigmoid-weighted orthogonality loss",
                    # not private_release: which features enter a mean depends on all of the class's
                    # samples, which the release's per-sample sensitivity does not cover
                    conformance=ConformanceHints(overrides=("join_ratio=0.5",), ranks_covered_by="fedoc"))
