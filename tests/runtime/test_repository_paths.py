@@ -3,7 +3,8 @@ directory or another machine's checkout is something no reader has, so a command
 depends on one cannot be re-run from a clone.
 
 The rule, applied to every text file ``git ls-files`` lists (a file with a NUL byte or that is not
-UTF-8 is binary and skipped):
+UTF-8 is binary and skipped), except this one, whose examples of what the rule finds are its own
+test cases:
 
 - a *path token* is ``~/…``, ``$HOME/…``, ``${HOME}/…``, or an absolute path whose first component
   is a file-system root where machines keep system or user folders (``SYSTEM_ROOTS``), not glued to
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -84,8 +86,13 @@ def outside_paths(text: str) -> list[tuple[int, str]]:
     return found
 
 
+SELF = Path(__file__).resolve().relative_to(REPO).as_posix()
+"""This file: its examples name such paths on purpose."""
+
+
 def tracked_text_files() -> dict[str, str]:
-    """{path relative to the repository: its text} for every tracked file that is text."""
+    """{path relative to the repository: its text} for every tracked file that is text, this one
+    left out."""
     try:
         listing = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
@@ -93,7 +100,7 @@ def tracked_text_files() -> dict[str, str]:
     texts = {}
     for name in listing.decode().split("\0"):
         path = REPO / name
-        if not name or not path.is_file():  # a tracked file deleted in the working tree
+        if not name or name == SELF or not path.is_file():  # not a file: deleted in the working tree
             continue
         raw = path.read_bytes()
         if b"\0" in raw:
@@ -136,6 +143,11 @@ def test_a_path_outside_the_repository_is_found(text):
 ])
 def test_what_the_project_uses_is_accepted(text):
     assert outside_paths(text) == [], text
+
+
+def test_the_scan_reads_the_tracked_files_but_this_one():
+    texts = tracked_text_files()
+    assert "bench/RESULTS.md" in texts and "docs/algorithms.md" in texts and SELF not in texts
 
 
 def test_no_tracked_file_names_a_path_outside_the_repository():
