@@ -58,21 +58,44 @@ def calibrate_noise(target_epsilon: float, delta: float, mechanisms: int, accoun
     A target no σ reaches (an accountant's ε has a floor at δ however large the noise) is one line
     naming the smallest reachable ε."""
     try:
-        from opacus.accountants.utils import MAX_SIGMA, get_noise_multiplier
+        from opacus.accountants.utils import get_noise_multiplier
     except ImportError:
         raise ConfigError("privacy.enabled needs Opacus: pip install -e .[privacy]") from None
-    floor = epsilon_spent(((float(MAX_SIGMA), 1.0, mechanisms),), delta, accountant)
-    if target_epsilon <= floor:
-        raise ConfigError(f"privacy.target_epsilon={target_epsilon:g} cannot be reached: {mechanisms} Gaussian "
-                          f"mechanisms at privacy.delta={delta:g} spend at least ε={floor:.4g} with the {accountant} "
-                          f"accountant however much noise is added; the smallest reachable ε for this run's plan "
-                          f"is {floor:.4g} (raise privacy.target_epsilon above it, or raise privacy.delta"
-                          f"{', or use privacy.accountant=prv' if accountant == 'rdp' else ''})")
+    floor = epsilon_spent(((largest_searched_sigma(), 1.0, mechanisms),), delta, accountant)
+    unreachable = ConfigError(
+        f"privacy.target_epsilon={target_epsilon:g} cannot be reached: {mechanisms} Gaussian mechanisms at "
+        f"privacy.delta={delta:g} spend at least ε={floor:.4g} with the {accountant} accountant however much noise "
+        f"is added; the smallest reachable ε for this run's plan is {floor:.4g} (raise privacy.target_epsilon above "
+        f"it, or raise privacy.delta{', or use privacy.accountant=prv' if accountant == 'rdp' else ''})")
+    if target_epsilon < floor:
+        raise unreachable
     with np.errstate(divide="ignore", invalid="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # as in _epsilon
         warnings.simplefilter("ignore", UserWarning)
-        return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=1.0,
-                                          steps=mechanisms, accountant=accountant))
+        try:
+            return float(get_noise_multiplier(target_epsilon=target_epsilon, target_delta=delta, sample_rate=1.0,
+                                              steps=mechanisms, accountant=accountant))
+        except ValueError:  # "The privacy budget is too low": the floor above should have said it first
+            raise unreachable from None
+
+
+SEARCH_START_SIGMA = 10.0
+"""Opacus's ``get_noise_multiplier`` doubles σ from here (20, 40, ...) until the target is met,
+and gives up once σ passes its ``MAX_SIGMA``."""
+
+
+def largest_searched_sigma() -> float:
+    """The largest σ Opacus's search tries and returns: the last doubling of
+    :data:`SEARCH_START_SIGMA` not beyond ``MAX_SIGMA`` (655,360 for its 1e6). The search tries
+    the next doubling too, but refuses it whatever ε it gives, so the reachable floor is the ε
+    at this σ, a little above the ε at ``MAX_SIGMA`` itself: a target between the two was let
+    through and then ended in Opacus's ValueError."""
+    from opacus.accountants.utils import MAX_SIGMA
+
+    sigma = 2 * SEARCH_START_SIGMA
+    while 2 * sigma <= MAX_SIGMA:
+        sigma *= 2
+    return float(sigma)
 
 
 @dataclass(frozen=True)

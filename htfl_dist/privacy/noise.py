@@ -27,6 +27,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from htfl_dist.errors import ConfigError
 from htfl_dist.seeding import derive_seed
 
 NoiseMode = Literal["secure", "seeded"]
@@ -41,6 +42,21 @@ class NoiseSource(Protocol):
     def standard_normal(self, shape: Sequence[int], *, dtype: torch.dtype = torch.float64,
                         device: torch.device | str = "cpu") -> torch.Tensor:
         ...
+
+
+PRIVACY_EXTRA = "pip install 'htfl_dist[privacy]' (from a clone: pip install -e .[privacy])"
+"""How to install what a private run needs (Opacus, and ``cryptography`` for the secret noise)."""
+
+
+def require_secure_noise() -> None:
+    """One line, at start-up, where the secret noise cannot be drawn: ``cryptography`` (its
+    ChaCha20) is not installed. Opacus does not bring it, and without this check a private run
+    would start and end in a traceback at its first DP-SGD step."""
+    try:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"privacy.noise=secure draws its noise with the package 'cryptography' (ChaCha20), which "
+                          f"is not installed; install the privacy extra: {PRIVACY_EXTRA}") from None
 
 
 def secure_bits(count: int) -> torch.Tensor:

@@ -6,12 +6,16 @@ import dataclasses
 import statistics
 from typing import Any
 
+import torch
 from torch import nn
 
 from htfl_dist.config import Config
 from htfl_dist.errors import ConfigError
+from htfl_dist.models import InputSpec, build_model, members_in_use
+from htfl_dist.models.registry import input_need, split_architecture
 from htfl_dist.privacy import LEDGER_KEY, WITHHELD_IN_PRIVATE_RUNS
 from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise
+from htfl_dist.privacy.noise import require_secure_noise
 
 DURING_TRAINING = "during_training"
 """An option value (FedProto/FedTGP ``proto_from``, FedDistill ``logits_from``) that takes the
@@ -37,6 +41,62 @@ def privacy_plan(config: Config) -> PrivacyPlan | None:
                        feature_clip=privacy.feature_clip, max_grad_norm=privacy.max_grad_norm,
                        min_class_samples=privacy.min_class_samples, accountant=privacy.accountant,
                        local_epochs=epochs, seed=config.seed, noise=privacy.noise)
+
+
+def check_private_config(config: Config) -> None:
+    """Every refusal of a private run that the config alone decides, each one line: what the
+    secret noise needs installed, unseen clients, the algorithm and its options
+    (:func:`check_private_run`), and a model group with a layer DP-SGD cannot pass. The runtime's
+    ``check_config`` calls it on every rank (and ``--check`` in one process) before any data
+    loads, so nothing is read or prepared for a run that cannot be private."""
+    if not config.privacy.enabled:
+        return
+    if config.privacy.noise == "secure":
+        require_secure_noise()
+    if config.eval.new_clients:
+        raise ConfigError(f"privacy.enabled: eval.new_clients={config.eval.new_clients}: the unseen clients would "
+                          f"train and report their accuracy without privacy (they hold no ledger); set "
+                          f"eval.new_clients=0 in a private run (docs/privacy.md)")
+    from htfl_dist.algorithms import AlgorithmContext, get_algorithm, parse_options
+
+    entry = get_algorithm(config.algorithm)
+    options = parse_options(entry, config.algo)
+    if entry.private_release:  # (an algorithm registered without it is refused below, whatever it uploads)
+        # which fields the algorithm uploads depends on its options, not on the data: a stand-in context
+        context = AlgorithmContext(num_classes=2, feature_dim=config.model.feature_dim, seed=config.seed,
+                                   train=config.train, options=options, num_clients=config.num_clients,
+                                   model_group=config.model.group, model_init=config.model.init)
+        uploads = [item.name for item in entry.client.upload_fields(context)]
+    else:
+        uploads = []
+    check_private_run(config, entry, options, uploads)
+    for member in members_in_use(config.model.group, config.num_clients):
+        obstacle = batch_statistics_layer(_stand_in_model(member, config.model.feature_dim))
+        if obstacle is not None:
+            raise ConfigError(_batch_statistics_refusal(f"model group {config.model.group!r}: member {member}",
+                                                        obstacle))
+
+
+def _stand_in_model(member: str, feature_dim: int) -> nn.Module:
+    """``member`` built on the meta device (no memory, no weights drawn) for inputs of the kind it
+    takes: which layers a model has does not depend on the data's sizes, which are not read yet."""
+    need = input_need(split_architecture(member)[0])
+    if need.kind == "text":
+        inputs = InputSpec("text", (16,), vocab_size=64)
+    elif need.kind == "tabular":
+        inputs = InputSpec("tabular", (16,))
+    elif need.channels is not None:  # sensor windows, C x 1 x W
+        inputs = InputSpec("image", (need.channels, 1, 128))
+    else:
+        inputs = InputSpec.image(3, 32)
+    with torch.device("meta"):
+        return build_model(member, num_classes=2, feature_dim=feature_dim, inputs=inputs)
+
+
+def _batch_statistics_refusal(whose: str, obstacle: str) -> str:
+    return (f"privacy.enabled: {whose} has {obstacle}, through which DP-SGD has no per-sample gradient (Opacus's "
+            f"ModuleValidator.fix would swap in GroupNorm, another architecture); use a model group without "
+            f"BatchNorm, e.g. HtCNN8")
 
 
 def check_private_run(config: Config, entry: Any, options: Any, upload_names: list[str]) -> None:
@@ -87,10 +147,8 @@ def attach_ledger(client: Any, plan: PrivacyPlan) -> None:
     through that, so a client is private exactly when it has been given a ledger."""
     obstacle = batch_statistics_layer(client.model)
     if obstacle is not None:
-        raise ConfigError(f"privacy.enabled: client {client.client_id}'s model {client.architecture} has "
-                          f"{obstacle}, through which DP-SGD has no per-sample gradient (Opacus's "
-                          f"ModuleValidator.fix would swap in GroupNorm, another architecture); use a model "
-                          f"group without BatchNorm, e.g. HtCNN8")
+        raise ConfigError(_batch_statistics_refusal(f"client {client.client_id}'s model {client.architecture}",
+                                                    obstacle))
     from htfl_dist.privacy.trainer import PrivateTrainer  # imports Opacus, which only a private run needs
 
     ledger = PrivacyLedger(plan, client.client_id)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -20,7 +21,13 @@ from htfl_dist.privacy import LEDGER_KEY
 from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise, epsilon_spent
 from htfl_dist.privacy.noise import SecureNoise, SeededNoise
 from htfl_dist.privacy.release import clip_rows, noisy_class_means
-from htfl_dist.privacy.startup import attach_ledger, check_private_run, epsilon_columns, privacy_plan
+from htfl_dist.privacy.startup import (
+    attach_ledger,
+    check_private_config,
+    check_private_run,
+    epsilon_columns,
+    privacy_plan,
+)
 from htfl_dist.seeding import seed_global_torch, torch_generator
 from tests.conftest import SMOKE, launch, maths_only, read_metrics, run_program
 from tests.helpers import make_client, make_context, roundtrip
@@ -722,6 +729,82 @@ def test_uncovered_runs_are_refused_with_one_line(algorithm, extra, message):
 
 def test_feddistill_with_post_update_logits_is_accepted():
     _check("feddistill", algo={"logits_from": "post_update"})
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.group=HtFE8"], "privacy.enabled: model group 'HtFE8': member googlenet has a BatchNorm2d layer"),
+    (["model.group=resnet18"], "member resnet18 has a BatchNorm2d layer (feature_extractor.bn1)"),
+    (["algorithm=lgfedavg"], "algorithm 'lgfedavg' uploads what privacy.* does not noise"),
+    (["algorithm=fedsa"], "fedsa with these options uploads class counts"),
+    (["algo.proto_from=during_training"], "algo.proto_from=during_training"),
+    (["train.client_batching=vmap"], "train.client_batching=vmap has no DP-SGD path"),
+    (["eval.new_clients=2"], "privacy.enabled: eval.new_clients=2: the unseen clients would train and report "
+                             "their accuracy without privacy"),
+], ids=["batchnorm-group", "batchnorm-member", "not-private", "counts-on-the-wire", "rows-during-training",
+        "batched-clients", "unseen-clients"])
+def test_every_privacy_refusal_is_one_line_before_the_data_loads(tmp_path, overrides, needle):
+    """Were refused after the partition was prepared and the models built (the audit: a BatchNorm
+    group, an algorithm that cannot be private), or not at all (unseen clients trained without
+    privacy). The data root does not exist: a refusal that came after the data would be a
+    data error instead, and the start's "data:" line would be there."""
+    result = run_program(["--config", str(SMOKE), "--out", str(tmp_path / "run"), "privacy.enabled=true",
+                          f"data.root={tmp_path / 'no-such-data'}", *overrides])
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("htfl_dist: error: privacy.enabled"), result.stderr
+    assert needle in lines[0]
+    assert "data:" not in result.stderr + result.stdout
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_group_without_batch_statistics_passes_the_early_check():
+    """The stand-in models of the early check find nothing in HtCNN8 (the smoke config's group, whose
+    private runs the rest of this file plays), nor in the sensor, text and tabular groups, whose
+    stand-in inputs are of their own kinds."""
+    for group in ("HtCNN8", "HtFE-sen-5", "HtFE-txt-5-1", "MLPs"):
+        check_private_config(config_from_dict({"privacy": {"enabled": True}, "model": {"group": group},
+                                               "num_clients": 10}))
+
+
+def _without_cryptography(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every import of ``cryptography`` raises ImportError, as where it is not installed."""
+    for name in [name for name in sys.modules if name == "cryptography" or name.startswith("cryptography.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "cryptography", None)
+
+
+def test_secret_noise_without_cryptography_is_one_line_before_anything_starts(tmp_path, monkeypatch):
+    """Was a 78-line traceback at the first DP-SGD step: Opacus does not bring ``cryptography``,
+    which the secret noise's ChaCha20 needs. Now the start names the package and the extra."""
+    _without_cryptography(monkeypatch)
+    result = run_program(["--config", str(SMOKE), "--out", str(tmp_path / "run"), "privacy.enabled=true",
+                          f"data.root={tmp_path / 'no-such-data'}"])
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert "package 'cryptography' (ChaCha20), which is not installed" in lines[0]
+    assert "pip install 'htfl_dist[privacy]'" in lines[0]
+    assert "data:" not in result.stderr + result.stdout and not (tmp_path / "run").exists()
+    # seeded noise draws nothing from it: accepted without it (and says at start-up what it is)
+    check_private_config(config_from_dict({"privacy": {"enabled": True, "noise": "seeded"}}))
+
+
+def test_a_target_just_above_the_floor_is_calibrated_or_refused_never_a_traceback():
+    """The audit's window: Opacus's search doubles σ from 10 and refuses any σ past its MAX_SIGMA
+    (1e6), so the largest σ it can return is 10·2^16 = 655,360, whose ε is a little above the ε at
+    1e6 that the floor was computed at. A target between the two passed the floor check and ended
+    in Opacus's ValueError; now it is the floor's line, and the floor itself is reachable."""
+    from opacus.accountants.utils import MAX_SIGMA
+
+    assert MAX_SIGMA == 1e6
+    for accountant in ("rdp", "prv"):
+        at_max = epsilon_spent(((1e6, 1.0, 6),), DELTA, accountant)
+        floor = epsilon_spent(((655_360.0, 1.0, 6),), DELTA, accountant)
+        assert at_max < floor
+        with pytest.raises(ConfigError) as caught:
+            calibrate_noise((at_max + floor) / 2, DELTA, 6, accountant)
+        assert f"the smallest reachable ε for this run's plan is {floor:.4g}" in str(caught.value)
+        assert calibrate_noise(floor, DELTA, 6, accountant) == 655_360.0
 
 
 # --------------------------------------------------------------------------- a real run
