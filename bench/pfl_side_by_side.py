@@ -1,0 +1,374 @@
+"""pfl-research beside htfl_dist on pfl's own CIFAR-10 benchmark workload (issue 45, item 8), all
+sides paired in one invocation on one machine, one thread each:
+
+- ``pfl``   Apple's pfl 0.6.0 in its own venv (bench/pfl_setup.sh), bench/pfl_runner.py;
+- ``pfl2``  the same with 2 worker processes (torchrun, gloo: pfl splits each cohort by worker);
+- ``bare``  a plain PyTorch loop doing exactly our run's SGD steps (bench/pfl_bare.py): the floor;
+- ``ours``  ``python -m htfl_dist.main`` in one process, the workload as a plugin (bench/pfl_workload.py);
+- ``ours2`` ours with 2 training workers: torchrun, 3 ranks (rank 0 server, 2 client ranks).
+
+Workload (pfl's benchmarks/image_classification/configs/baseline.yaml, apple/pfl-research
+c9d1f32f6e84): 1,000 clients, 50 sampled a round, 50 samples each, local batch 10, one local
+epoch (250 SGD steps a round), local SGD at 0.1, FedAvg (uniform mean), pfl's 2-conv + 2-dense
+CNN, CIFAR-shaped generated pictures (nothing downloaded). Per side: seconds a round (median over
+``--rounds`` timed rounds after ``--warmup`` rounds), SGD steps a round as counted inside every
+process (bench/pfl_probe.py), start-up (launch to the first SGD step), peak RSS summed over the
+side's processes, and the ratios ours/pfl and ours/bare. Every side plays warmup + rounds + 1
+rounds; the last is not timed (ours evaluates every client on its last round). When ``bare`` and
+``ours`` both run, their global models after round 1 are compared (same data, clients, initial
+weights and dropout seeds: equal within float tolerance) and their step totals must be equal;
+the exit status is 1 when they are not or a side fails.
+
+    bash bench/pfl_setup.sh                      # once: pfl's venv
+    python bench/pfl_side_by_side.py --out pfl.json
+    python bench/pfl_side_by_side.py --sides bare,ours --rounds 2 --warmup 1 --clients 100
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+SIDES = ("pfl", "pfl2", "bare", "ours", "ours2")
+PFL_VENV_ENV = "HTFL_PFL_VENV"
+DEFAULT_PFL_VENV = Path.home() / ".cache" / "htfl_dist" / "pfl-venv"
+"""bench/pfl_setup.sh's default."""
+DEFAULT_WORK = Path.home() / ".cache" / "htfl_dist" / "pfl-bench"
+"""Beside the engine's venv and partition caches: the generated pictures and their partition
+cache are built once and reused by later invocations (so start-up times never include them)."""
+TOLERANCE = 1e-5
+"""Largest |ours − bare| allowed in the global model after round 1: float32 sums of 50 models in
+another order (ours averages in float64) differ by ~1e-7; a wrong step, sample or seed by ~1e-3."""
+PFL_SOURCE = "apple/pfl-research c9d1f32f6e84 (benchmarks/image_classification/configs/baseline.yaml)"
+
+
+class UsageError(Exception):
+    """Bad command-line input: one line, exit status 2."""
+
+
+# --------------------------------------------------------------------------- measuring a side
+
+
+def _children_of() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        tree.setdefault(int(fields[1]), []).append(int(entry))
+    return tree
+
+
+def _peak_rss(pid: int) -> int | None:
+    """The process's high-water RSS in bytes (VmHWM), None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class TreeMemory:
+    """Polls the peak RSS of a process and all its descendants (launchers included) while it runs;
+    each process's own figure at exit (the probe's) replaces its last polled one when larger."""
+
+    def __init__(self, pid: int, period_s: float = 0.2) -> None:
+        self.root, self.period_s = pid, period_s
+        self.peaks: dict[int, int] = {}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._poll, daemon=True)
+        self.thread.start()
+
+    def _poll(self) -> None:
+        while not self.done.is_set():
+            tree, pending, seen = _children_of(), [self.root], set()
+            while pending:
+                pid = pending.pop()
+                if pid in seen:
+                    continue
+                seen.add(pid)
+                peak = _peak_rss(pid)
+                if peak is not None:
+                    self.peaks[pid] = max(peak, self.peaks.get(pid, 0))
+                pending.extend(tree.get(pid, []))
+            self.done.wait(self.period_s)
+
+    def stop(self, probes: list[dict]) -> int:
+        self.done.set()
+        self.thread.join()
+        for probe in probes:
+            self.peaks[probe["pid"]] = max(probe["peak_rss_bytes"], self.peaks.get(probe["pid"], 0))
+        return sum(self.peaks.values())
+
+
+def run_side(name: str, command: list[str], env: dict[str, str], work: Path) -> dict[str, Any]:
+    """Launch one side, wait, and collect what its processes counted (bench/pfl_probe.py)."""
+    probe_dir = work / "probes" / name
+    probe_dir.mkdir(parents=True, exist_ok=True)
+    for old in probe_dir.glob("probe-*.json"):
+        old.unlink()
+    env = {**env, "HTFL_PFL_BENCH_PROBE": str(probe_dir), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    log = work / "logs" / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    print(f"[{name}] {' '.join(command)}", flush=True)
+    with open(log, "w") as output:
+        launched = time.time()
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
+        memory = TreeMemory(process.pid)
+        code = process.wait()
+        wall = time.time() - launched
+    probes = [json.loads(path.read_text()) for path in sorted(probe_dir.glob("probe-*.json"))]
+    peak = memory.stop(probes)
+    firsts = [p["first_step"] for p in probes if p["first_step"] is not None]
+    result: dict[str, Any] = {"command": command, "returncode": code, "wall_s": wall, "log": str(log),
+                              "processes_counted": len(probes), "steps_total": sum(p["steps"] for p in probes),
+                              "startup_s": (min(firsts) - launched) if firsts else None,
+                              "peak_rss_bytes": peak}
+    if code != 0:
+        tail = log.read_text().splitlines()[-15:]
+        print(f"[{name}] failed with status {code}; the end of {log}:\n  " + "\n  ".join(tail), flush=True)
+    return result
+
+
+def timed(seconds: list[float], warmup: int, rounds: int) -> dict[str, Any]:
+    window = seconds[warmup:warmup + rounds]
+    return {"round_seconds": seconds, "timed_rounds": window,
+            "s_per_round": statistics.median(window) if window else None}
+
+
+# --------------------------------------------------------------------------- the workload
+
+
+def workload(args: argparse.Namespace) -> dict[str, Any]:
+    """Our run's config (and the data it names); the other sides take the same numbers."""
+    if args.clients < 1 or not 1 <= args.per_round <= args.clients:
+        raise UsageError(f"--per-round must be 1..--clients ({args.clients}), not {args.per_round}")
+    if args.samples < 1 or args.rounds < 1 or args.warmup < 0 or args.batch < 1:
+        raise UsageError("--samples, --rounds and --batch must be at least 1, --warmup at least 0")
+    per_client = 10 * (args.samples // 10 + 1)  # every client holds samples + (1..10) pictures, 10 classes alike
+    join_ratio = args.per_round / args.clients
+    while int(args.clients * join_ratio) < args.per_round:  # int(N·ρ) is the engine's cohort size
+        join_ratio = math.nextafter(join_ratio, 2.0)
+    root = args.work / "data" / f"c{args.clients}-n{per_client}-seed{args.seed}"
+    return {
+        "algorithm": "pfl_fedavg", "plugins": ["pfl_workload"], "seed": args.seed,
+        "rounds": args.warmup + args.rounds + 1, "num_clients": args.clients, "join_ratio": join_ratio,
+        "eval_every": args.warmup + args.rounds + 1,
+        "data": {"dataset": "pfl_cifar_like", "root": str(root), "partition": "pathological",
+                 "partition_rules": "pfllib", "classes_per_client": 10, "balance": True,
+                 # floor(ratio · per_client) = samples training pictures per client, the rest tests
+                 "train_ratio": (args.samples + 0.5) / per_client, "cache_dir": str(args.work / "partitions")},
+        "model": {"group": "pfl_cnn", "feature_dim": 128},
+        "train": {"batch_size": args.batch, "lr": args.lr, "local_epochs": 1, "optimizer": "sgd",
+                  "batch_order": "fixed"},  # pfl walks a user's data in its stored order
+        "runtime": {"threads": 1, "device": "cpu"},
+    }
+
+
+def prepare(config: dict[str, Any], config_path: Path, per_class: int) -> None:
+    """Our run's config file, the pictures (``per_class`` of each class) and their partition
+    cache, built once here, outside every side's clock."""
+    sys.path.insert(0, str(BENCH))
+    import pfl_workload
+    import yaml
+
+    from htfl_dist.config import load_config
+    from htfl_dist.data import prepare_partition
+
+    pfl_workload.write_dataset(config["data"]["root"], per_class, config["seed"])
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    loaded = load_config(str(config_path))
+    prepare_partition(loaded.data, loaded.num_clients, loaded.seed, batch_size=loaded.train.batch_size)
+
+
+def compare_round_one(work: Path) -> dict[str, Any]:
+    import torch
+
+    ours = torch.load(work / "dump" / "ours" / "global-round-1.pt")
+    bare = torch.load(work / "dump" / "bare" / "global-round-1.pt")
+    if ours.shape != bare.shape:
+        return {"equal": False, "why": f"shapes differ: ours {list(ours.shape)}, bare {list(bare.shape)}"}
+    difference = float((ours.double() - bare.double()).abs().max())
+    return {"equal": difference <= TOLERANCE, "max_abs_diff": difference, "tolerance": TOLERANCE}
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    parser.add_argument("--clients", type=int, default=1000, help="clients (pfl's benchmark: 1000)")
+    parser.add_argument("--per-round", type=int, default=50, help="clients sampled a round (cohort_size 50)")
+    parser.add_argument("--samples", type=int, default=50, help="training samples a client (50)")
+    parser.add_argument("--batch", type=int, default=10, help="local batch (local_batch_size 10)")
+    parser.add_argument("--lr", type=float, default=0.1, help="local SGD rate (local_learning_rate 0.1)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the runs (seed 0)")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--out", type=Path, help="JSON of the results")
+    parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"data, caches, logs (default {DEFAULT_WORK})")
+    parser.add_argument("--pfl-venv", type=Path, default=Path(os.environ.get(PFL_VENV_ENV, DEFAULT_PFL_VENV)),
+                        help=f"pfl's venv (${PFL_VENV_ENV}, else {DEFAULT_PFL_VENV})")
+    parser.add_argument("--pfl-layout", choices=("nchw", "nhwc"), default="nchw",
+                        help="nhwc: pfl's pictures NHWC and transposed in its model, as its benchmark does "
+                             "(default nchw: every side runs the same kernels)")
+    parser.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra override for our runs, e.g. runtime.resident_clients=64 (repeatable)")
+    args = parser.parse_args(argv)
+    args.work = args.work.expanduser().resolve()
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    unknown = [s for s in sides if s not in SIDES]
+    if unknown or not sides:
+        raise UsageError(f"--sides: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SIDES)}")
+    args.side_list = sides
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse(argv)
+        config = workload(args)
+    except UsageError as exc:
+        print(f"pfl_side_by_side: error: {exc}", file=sys.stderr)
+        return 2
+    work, sides = args.work, args.side_list
+    total_rounds = config["rounds"]
+    config_path = work / f"ours-c{args.clients}-p{args.per_round}-n{args.samples}-r{total_rounds}.yaml"
+    work.mkdir(parents=True, exist_ok=True)
+    prepare(config, config_path, per_class=args.clients * (args.samples // 10 + 1))
+    python = sys.executable
+    ours_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), str(REPO)])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        ours_env.pop(key, None)
+    pfl_python = args.pfl_venv / "bin" / "python"
+    check = "bare" in sides and "ours" in sides
+    pfl_args = [str(BENCH / "pfl_runner.py"), "--clients", str(args.clients), "--per-round", str(args.per_round),
+                "--samples", str(args.samples), "--rounds", str(total_rounds), "--batch", str(args.batch),
+                "--lr", str(args.lr), "--seed", str(args.seed), "--layout", args.pfl_layout]
+    results: dict[str, Any] = {}
+    for side in sides:
+        dump = work / "dump" / side
+        env = dict(ours_env)
+        if check and side in ("ours", "bare"):
+            dump.mkdir(parents=True, exist_ok=True)
+            env["HTFL_PFL_BENCH_DUMP"] = str(dump)
+        result_file = work / "results" / f"{side}.json"
+        result_file.parent.mkdir(parents=True, exist_ok=True)
+        for old in result_file.parent.glob(f"{side}.json*"):
+            old.unlink()
+        if side in ("pfl", "pfl2"):
+            if not pfl_python.is_file():
+                print(f"[{side}] skipped: pfl venv not found: run bench/pfl_setup.sh (looked for {pfl_python})")
+                results[side] = {"skipped": "pfl venv not found: run bench/pfl_setup.sh"}
+                continue
+            launcher = [] if side == "pfl" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")}
+            command = [str(pfl_python), *launcher, *pfl_args, "--result", str(result_file)]
+        elif side == "bare":
+            command = [python, str(BENCH / "pfl_bare.py"), "--config", str(config_path), "--result", str(result_file)]
+            if check:
+                command += ["--dump", str(dump)]
+        else:
+            out = work / "runs" / side
+            launcher = [] if side == "ours" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
+            transport = [] if side == "ours" else ["runtime.backend=gloo"]
+            command = [python, *launcher, "-m", "htfl_dist.main", "--config", str(config_path), "--out", str(out),
+                       "--resume", "never", *transport, *args.ours_set]
+            if out.exists():
+                shutil.rmtree(out)
+        measured = run_side(side, command, env, work)
+        if measured["returncode"] == 0:
+            if side in ("ours", "ours2"):
+                rows = [json.loads(line) for line in (work / "runs" / side / "metrics.jsonl").read_text().splitlines()
+                        if line.strip()]
+                measured.update(timed([row["seconds"] for row in rows], args.warmup, args.rounds))
+            else:
+                ranks = [json.loads(path.read_text()) for path in sorted(result_file.parent.glob(f"{side}.json*"))]
+                measured.update(timed(ranks[0]["round_seconds"], args.warmup, args.rounds))
+                measured["round_steps"] = [sum(r["round_steps"][i] for r in ranks) for i in range(total_rounds)]
+            measured["steps_per_round"] = measured["steps_total"] / total_rounds
+        results[side] = measured
+    report = summarise(args, config, results, work if check else None)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+    failed = [s for s, r in results.items() if r.get("returncode", 0) != 0]
+    return 1 if failed or report.get("check", {}).get("ok") is False else 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarise(args: argparse.Namespace, config: dict[str, Any], results: dict[str, Any],
+              check_dir: Path | None) -> dict[str, Any]:
+    steps_a_client = math.ceil(args.samples / args.batch) - (1 if args.samples > 1 and args.samples % args.batch == 1
+                                                              else 0)
+    report: dict[str, Any] = {
+        "workload": {"clients": args.clients, "per_round": args.per_round, "samples": args.samples,
+                     "batch": args.batch, "lr": args.lr, "local_epochs": 1, "seed": args.seed,
+                     "rounds_played": config["rounds"], "warmup": args.warmup, "timed_rounds": args.rounds,
+                     "expected_steps_per_round": args.per_round * steps_a_client, "pfl_settings_from": PFL_SOURCE,
+                     "pfl_layout": args.pfl_layout, "ours_overrides": args.ours_set, "threads": 1},
+        "sides": results}
+    print(f"\npfl's CIFAR-10 workload: {args.clients} clients, {args.per_round} a round, {args.samples} samples, "
+          f"batch {args.batch}, 1 epoch ({report['workload']['expected_steps_per_round']} SGD steps a round); "
+          f"median of {args.rounds} rounds after {args.warmup}")
+    print(f"{'side':6} {'s/round':>8} {'steps/round':>12} {'start-up s':>11} {'peak RSS GiB':>13}")
+    for side, r in results.items():
+        if "skipped" in r:
+            print(f"{side:6} skipped: {r['skipped']}")
+            continue
+        if r["returncode"] != 0:
+            print(f"{side:6} failed (status {r['returncode']}, {r['log']})")
+            continue
+        startup = f"{r['startup_s']:.2f}" if r["startup_s"] is not None else "-"
+        print(f"{side:6} {r['s_per_round']:8.3f} {r['steps_per_round']:12.1f} {startup:>11} "
+              f"{r['peak_rss_bytes'] / 2**30:13.2f}")
+    ratios: dict[str, Any] = {}
+    pairs = (("ours/pfl", "ours", "pfl"), ("ours/bare", "ours", "bare"), ("ours2/pfl2", "ours2", "pfl2"),
+             ("ours2/bare", "ours2", "bare"), ("pfl/bare", "pfl", "bare"))
+    for label, mine, theirs in pairs:
+        a, b = results.get(mine, {}), results.get(theirs, {})
+        if a.get("returncode") == 0 and b.get("returncode") == 0:
+            ratios[label] = {key: _ratio(a.get(key), b.get(key)) for key in ("s_per_round", "startup_s",
+                                                                              "peak_rss_bytes")}
+    if ratios:
+        print("ratios (time a round, start-up, peak memory):")
+        for label, values in ratios.items():
+            shown = ["-" if v is None else f"{v:.2f}x" for v in values.values()]
+            print(f"  {label:11} {'  '.join(shown)}")
+    report["ratios"] = ratios
+    if check_dir is not None and results["bare"].get("returncode") == 0 and results["ours"].get("returncode") == 0:
+        check = compare_round_one(check_dir)
+        check["steps_equal"] = results["bare"]["steps_total"] == results["ours"]["steps_total"]
+        check["ok"] = bool(check["equal"] and check["steps_equal"])
+        report["check"] = check
+        print(f"check ours = bare: steps {results['ours']['steps_total']} vs {results['bare']['steps_total']}, "
+              f"global model after round 1: max |diff| {check.get('max_abs_diff', float('nan')):.2e} "
+              f"(tolerance {TOLERANCE:g}) -> {'ok' if check['ok'] else 'MISMATCH'}")
+    return report
+
+
+if __name__ == "__main__":
+    sys.exit(main())
