@@ -16,9 +16,15 @@ setup(
     # ruff, mypy, types-PyYAML: .ci/run's `ruff check .` and `mypy` (mypy.ini), pinned to a minor
     # release so that a new release's rules do not fail CI unannounced; types-PyYAML: yaml's types.
     # setuptools: the tests and .ci/run pip-install the example plugin without build isolation
+    # mlflow-skinny (output.mlflow): the tracking client and file store without the server's
+    # database, pandas and scikit-learn stack that full mlflow pulls in (~90 MB and 30 s to
+    # install against several hundred MB); `mlflow ui` needs full mlflow (docs/running.md).
+    # wandb (output.wandb): offline runs by default, ~70 MB. Both in "test": the tests read the
+    # runs back through the libraries.
     extras_require={"test": ["pytest", "pytest-xdist", "tensorboard", "ruff~=0.17.6", "mypy~=2.4.1", "types-PyYAML",
-                             "setuptools>=61"],
+                             "setuptools>=61", "mlflow-skinny>=2.12", "wandb>=0.19"],
                     "mpi": ["mpich"], "tensorboard": ["tensorboard"],
+                    "mlflow": ["mlflow-skinny>=2.12"], "wandb": ["wandb>=0.19"],
                     "privacy": ["opacus>=1.5", "cryptography>=42"]},
     entry_points={"console_scripts": ["htfl-dist=htfl_dist.main:main"]},
 )

@@ -36,8 +36,8 @@ if ! "$py" -c "import torch, torchvision" 2>/dev/null; then
 fi
 # (checked from / so that a checkout in the current directory does not shadow the install)
 installed_at=$(cd / && "$py" -c 'import htfl_dist, os; print(os.path.dirname(os.path.dirname(htfl_dist.__file__)))' 2>/dev/null || true)
-# (types-PyYAML installs no importable module: it is checked by its metadata)
-if ! (cd / && "$py" -c "import htfl_dist, mpi4py, h5py, yaml, pytest, xdist, PIL, scipy, matplotlib, tensorboard, opacus, cryptography, ruff, mypy, importlib.metadata as m; m.version('types-PyYAML')" 2>/dev/null) \
+# (types-PyYAML installs no importable module, and importing mlflow or wandb takes seconds: checked by their metadata)
+if ! (cd / && "$py" -c "import htfl_dist, mpi4py, h5py, yaml, pytest, xdist, PIL, scipy, matplotlib, tensorboard, opacus, cryptography, ruff, mypy, importlib.metadata as m; [m.version(d) for d in ('types-PyYAML', 'mlflow-skinny', 'wandb')]" 2>/dev/null) \
    || [ "$installed_at" != "$repo" ] || [ ! -x "$venv/bin/mpirun" ]; then
   echo "setup: installing htfl_dist (editable) with test, MPI and privacy extras"
   "$py" -m pip install -q -e "$repo[test,mpi,privacy]"

@@ -361,6 +361,24 @@ class OutputConfig:
     """Rank 0 keeps RUN/<dataset>_<algorithm>_test_<seed>.h5 with HtFLlib's result arrays
     (``rs_test_acc``, ``rs_train_loss``), rewritten after every evaluated round, so plotting
     scripts written for HtFLlib read our runs."""
+    mlflow: bool = False
+    """Rank 0 keeps an MLflow tracking run of this run: the config as params, every row as metrics at
+    step = round, summary and plots as artifacts (``pip install -e .[mlflow]``; docs/running.md)."""
+    mlflow_uri: str | None = None
+    """Where the MLflow runs go: a tracking URI (``http://host:5000``, ``sqlite:///FILE``) or a
+    directory for a file store; None: RUN/mlruns (a study's cells: STUDY/mlruns, one store)."""
+    wandb: bool = False
+    """Rank 0 keeps a Weights & Biases run of this run, under RUN/wandb (``pip install -e .[wandb]``)."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: nothing leaves the machine until ``wandb sync RUN/wandb/offline-run-*``; online:
+    logs to the W&B server as the run goes (needs ``wandb login``)."""
+    wandb_project: str = "htfl_dist"
+    """The W&B project the run belongs to."""
+    tracking_group: str | None = None
+    """The MLflow experiment and W&B group of the run (None: ``htfl_dist`` for MLflow, no group for
+    W&B); a study sets its title, so its cells and seeds sit together."""
+    tracking_name: str | None = None
+    """The tracking run's name (None: the run directory's name); a study sets the cell's name."""
     progress_every_s: float = bounded(30.0, at_least=0, note="0 = never")
     """A rank whose clients are still training this many seconds into a round prints how many
     it has done (0 = never)."""

@@ -44,6 +44,11 @@ class Cell:
     """Dotted keys the study itself sets for this cell (the scheduler leaves those alone)."""
     imports: tuple[str, ...] = ()
     """Plugin modules the study's ``--import`` names, passed on to the cell's program."""
+    group: str = ""
+    """The study's title: the cell's tracking group (``output.tracking_group``)."""
+    tracked: bool = False
+    """The cell's config asks for MLflow or W&B (``output.mlflow``, ``output.wandb``): its program
+    gets the grouping overrides (:meth:`program_overrides`)."""
 
     @property
     def name(self) -> str:
@@ -52,12 +57,24 @@ class Cell:
     def run_dir(self, out: Path) -> Path:
         return out / "cells" / self.name
 
+    def program_overrides(self, out: Path) -> list[str]:
+        """The cell's overrides, after what groups its tracking runs with the study's other cells
+        (unless the study sets them): the study's title as MLflow experiment and W&B group, the
+        cell's name as the tracking run's, and one MLflow store for every cell, DIR/mlruns. All
+        ``output.*``: plumbing, so no cell's config hash changes. Cells without a tracker get none."""
+        if not self.tracked:
+            return list(self.overrides)
+        grouping = {"output.tracking_group": self.group, "output.tracking_name": self.name,
+                    "output.mlflow_uri": str(out / "mlruns")}
+        return [*(override_text(key, value) for key, value in grouping.items()
+                  if value and key not in self.explicit_keys), *self.overrides]
+
     def main_args(self, out: Path) -> list[str]:
         """The arguments of ``python -m htfl_dist.main`` for this cell (``--resume auto``: a rerun
         continues an interrupted cell and starts a new one afresh)."""
         imports = [argument for module in self.imports for argument in ("--import", module)]
         return ["--config", str(self.config_file), "--out", str(self.run_dir(out)), "--resume", "auto",
-                *imports, *self.overrides]
+                *imports, *self.program_overrides(out)]
 
 
 @dataclass(frozen=True)
@@ -215,6 +232,8 @@ def expand(path: Path, extra: list[str] | None = None, seeds: list[int] | None =
             overrides = tuple(override_text(k, v) for k, v in {**values, "seed": seed}.items())
             cells.append(Cell(key, seed, config_file, overrides, explicit_keys=frozenset(values),
                               imports=tuple(imports)))
+    title = str(raw.get("title") or path.stem)
+    cells = [dataclasses.replace(cell, group=title) for cell in cells]
     unused = sorted(set(per_pattern) - used_patterns)
     if unused:
         raise StudyError(f"study key 'cells.{unused[0]}' matches no cell; cell keys are: {', '.join(keys)}")
@@ -222,7 +241,7 @@ def expand(path: Path, extra: list[str] | None = None, seeds: list[int] | None =
     stray = sorted(set(paper) - set(keys))
     if stray:
         raise StudyError(f"study key 'paper.{stray[0]}' names no cell; cell keys are: {', '.join(keys)}")
-    return Study(path, str(raw.get("title") or path.stem), cells, keys, paper)
+    return Study(path, title, cells, keys, paper)
 
 
 def _base_file(study_dir: Path, base: Any, combo: dict[str, Any]) -> Path:
@@ -254,7 +273,8 @@ def validate(study: Study, ranks_per_cell: int = 1) -> Study:
             check_config(config, ranks_per_cell)
         except HtflError as exc:
             raise StudyError(f"cell {cell.name}: {exc}") from None
-        checked.append(dataclasses.replace(cell, config_hash=config.config_hash(), rounds=config.rounds))
+        checked.append(dataclasses.replace(cell, config_hash=config.config_hash(), rounds=config.rounds,
+                                           tracked=config.output.mlflow or config.output.wandb))
     return Study(study.path, study.title, checked, study.keys, study.paper)
 
 

@@ -24,7 +24,8 @@ def array_script(cells: list[Cell], out: Path, kind: Literal["cpu", "gpu"]) -> s
     """The array job's batch script (see the module docstring)."""
     script = SCRIPTS[kind]
     header = [line for line in script.read_text().splitlines() if line.startswith("#SBATCH")]
-    arguments = [[str(cell.config_file), "--out", str(cell.run_dir(out)), *cell.overrides] for cell in cells]
+    arguments = [[str(cell.config_file), "--out", str(cell.run_dir(out)), *cell.program_overrides(out)]
+                 for cell in cells]
     cases = [f"  {index}) set -- {shlex.join(args)} ;;" for index, args in enumerate(arguments)]
     return "\n".join([
         "#!/usr/bin/env bash",
