@@ -1,7 +1,9 @@
 """privacy.* against the adversary docs/privacy.md names (the server, its operator, the other
 clients), tried as that adversary would: the audit's attack on rank 0's stored uploads (regenerate
-the noise from the config, subtract it), the secret noise source, what a private client's rank
-sends, a budget no noise reaches, and the doc's wire table against the code."""
+the noise from the config, subtract it), the same on DP-SGD's noise, a replay of the run from its
+config (which reproduces any noise derived from what the attacker holds), the secret noise source,
+what a private client's rank sends, a budget no noise reaches, and the doc's wire table against
+the code."""
 from __future__ import annotations
 
 import json
@@ -32,22 +34,65 @@ PRIVATE_ROUND = ("privacy.enabled=true", "privacy.target_epsilon=4", "rounds=1",
 server's operator holds)."""
 
 
+SGD_STEPS_KEPT, SGD_VALUES_KEPT = 3, 256
+"""Of each client's DP-SGD noise: the first steps kept, and of each parameter's draw in a step the
+first values (enough to tell independent standard normals from equal ones, little to hold)."""
+
+
+class SgdNoise:
+    """The Gaussian noise DP-SGD added in a client's first steps, in units of its standard
+    deviation, as it came out of the optimizer (``steps``: per step, per parameter, the first
+    values), and the shapes of the parameters it was drawn for, in order."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[torch.Tensor]] = []
+        self.shapes: list[tuple[int, ...]] = []
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([torch.cat(step) for step in self.steps])
+
+
 class PrivateRound:
     """A played private round: its run directory, the clean class means each client's release
-    started from (client id → class id → row, taken inside the client before the noise), and the
-    report rows each client's rank sent (client id → the kinds of rows present)."""
+    started from (client id → class id → row, taken inside the client before the noise), the
+    report rows each client's rank sent (client id → the kinds of rows present) and the noise of
+    each client's first DP-SGD steps (client id → ``SgdNoise``)."""
 
-    def __init__(self, run_dir: Path, clean: dict[int, dict[int, torch.Tensor]], reported: dict[int, set[str]]):
-        self.run_dir, self.clean, self.reported = run_dir, clean, reported
+    def __init__(self, run_dir: Path, clean: dict[int, dict[int, torch.Tensor]], reported: dict[int, set[str]],
+                 sgd_noise: dict[int, SgdNoise]):
+        self.run_dir, self.clean, self.reported, self.sgd_noise = run_dir, clean, reported, sgd_noise
 
 
 def _play(run_dir: Path, cache_dir: Path, noise: str, monkeypatch: pytest.MonkeyPatch) -> PrivateRound:
+    """One private round with spies: the clean rows before the release's noise, the kinds of report
+    rows, and DP-SGD's noise read off the gradient where Opacus's optimizer has added it (the
+    noised sum minus the clipped sum, before the scaling), whatever source it came from."""
+    from opacus.optimizers import DPOptimizer
+
+    from htfl_dist.privacy.accounting import PrivacyLedger
     from htfl_dist.privacy.trainer import PrivateTrainer  # imports Opacus
     from htfl_dist.runtime.simulate import simulate
 
     clean: dict[int, dict[int, torch.Tensor]] = {}
     reported: dict[int, set[str]] = {}
+    sgd_noise: dict[int, SgdNoise] = {}
+    training: list[int] = []  # the client whose DP-SGD pass is running
     release, gather = PrivateTrainer.release_class_means, exchange_module.Exchange.gather_reports
+    open_mechanism, scale_grad = PrivacyLedger.open_mechanism, DPOptimizer.scale_grad
+
+    def spy_open(ledger, mechanism):
+        if mechanism == "sgd":
+            training[:] = [ledger.client_id]
+        return open_mechanism(ledger, mechanism)
+
+    def spy_scale(optimizer):
+        kept = sgd_noise.setdefault(training[0], SgdNoise())
+        if len(kept.steps) < SGD_STEPS_KEPT:
+            std = optimizer.noise_multiplier * optimizer.max_grad_norm
+            kept.shapes = [tuple(p.shape) for p in optimizer.params]
+            kept.steps.append([((p.grad - p.summed_grad.view_as(p)) / std).flatten()[:SGD_VALUES_KEPT].double()
+                               for p in optimizer.params])
+        return scale_grad(optimizer)
 
     def spy_release(trainer, sums, counts):
         ledger = trainer.ledger
@@ -65,16 +110,24 @@ def _play(run_dir: Path, cache_dir: Path, noise: str, monkeypatch: pytest.Monkey
     with monkeypatch.context() as patch:
         patch.setattr(PrivateTrainer, "release_class_means", spy_release)
         patch.setattr(exchange_module.Exchange, "gather_reports", spy_gather)
+        patch.setattr(PrivacyLedger, "open_mechanism", spy_open)
+        patch.setattr(DPOptimizer, "scale_grad", spy_scale)
         simulate(SMOKE, [f"data.cache_dir={cache_dir}", *PRIVATE_ROUND, f"privacy.noise={noise}"], out=run_dir)
-    return PrivateRound(run_dir, clean, reported)
+    return PrivateRound(run_dir, clean, reported, sgd_noise)
+
+
+PLAYS = {"secure": "secure", "seeded": "seeded", "replay": "secure"}
+"""The rounds played (name → privacy.noise): ``replay`` is the default run played again from the
+same config, as an attacker holding config.yaml and the code can."""
 
 
 @pytest.fixture(scope="module")
 def played(tmp_path_factory, cache_dir) -> dict[str, PrivateRound]:
-    """The same private round with the secret noise (the default) and with seeded noise."""
+    """The same private round with the secret noise (the default), with seeded noise, and with the
+    secret noise once more."""
     patch = pytest.MonkeyPatch()
     try:
-        return {noise: _play(tmp_path_factory.mktemp(noise), cache_dir, noise, patch) for noise in ("secure", "seeded")}
+        return {name: _play(tmp_path_factory.mktemp(name), cache_dir, noise, patch) for name, noise in PLAYS.items()}
     finally:
         patch.undo()
 
@@ -131,6 +184,65 @@ def test_the_attack_fails_on_a_default_private_run(played):
         per_coordinate = float(error.norm()) / error.numel() ** 0.5
         assert per_coordinate > 0.8 * _noise_scale(run.run_dir, client, label), (client, label)
     assert (run.run_dir / "summary.json").read_text().count('"private_against_server": true') == 1
+
+
+def _release_noise(run: PrivateRound) -> dict[tuple[int, int], torch.Tensor]:
+    """(client, class) → the noise of that released row, in units of its standard deviation: the
+    row rank 0 kept minus the clean mean the client started from, over σ·2S/n_c."""
+    snapshot = torch.load(run.run_dir / "prototypes" / "round_00001.pt", weights_only=True)
+    return {(client, label): (row.double() - run.clean[client][label]) / _noise_scale(run.run_dir, client, label)
+            for client, label, row in zip(snapshot["upload_client_ids"].tolist(), snapshot["upload_class_ids"].tolist(),
+                                          snapshot["upload_protos"], strict=True)}
+
+
+def _seeded_sgd_draws(run: PrivateRound, client: int) -> torch.Tensor:
+    """What a seeded run's first DP-SGD step of ``client`` in round 1 draws (its stream's key from
+    the config's seed; the client's first mechanism, release number 0), cut as the spy keeps it."""
+    config = config_from_dict(yaml.safe_load((run.run_dir / "config.yaml").read_text()))
+    stream = SeededNoise(seeded_noise_key(config.seed, "sgd", client, 0, 0))
+    return torch.cat([stream.standard_normal(shape, dtype=torch.float32).flatten()[:SGD_VALUES_KEPT].double()
+                      for shape in run.sgd_noise[client].shapes])
+
+
+def _alike(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Whether two draws are the same noise: equal within float32 rounding of the gradients they
+    were read from. Independent standard normals of a few hundred values differ by more than 1
+    somewhere with probability 1 − 1e-100."""
+    return first.shape == second.shape and float((first - second).abs().max()) < 1e-2
+
+
+def test_the_attack_regenerates_the_dpsgd_noise_of_a_seeded_run_only(played):
+    """The audit's attack on DP-SGD: regenerate each client's first step of noise from the seed in
+    config.yaml. It works on a seeded run (so the spy reads the noise right), and on a default run
+    it finds none of it: DP-SGD's noise is not drawn from the seed either."""
+    for name, works in (("seeded", True), ("secure", False)):
+        run = played[name]
+        assert sorted(run.sgd_noise) == list(range(6)), name
+        for client, noise in run.sgd_noise.items():
+            assert len(noise.steps) == SGD_STEPS_KEPT
+            assert _alike(torch.cat(noise.steps[0]), _seeded_sgd_draws(run, client)) == works, (name, client)
+
+
+def test_an_attacker_replaying_the_config_reproduces_no_noise(played):
+    """The attacker holds config.yaml and the code, so anything derived from them (the seed, a key
+    hashed from the config, the client and the round) it reproduces by running the same round
+    again: every mechanism's noise would come out the same. In the default run none does: each
+    client's DP-SGD steps and each released row carry noise unrelated to the replay's (and each
+    is a standard normal draw), so the noise is not a function of anything the attacker holds."""
+    run, replay = played["secure"], played["replay"]
+    assert set(run.sgd_noise) == set(replay.sgd_noise) == set(range(6))
+    for client in run.sgd_noise:
+        for step, (mine, theirs) in enumerate(zip(run.sgd_noise[client].steps, replay.sgd_noise[client].steps,
+                                                  strict=True)):
+            assert not _alike(torch.cat(mine), torch.cat(theirs)), (client, step)
+        draws = run.sgd_noise[client].flat()
+        assert abs(float(draws.std()) - 1) < 0.1 and abs(float(draws.mean())) < 0.1, client
+    rows, replayed = _release_noise(run), _release_noise(replay)
+    assert set(rows) == set(replayed) and len(rows) >= 10
+    for key, noise in rows.items():
+        assert not _alike(noise, replayed[key]), key
+    pooled = torch.cat(list(rows.values()))
+    assert abs(float(pooled.std()) - 1) < 0.1 and abs(float(pooled.mean())) < 0.1
 
 
 def test_a_private_clients_rank_reports_no_training_loss_or_count(played):
@@ -216,19 +328,17 @@ def test_a_large_draw_never_runs_out_of_keystream(monkeypatch):
     assert torch.isfinite(secure_standard_normal(1001)).all()
 
 
-def test_a_world_size_check_of_a_secret_run_compares_what_the_noise_does_not_touch(played, tmp_path, cache_dir):
+def test_a_world_size_check_of_a_secret_run_compares_what_the_noise_does_not_touch(played):
     """Two default private runs of one config (what two world sizes give as well: the noise is
     keyed by nothing a rank shares) agree on ε, which classes were released and the bytes sent,
     and differ in the noised rows."""
-    from htfl_dist.runtime.simulate import simulate
-
-    first = played["secure"].run_dir
-    again = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *PRIVATE_ROUND], out=tmp_path / "again")
-    before = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    first, again = played["secure"].run_dir, played["replay"].run_dir
+    before, after = ([json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+                     for run in (first, again))
     for key in ("epsilon_max", "epsilon_median", "global_classes", "bytes_theory_up", "skipped_clients"):
-        assert [row[key] for row in before] == [row[key] for row in again], key
+        assert [row[key] for row in before] == [row[key] for row in after], key
     snapshots = [torch.load(directory / "prototypes" / "round_00001.pt", weights_only=True)
-                 for directory in (first, tmp_path / "again")]
+                 for directory in (first, again)]
     assert torch.equal(snapshots[0]["upload_class_ids"], snapshots[1]["upload_class_ids"])
     assert not torch.equal(snapshots[0]["upload_protos"], snapshots[1]["upload_protos"])
 
