@@ -28,15 +28,17 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from htfl_dist.errors import ConfigError
+from htfl_dist.errors import ConfigError, shown
 from htfl_dist.seeding import numpy_rng
 
 HTFLLIB_SLOW_DELAY_S = 0.1
@@ -44,6 +46,8 @@ HTFLLIB_SLOW_DELAY_S = 0.1
 MAX_TRACE_BYTES = 64 * 2**20
 """A trace file larger than this is refused before it is read."""
 TRACE_FIELDS = ("client", "speed", "bandwidth_mbps")
+MAX_WINDOWS = 10_000
+"""Availability windows one client may have (a bound before anything is allocated for them)."""
 
 
 @dataclass(frozen=True)
@@ -143,25 +147,110 @@ def read_trace(path: str | Path, num_clients: int) -> list[ClientDevice]:
     return _devices_from_rows(path, rows, num_clients)
 
 
+def _trace_text(path: Path) -> tuple[bytes, str]:
+    """The trace's bytes and its text: UTF-8 (a byte-order mark allowed). Other bytes are one line
+    naming the line and the field (CSV: by the header's names) they are in."""
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"participation.trace {path}: cannot read it ({exc.strerror})") from None
+    try:
+        return raw, raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line, field = _place(raw, exc.start, path.suffix.lower() == ".json")
+        raise ConfigError(f"participation.trace {path}: line {line}{field}: byte 0x{raw[exc.start]:02x} is not UTF-8 "
+                          f"(offset {exc.start}); save the trace as UTF-8") from None
+
+
+_JSON_KEY = re.compile(rb'"((?:[^"\\]|\\.){1,64})"\s*:')
+
+
+def _place(raw: bytes, offset: int, is_json: bool) -> tuple[int, str]:
+    """The 1-based line of byte ``offset`` and, for the error line, the field it is in (', field
+    NAME'), as far as the bytes before it tell: a CSV column by the header's name, a JSON object's
+    latest key ('' when none is known)."""
+    line = raw.count(b"\n", 0, offset) + 1
+    start = raw.rfind(b"\n", 0, offset) + 1
+    if is_json:
+        keys = _JSON_KEY.findall(raw, max(0, offset - 4096), offset)
+        return line, f", field {keys[-1].decode('utf-8', 'replace')!r}" if keys else ""
+    column = next(csv.reader([raw[start:offset].decode("utf-8", "replace")]), [""])
+    header = next(csv.reader([raw[: raw.find(b"\n")].decode("utf-8", "replace")]), []) if line > 1 else []
+    index = len(column) - 1
+    return line, f", field {header[index]!r}" if index < len(header) else f", column {index + 1}"
+
+
+MAX_CELL_CHARS = 64 * MAX_WINDOWS
+"""The longest CSV cell a trace may hold: ``available`` with ``MAX_WINDOWS`` windows of two long
+numbers each fits; a cell beyond it is refused by name (csv's own limit, 128 KiB, would end in
+its error without line or column, and cut a long but valid ``available``)."""
+
+
 def _csv_rows(path: Path) -> list[tuple[str, Mapping[str, object]]]:
-    with open(path, newline="") as handle:
-        reader = csv.DictReader(handle)
+    _, text = _trace_text(path)
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    limit = csv.field_size_limit(MAX_TRACE_BYTES)  # the file's size bounds every cell; checked by name below
+    try:
         missing = [name for name in TRACE_FIELDS if name not in (reader.fieldnames or [])]
         if missing:
             raise ConfigError(f"participation.trace {path}: line 1 lacks the column(s) {', '.join(missing)} "
                               f"(the header must name {', '.join(TRACE_FIELDS)})")
-        return [(f"line {number}", row) for number, row in enumerate(reader, start=2)]
+        rows = []
+        first_line = reader.line_num + 1
+        for row in reader:
+            where = f"line {first_line}"
+            for name, value in row.items():
+                cells = value if isinstance(value, list) else [value]  # cells past the header: a list
+                if any(isinstance(cell, str) and len(cell) > MAX_CELL_CHARS for cell in cells):
+                    field = repr(name) if name is not None else "a cell past the header's columns"
+                    raise ConfigError(f"participation.trace {path}: {where}: field {field} holds "
+                                      f"{max(len(cell) for cell in cells if isinstance(cell, str))} characters, more "
+                                      f"than the {MAX_CELL_CHARS} a trace cell may hold")
+            rows.append((where, row))
+            first_line = reader.line_num + 1
+        return rows
+    except csv.Error as exc:
+        raise ConfigError(f"participation.trace {path}: line {reader.line_num}: not CSV ({exc})") from None
+    finally:
+        csv.field_size_limit(limit)
+
+
+MAX_JSON_DEPTH = 32
+"""Where a nesting bomb is reported: a trace nests four deep (the list, an entry, ``available``,
+a window)."""
 
 
 def _json_rows(path: Path) -> list[tuple[str, Mapping[str, object]]]:
+    raw, text = _trace_text(path)
     try:
-        entries = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
+        entries = json.loads(text)
+    except ValueError as exc:
         raise ConfigError(f"participation.trace {path}: not JSON ({exc})") from None
+    except RecursionError:
+        line, field = _place(raw, _too_deep(raw), is_json=True)
+        raise ConfigError(f"participation.trace {path}: line {line}{field}: nested more than Python's JSON reader "
+                          f"can follow (a trace nests 4 deep: the list, an entry, available, a window)") from None
     if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
         raise ConfigError(f"participation.trace {path}: a JSON trace is a list of objects with "
                           f"{', '.join(TRACE_FIELDS)}")
     return [(f"entry {index}", entry) for index, entry in enumerate(entries)]
+
+
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _too_deep(raw: bytes) -> int:
+    """The offset of the first bracket nested deeper than :data:`MAX_JSON_DEPTH` (strings skipped)."""
+    depth = 0
+    for token in _JSON_TOKEN.finditer(raw):
+        bracket = token.group()
+        if bracket in (b"[", b"{"):
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return token.start()
+        elif bracket in (b"]", b"}"):
+            depth -= 1
+    return 0
 
 
 def _number(path: Path, where: str, row: Mapping[str, object], name: str, *, integer: bool = False) -> float:
@@ -169,14 +258,10 @@ def _number(path: Path, where: str, row: Mapping[str, object], name: str, *, int
     try:
         number = int(str(value)) if integer else float(str(value))
     except ValueError:
-        raise ConfigError(f"participation.trace {path}: {where}: {name} is {value!r}, not a number") from None
+        raise ConfigError(f"participation.trace {path}: {where}: {name} is {shown(value)}, not a number") from None
     if not integer and not (math.isfinite(number) and number > 0):
         raise ConfigError(f"participation.trace {path}: {where}: {name} is {value}; it must be a finite number > 0")
     return number
-
-
-MAX_WINDOWS = 10_000
-"""Availability windows one client may have (a bound before anything is allocated for them)."""
 
 
 def _windows(path: Path, where: str, value: object) -> tuple[tuple[float, float], ...]:
@@ -199,7 +284,7 @@ def _windows(path: Path, where: str, value: object) -> tuple[tuple[float, float]
                 raise TypeError
             start, end = (float(str(bound).strip()) for bound in piece)
         except (TypeError, ValueError):
-            raise ConfigError(f"participation.trace {path}: {where}: available has {piece!r}; a window is "
+            raise ConfigError(f"participation.trace {path}: {where}: available has {shown(piece)}; a window is "
                               f"START-END in a CSV cell or [START, END] in JSON, in simulated seconds") from None
         if not (math.isfinite(start) and math.isfinite(end) and 0 <= start < end):
             raise ConfigError(f"participation.trace {path}: {where}: available window {start:g}-{end:g} must have "

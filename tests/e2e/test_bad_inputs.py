@@ -182,6 +182,28 @@ def test_data_mistakes(tmp_path, capsys, cache_dir, overrides, needles):
              out, 2, needles, leaves={})
 
 
+TRACE_HEADER = b"client,speed,bandwidth_mbps\n"
+
+
+@pytest.mark.parametrize("name,data,needle", [
+    ("trace.json", b'[{"client": 0, "speed": 1,\n "bandwidth_mbps": ' + b"[" * 100_000 + b"]" * 100_000 + b"}]",
+     "line 2, field 'bandwidth_mbps': nested more than Python's JSON reader can follow"),
+    ("trace.csv", TRACE_HEADER + b"0,1,8\n1,0.5,caf\xe9\n", "line 3, field 'bandwidth_mbps': byte 0xe9 is not UTF-8"),
+    ("trace.csv", TRACE_HEADER + b"0,1,8\n1," + b"7" * 1_200_000 + b",8\n",
+     "line 3: field 'speed' holds 1200000 characters"),
+], ids=["json-nested-deep", "csv-not-utf8", "csv-megabyte-cell"])
+def test_a_trace_file_the_readers_choke_on_is_one_line_before_any_rank_talks(tmp_path, capsys, name, data, needle):
+    """Were a RecursionError, a UnicodeDecodeError and csv's field-limit error with their tracebacks:
+    now the start's config check names file, line and field, before the run directory exists."""
+    trace = tmp_path / name
+    trace.write_bytes(data)
+    out = tmp_path / "run"
+    for check in ([], ["--check"]):
+        _refused(capsys, [*check, *SMOKE_ARGS, "--out", str(out), "participation.clock=true",
+                          "participation.profile=trace", f"participation.trace={trace}"], out, 2,
+                 [f"participation.trace {trace}: ", needle])
+
+
 def test_data_root_without_expected_files(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()

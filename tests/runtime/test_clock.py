@@ -3,6 +3,7 @@
 and traces refused in one line naming file, line or entry, and field."""
 from __future__ import annotations
 
+import csv
 import json
 import re
 
@@ -175,6 +176,54 @@ def test_a_missing_or_foreign_trace_is_one_line(tmp_path):
     path.write_text('{"client": 0}')
     with pytest.raises(ConfigError, match="a JSON trace is a list of objects"):
         read_trace(path, 1)
+
+
+def _bytes(tmp_path, name: str, data: bytes):
+    path = tmp_path / name
+    path.write_bytes(data)
+    return path
+
+
+HEADER = b"client,speed,bandwidth_mbps,available\n"
+
+
+@pytest.mark.parametrize("name, data, needle", [
+    ("trace.csv", HEADER + b"0,1,8,0-60\n1,1,8,caf\xe9\n", "line 3, field 'available': byte 0xe9 is not UTF-8 "
+                                                            "(offset 58); save the trace as UTF-8"),
+    ("trace.csv", HEADER + b"0,1\xff,8,\n1,1,8,\n", "line 2, field 'speed': byte 0xff is not UTF-8"),
+    ("trace.csv", HEADER + b"0,1,8,\n1,1,8," + b"9" * 1_200_000 + b"\n",
+     "line 3: field 'available' holds 1200000 characters, more than the 640000 a trace cell may hold"),
+    ("trace.csv", HEADER + b'0,1,8,\n1,"1\n' + b"9" * 700_000 + b'",8,\n',
+     "line 3: field 'speed' holds 700002 characters"),  # a quoted cell across lines: the line it starts on
+    ("trace.csv", HEADER + b"0,1,8,,\n1,1,8,," + b"x" * 700_000 + b"\n",
+     "line 3: field a cell past the header's columns holds 700000 characters"),
+    ("trace.json", b'[{"client": 0, "speed": 1,\n  "bandwidth_mbps": 8, "available": ' + b"[" * 100_000
+     + b"]" * 100_000 + b"}]", "line 2, field 'available': nested more than Python's JSON reader can follow"),
+    ("trace.json", b'[{"client": 0,\n "speed": "caf\xe9", "bandwidth_mbps": 8}]',
+     "line 2, field 'speed': byte 0xe9 is not UTF-8 (offset 29)"),
+], ids=["csv-latin1", "csv-latin1-header-column", "csv-megabyte-cell", "csv-quoted-cell-over-lines",
+        "csv-cell-past-the-header", "json-nesting-bomb", "json-latin1"])
+def test_a_trace_the_readers_choke_on_is_one_line_naming_file_line_and_field(tmp_path, name, data, needle):
+    """Were a UnicodeDecodeError, a csv field-limit error and a RecursionError traceback (the audit):
+    offsets and lines counted by hand from the bytes above."""
+    path = _bytes(tmp_path, name, data)
+    limit = csv.field_size_limit()
+    with pytest.raises(ConfigError) as refused:
+        read_trace(path, 2)
+    message = str(refused.value)
+    assert message.startswith(f"participation.trace {path}: ") and "\n" not in message and len(message) < 400
+    assert needle in message, message
+    assert csv.field_size_limit() == limit  # put back as it was
+
+
+def test_a_long_but_valid_availability_cell_is_read(tmp_path):
+    """9,000 windows of 18 characters: 162,000 characters, past csv's default limit of 131,072 (which
+    refused it), within the trace's own; and a UTF-8 byte-order mark (a spreadsheet's export)."""
+    windows = ";".join(f"{100_000 + 2 * k}.5-{100_001 + 2 * k}.5" for k in range(9000))
+    path = _bytes(tmp_path, "trace.csv", b"\xef\xbb\xbf" + HEADER + f"0,1,8,{windows}\n".encode())
+    assert len(windows) > 131_072
+    (device,) = read_trace(path, 1)
+    assert len(device.windows) == 9000 and device.windows[0] == (100_000.5, 100_001.5)
 
 
 def test_clock_options_need_the_clock():
