@@ -195,7 +195,7 @@ def _csv_rows(path: Path) -> list[tuple[str, Mapping[str, object]]]:
         if missing:
             raise ConfigError(f"participation.trace {path}: line 1 lacks the column(s) {', '.join(missing)} "
                               f"(the header must name {', '.join(TRACE_FIELDS)})")
-        rows = []
+        rows: list[tuple[str, Mapping[str, object]]] = []
         first_line = reader.line_num + 1
         for row in reader:
             where = f"line {first_line}"
