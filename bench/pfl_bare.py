@@ -63,13 +63,14 @@ def main(argv: list[str] | None = None) -> int:
                     p.copy_(g)
             seed_training(seed, cid, round_index)  # the client's dropout draws, as our run seeds them
             x, y = data[cid]
-            for start in range(0, y.shape[0], batch):
-                if start and y.shape[0] - start == 1:  # train.last_batch=keep: a 1-sample tail is not trained
-                    break
-                loss = F.cross_entropy(model(x[start:start + batch]), y[start:start + batch])
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
+            with pfl_probe.counting():  # importing the plugin gated the probe to training steps
+                for start in range(0, y.shape[0], batch):
+                    if start and y.shape[0] - start == 1:  # train.last_batch=keep: a 1-sample tail is not trained
+                        break
+                    loss = F.cross_entropy(model(x[start:start + batch]), y[start:start + batch])
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    optimizer.step()
             with torch.no_grad():
                 for t, p in zip(total, params, strict=True):
                     t.add_(p)

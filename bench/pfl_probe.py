@@ -8,20 +8,22 @@ htfl_dist)."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import resource
 import time
+from collections.abc import Iterator
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 ENV = "HTFL_PFL_BENCH_PROBE"
-_state: dict = {"steps": 0, "first_step": None, "excluded": set(), "installed": False}
+_state: dict = {"steps": 0, "first_step": None, "excluded": set(), "installed": False, "gated": False, "open": 0}
 
 
 def _count(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    if id(optimizer) in _state["excluded"]:
+    if id(optimizer) in _state["excluded"] or (_state["gated"] and not _state["open"]):
         return
     if _state["first_step"] is None:
         _state["first_step"] = time.time()
@@ -37,6 +39,23 @@ def exclude(optimizer: torch.optim.Optimizer) -> None:
     """Do not count ``optimizer``'s steps (pfl's central optimizer applies the round's average
     with one SGD step: it is the aggregation, not a local step)."""
     _state["excluded"].add(id(optimizer))
+
+
+def gate() -> None:
+    """From now on count only the steps taken inside :func:`counting` (our engine also steps an
+    optimizer at start-up, timing one SGD step per architecture to place clients by their work:
+    that is no training step)."""
+    _state["gated"] = True
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[None]:
+    """The steps taken in this block are training steps (with :func:`gate`)."""
+    _state["open"] += 1
+    try:
+        yield
+    finally:
+        _state["open"] -= 1
 
 
 def _write(directory: str) -> None:

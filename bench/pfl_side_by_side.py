@@ -14,7 +14,9 @@ CNN, CIFAR-shaped generated pictures (nothing downloaded). Per side: seconds a r
 ``--rounds`` timed rounds after ``--warmup`` rounds), SGD steps a round as counted inside every
 process (bench/pfl_probe.py), start-up (launch to the first SGD step), peak RSS summed over the
 side's processes, and the ratios ours/pfl and ours/bare. Every side plays warmup + rounds + 1
-rounds; the last is not timed (ours evaluates every client on its last round). When ``bare`` and
+rounds; the last is not timed (ours evaluates every client on its last round; on the others it
+tests one client, since its metrics row, which holds the round's seconds, is written on
+evaluation rounds only). When ``bare`` and
 ``ours`` both run, their global models after round 1 are compared (same data, clients, initial
 weights and dropout seeds: equal within float tolerance) and their step totals must be equal;
 the exit status is 1 when they are not or a side fails.
@@ -171,7 +173,9 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "algorithm": "pfl_fedavg", "plugins": ["pfl_workload"], "seed": args.seed,
         "rounds": args.warmup + args.rounds + 1, "num_clients": args.clients, "join_ratio": join_ratio,
-        "eval_every": args.warmup + args.rounds + 1,
+        # metrics.jsonl has a row (with the round's seconds) on evaluation rounds only: every round
+        # evaluates, one client (10 test pictures, a few ms), and the last round every client
+        "eval_every": 1, "eval": {"clients_fraction": 1 / args.clients},
         "data": {"dataset": "pfl_cifar_like", "root": str(root), "partition": "pathological",
                  "partition_rules": "pfllib", "classes_per_client": 10, "balance": True,
                  # floor(ratio · per_client) = samples training pictures per client, the rest tests
@@ -301,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             if side in ("ours", "ours2"):
                 rows = [json.loads(line) for line in (work / "runs" / side / "metrics.jsonl").read_text().splitlines()
                         if line.strip()]
+                if len(rows) != total_rounds:
+                    measured["returncode"] = "no row for every round"
+                    print(f"[{side}] metrics.jsonl has {len(rows)} rows for {total_rounds} rounds", flush=True)
                 measured.update(timed([row["seconds"] for row in rows], args.warmup, args.rounds))
             else:
                 ranks = [json.loads(path.read_text()) for path in sorted(result_file.parent.glob(f"{side}.json*"))]
@@ -343,7 +350,8 @@ def summarise(args: argparse.Namespace, config: dict[str, Any], results: dict[st
             print(f"{side:6} failed (status {r['returncode']}, {r['log']})")
             continue
         startup = f"{r['startup_s']:.2f}" if r["startup_s"] is not None else "-"
-        print(f"{side:6} {r['s_per_round']:8.3f} {r['steps_per_round']:12.1f} {startup:>11} "
+        per_round = "-" if r["s_per_round"] is None else f"{r['s_per_round']:.3f}"
+        print(f"{side:6} {per_round:>8} {r['steps_per_round']:12.1f} {startup:>11} "
               f"{r['peak_rss_bytes'] / 2**30:13.2f}")
     ratios: dict[str, Any] = {}
     pairs = (("ours/pfl", "ours", "pfl"), ("ours/bare", "ours", "bare"), ("ours2/pfl2", "ours2", "pfl2"),

@@ -39,16 +39,19 @@ from pfl_cnn import pfl_cnn_layers
 
 from htfl_dist.algorithms import register_algorithm
 from htfl_dist.algorithms.blocks.model_part import WHOLE_MODEL, Average, PartAveragingServer, PartSharingClient
+from htfl_dist.algorithms.interface import ClientState, TrainResult
 from htfl_dist.atomic import replaced_atomically
 from htfl_dist.data.sources import DatasetArrays, DatasetSource, register_dataset
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.models import SplitModel, register_architecture
+from htfl_dist.payload import Payload
 
 DATASET = "pfl_cifar_like"
 FILE_NAME = f"{DATASET}.npz"
 DUMP_ENV = "HTFL_PFL_BENCH_DUMP"
 
-pfl_probe.install()
+if pfl_probe.install():
+    pfl_probe.gate()  # count the clients' local steps alone (PflFedAvgClient.train)
 
 
 # --------------------------------------------------------------------------- the model
@@ -117,6 +120,12 @@ class PflFedAvgOptions:
 class PflFedAvgClient(PartSharingClient):
     part = WHOLE_MODEL
     algorithm_name = "pfl_fedavg"
+
+    def train(self, client: ClientState, knowledge: Payload, round_index: int,
+              generator: torch.Generator) -> TrainResult:
+        """The block's local training; the steps it takes are what the bench's probe counts."""
+        with pfl_probe.counting():
+            return super().train(client, knowledge, round_index, generator)
 
 
 class PflFedAvgServer(PartAveragingServer):

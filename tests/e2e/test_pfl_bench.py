@@ -34,6 +34,7 @@ def test_bare_loop_and_ours_take_the_same_steps_to_the_same_average(tmp_path):
     for side in ("bare", "ours"):
         assert sides[side]["returncode"] == 0
         assert sides[side]["steps_total"] == 9 * rounds, side  # counted inside the processes
+        assert len(sides[side]["round_seconds"]) == rounds, side  # a time for every round, the timed one first
         assert sides[side]["s_per_round"] > 0 and sides[side]["peak_rss_bytes"] > 0
     assert sides["bare"]["round_steps"] == [9, 9]
     check = report["check"]
