@@ -69,6 +69,14 @@ class TrainingDiverged(HtflError):
     said_by_rank0 = True
 
 
+class NothingAggregated(HtflError):
+    """No round of the run aggregated a single upload (every one dropped, late or left out): the
+    server never learnt anything, and the accuracies are the clients' own. Not a crash, but not a
+    result either, so the run ends (status 1) with one line, after its summary is written."""
+
+    exit_status = EXIT_FAILURE
+
+
 DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 """No space, no quota left, or the file-size limit (``ulimit -f``, with SIGXFSZ ignored)."""
 

@@ -9,6 +9,7 @@ round without evaluation does not lose who it skipped. Nothing here talks to oth
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import numpy as np
 import yaml
 
 from htfl_dist.config import Config
+from htfl_dist.errors import NothingAggregated
 from htfl_dist.metrics.report import PER_CLIENT_FILE, accuracy_summary
 from htfl_dist.metrics.sinks import MetricsSink, open_sinks
 from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
@@ -142,6 +144,37 @@ def set_unseen_apart(outcome: RoundOutcome, num_clients: int) -> dict[int, Any]:
     return unseen
 
 
+def server_skipped(outcome: RoundOutcome) -> bool:
+    """Whether the round's server step was skipped: no upload reached it."""
+    return bool(outcome.diagnostics.get("server_skipped"))
+
+
+def too_few_said(outcome: RoundOutcome, min_clients: int) -> bool:
+    """Whether the round loop has said already why this round aggregated nothing: fewer uploads
+    arrived than ``participation.min_clients`` (its own line)."""
+    arrivals = outcome.participation
+    if not min_clients or "arrived_clients" not in arrivals:
+        return False
+    return arrivals["arrived_clients"] + len(arrivals.get("late_folded_clients", [])) < min_clients
+
+
+def nothing_aggregated_line(outcome: RoundOutcome, config: Config) -> str:
+    """The warning of a round whose server aggregated nothing: who was lost, and to what."""
+    arrivals, options = outcome.participation, config.participation
+    why = []
+    if "arrived_clients" in arrivals:
+        why.append(f"{arrivals['arrived_clients']} of {len(outcome.participants)} uploads arrived")
+    for key, cause in (("dropped_clients", f"dropped (participation.drop_rate={options.drop_rate:g})"),
+                       ("late_clients", f"late (participation.deadline_s={options.deadline_s:g})"),
+                       ("unavailable_clients", "outside their availability windows")):
+        if arrivals.get(key):
+            why.append(f"{len(arrivals[key])} {cause}")
+    if outcome.skipped:
+        why.append(f"{len(outcome.skipped)} left out as bad uploads")
+    return (f"htfl_dist: warning: round {outcome.round_index + 1}: the server aggregated nothing "
+            f"({'; '.join(why) or 'no upload reached it'}); it keeps last round's knowledge")
+
+
 def early_stop_due(rows: list[dict[str, Any]], metric: str, patience: int, min_delta: float) -> dict[str, Any] | None:
     """Whether ``metric`` has gone ``patience`` evaluated rows without improving on its best by more
     than ``min_delta`` (accuracies upwards, the training loss downwards); what to record if so.
@@ -174,10 +207,14 @@ class RoundRecords:
         self.sinks: list[MetricsSink] = []
         self._skipped_since_row: list[int] = []
         self._setup_bytes_up = 0
+        self._first_round = 1
+        self._rounds_played = 0
+        self._rounds_aggregated = 0
 
     def begin(self, first_round: int) -> None:
         """The run goes ahead (after a resume was accepted): write config.yaml, remove a
         summary.json left by an earlier end of this run (it no longer describes it), open the sinks."""
+        self._first_round = first_round
         write_atomic(self.out_dir / "config.yaml", yaml.safe_dump(self.config.to_dict(), sort_keys=False))
         (self.out_dir / "summary.json").unlink(missing_ok=True)
         self.sinks = open_sinks(self.config, self.out_dir, first_round)
@@ -197,6 +234,11 @@ class RoundRecords:
         ranks = outcome.reports.ranks
         outcome.traffic.theory_up = int(sum(r.theory_up_bytes for r in ranks))
         self._skipped_since_row.extend(outcome.skipped)
+        self._rounds_played += 1
+        if not server_skipped(outcome):
+            self._rounds_aggregated += 1
+        elif not too_few_said(outcome, self.config.participation.min_clients):
+            print(nothing_aggregated_line(outcome, self.config), file=sys.stderr, flush=True)
         rank_seconds = [r.compute_seconds for r in ranks]
         seconds = round_seconds[-1]
         row = None
@@ -229,4 +271,16 @@ class RoundRecords:
             **privacy_summary(self.metrics.rows, privacy_plan),
         }
         write_json(self.out_dir / "summary.json", summary)
+        if self._rounds_played and not self._rounds_aggregated and not self._aggregated_before():
+            options = self.config.participation
+            raise NothingAggregated(
+                f"no round of this run aggregated an upload ({self._rounds_played} played, each said above): the "
+                f"server learnt nothing and the accuracies are the clients' own local training; lower "
+                f"participation.drop_rate (now {options.drop_rate:g}) or participation.min_clients (now "
+                f"{options.min_clients}), or raise participation.deadline_s (summary.json is written)")
         return summary
+
+    def _aggregated_before(self) -> bool:
+        """A resumed run: whether a round before this process's first aggregated (its row, kept from
+        the run's earlier part, has no ``server_skipped``)."""
+        return any(not row.get("server_skipped") for row in self.metrics.rows if row["round"] < self._first_round)

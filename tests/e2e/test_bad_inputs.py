@@ -430,6 +430,25 @@ def test_a_diverged_run_says_one_warning_per_round_then_one_error(tmp_path, caps
     assert [row["skipped_clients"] for row in rows] == [list(range(6))] * 3
 
 
+@pytest.mark.integration
+def test_a_run_in_which_no_upload_ever_arrives_says_so_and_fails(tmp_path, capsys, cache_dir):
+    """participation.drop_rate=0.99 (seed 0 drops all six uploads of both rounds): was test accuracy 0 %,
+    exit 0 and not a word. Now one warning per round that aggregated nothing, then one line, status 1;
+    the metrics and summary of what ran are kept."""
+    out = tmp_path / "run"
+    assert main(["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}", "rounds=2",
+                 "participation.drop_rate=0.99"]) == 1
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert "Traceback" not in captured.err and "done:" not in captured.out
+    assert lines[:-1] == [f"htfl_dist: warning: round {r}: the server aggregated nothing (0 of 6 uploads arrived; "
+                          f"6 dropped (participation.drop_rate=0.99)); it keeps last round's knowledge" for r in (1, 2)]
+    assert lines[-1].startswith("htfl_dist: error: no round of this run aggregated an upload (2 played"), lines[-1]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["dropped_clients"] for row in rows] == [list(range(6))] * 2
+    assert all(row["server_skipped"] for row in rows) and (out / "summary.json").exists()
+
+
 # ------------------------------------------------------------------ --check: a start's checks in one process
 
 def _check(argv: list[str]) -> list[str]:

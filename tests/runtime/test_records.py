@@ -10,6 +10,7 @@ import torch
 
 from conftest import SMOKE
 from htfl_dist.config import load_config
+from htfl_dist.errors import EXIT_FAILURE, NothingAggregated
 from htfl_dist.runtime.exchange import (
     DIVERGING,
     GIVE_UP,
@@ -84,6 +85,80 @@ def test_the_summary_names_the_run(records, tmp_path):
     assert summary["seconds_per_round"] == 5.0 and summary["world_size"] == 3 and summary["generator"] == "g"
     assert summary["config_hash"] == records.config.config_hash()
     assert (tmp_path / "config.yaml").exists()
+
+
+def _lost(round_index: int, evaluated: bool = True, dropped=(0, 1), late=(), arrived=0) -> RoundOutcome:
+    """A round whose server step was skipped (the loop's diagnostics) after the participation
+    policy kept ``arrived`` of the two uploads."""
+    outcome = _outcome(round_index, evaluated, skipped=[])
+    outcome.diagnostics = {"server_skipped": True}
+    outcome.participation = {"dropped_clients": list(dropped), "late_clients": list(late), "arrived_clients": arrived}
+    return outcome
+
+
+def _warnings(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+def _records(tmp_path, *overrides: str) -> RoundRecords:
+    records = RoundRecords(load_config(SMOKE, ["rounds=3", *overrides]), tmp_path, world_size=3)
+    records.begin(1)
+    return records
+
+
+def test_a_round_that_aggregated_nothing_says_so_in_one_line(tmp_path, capsys):
+    """participation.drop_rate=0.99 dropped every upload and said nothing (the audit)."""
+    records = _records(tmp_path, "participation.drop_rate=0.99", "participation.clock=true",
+                       "participation.deadline_s=10")
+    records.record(_lost(0, evaluated=False), [1.0])
+    records.record(_lost(1, dropped=[0], late=[1]), [1.0, 1.0])
+    records.record(_outcome(2, evaluated=True, skipped=[]), [1.0, 1.0, 1.0])  # aggregated: no line
+    assert _warnings(capsys) == [
+        "htfl_dist: warning: round 1: the server aggregated nothing (0 of 2 uploads arrived; 2 dropped "
+        "(participation.drop_rate=0.99)); it keeps last round's knowledge",
+        "htfl_dist: warning: round 2: the server aggregated nothing (0 of 2 uploads arrived; 1 dropped "
+        "(participation.drop_rate=0.99); 1 late (participation.deadline_s=10)); it keeps last round's knowledge"]
+    records.finish([1.0] * 3, {}, {}, None)  # one round aggregated: the run has a result
+    assert _warnings(capsys) == []
+
+
+def test_too_few_arrivals_are_said_once_by_the_round_loop(tmp_path, capsys):
+    """Below participation.min_clients the round loop says why in its own line: not a second one."""
+    records = _records(tmp_path, "participation.min_clients=2")
+    records.record(_lost(0, dropped=[0], arrived=1), [1.0])
+    assert _warnings(capsys) == []
+
+
+def test_a_run_in_which_no_round_aggregated_ends_in_one_line(tmp_path, capsys):
+    records = _records(tmp_path, "participation.drop_rate=0.99")
+    for round_index in range(3):
+        records.record(_lost(round_index), [1.0] * (round_index + 1))
+    assert len(_warnings(capsys)) == 3
+    with pytest.raises(NothingAggregated) as ended:
+        records.finish([1.0] * 3, {}, {}, None)
+    assert ended.value.exit_status == EXIT_FAILURE != 0
+    assert str(ended.value).startswith("no round of this run aggregated an upload (3 played, each said above)")
+    assert "participation.drop_rate (now 0.99)" in str(ended.value) and "\n" not in str(ended.value)
+    assert (tmp_path / "summary.json").exists()  # what the run did is on record all the same
+
+
+def test_a_resumed_run_whose_earlier_part_aggregated_ends_as_usual(tmp_path, capsys):
+    """Rounds 1-2 ran before the resume, round 1 aggregated (its row has no server_skipped): the
+    run has a result though nothing after the resume aggregated."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 1, "test_acc": 0.5}) + "\n"
+                                            + json.dumps({"round": 2, "server_skipped": True}) + "\n")
+    records = RoundRecords(load_config(SMOKE, ["rounds=3"]), tmp_path, world_size=3)
+    records.metrics.load_existing(2)
+    records.begin(3)
+    records.record(_lost(2), [1.0])
+    records.finish([1.0], {}, {}, None)
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"round": 1, "server_skipped": True}) + "\n")
+    records = RoundRecords(load_config(SMOKE, ["rounds=3"]), tmp_path, world_size=3)
+    records.metrics.load_existing(1)
+    records.begin(2)
+    records.record(_lost(1), [1.0])
+    with pytest.raises(NothingAggregated):
+        records.finish([1.0], {}, {}, None)
 
 
 def test_the_stop_decision_counts_diverged_rounds_in_a_row():
