@@ -126,6 +126,15 @@ class TrainResult:
     samples: int
 
 
+def release_gradients(client: ClientState) -> None:
+    """Drop the gradients a client's last local step left on its model and modules. Nothing
+    reads them after training (every step starts from ``zero_grad(set_to_none=True)``), and an
+    idle client holding them doubles its memory: 8.5 GiB of pfl-research's 1,000-client workload."""
+    for module in (client.model, *client.modules.values()):
+        for parameter in module.parameters():
+            parameter.grad = None
+
+
 def seed_training(seed: int, client_id: int, round_index: int) -> None:
     """Seed torch's global RNG for one client's local training in one round (dropout and other
     implicit draws) from (seed, client, round) only, wherever and with whom the client trains."""

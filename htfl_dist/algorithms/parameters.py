@@ -30,8 +30,9 @@ def parameter_field(name: str, module: nn.Module) -> Field:
 
 @torch.no_grad()
 def parameter_row(module: nn.Module) -> torch.Tensor:
-    """``module``'s parameters as a float32 [1, P] row on the CPU (a copy)."""
-    return parameters_to_vector(module.parameters()).detach().float().cpu().reshape(1, -1).clone()
+    """``module``'s parameters as a float32 [1, P] row on the CPU (a copy: ``parameters_to_vector``
+    concatenates into a new tensor, even for one parameter, so no further clone is needed)."""
+    return parameters_to_vector(module.parameters()).detach().float().cpu().reshape(1, -1)
 
 
 @torch.no_grad()
@@ -55,10 +56,25 @@ def average_rows(rows: Sequence[torch.Tensor], weights: Sequence[float] | None =
         raise ValueError("average of no rows")
     shares = [1.0] * len(rows) if weights is None else [float(w) for w in weights]
     total = sum(shares)
-    mean = torch.zeros_like(rows[0], dtype=torch.float64)
-    for row, share in zip(rows, shares, strict=True):
-        mean += row.double() * (share / total)
-    return mean.float()
+    factors = [share / total for share in shares]
+    flat = [row.reshape(-1) for row in rows]
+    mean = torch.zeros(flat[0].shape, dtype=torch.float64, device=flat[0].device)
+    scratch = torch.empty(min(_AVERAGE_CHUNK, mean.numel()), dtype=torch.float64, device=mean.device)
+    for start in range(0, mean.numel(), _AVERAGE_CHUNK):
+        # per chunk and in row order, the same float64 operations as ``mean += row.double() * factor``
+        # (so the same bits), through one preallocated buffer that stays in cache: the whole-row form
+        # allocated two float64 rows per upload, ~0.5 s a round for 50 pfl CNNs in page faults
+        target = mean[start : start + _AVERAGE_CHUNK]
+        buffer = scratch[: target.numel()]
+        for row, factor in zip(flat, factors, strict=True):
+            buffer.copy_(row[start : start + _AVERAGE_CHUNK])
+            target.add_(buffer.mul_(factor))
+    return mean.float().reshape(rows[0].shape)
+
+
+_AVERAGE_CHUNK = 1 << 15
+"""Elements per chunk of :func:`average_rows`: 256 KiB of float64, a buffer and a target that fit a
+core's L2 cache."""
 
 
 def initial_model_of(context: AlgorithmContext, client_id: int) -> SplitModel:

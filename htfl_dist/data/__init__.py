@@ -13,6 +13,7 @@ from .cache import (
     ClientSplit,
     PartitionInfo,
     load_client_split,
+    load_client_splits,
     read_partition_info,
 )
 from .datasets import DatasetArrays, load_dataset, parse_idx
@@ -32,6 +33,7 @@ __all__ = [
     "DatasetArrays",
     "PartitionInfo",
     "load_client_split",
+    "load_client_splits",
     "load_dataset",
     "parse_idx",
     "partition_dirichlet",

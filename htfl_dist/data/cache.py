@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import h5py
@@ -253,19 +253,35 @@ def load_client_split(path: str, client_id: int, few_shot: int = 0) -> ClientSpl
     """Read only ``client_<client_id>`` from the cache and return normalised tensors; with
     ``few_shot`` k > 0 (``data.few_shot``) the training split keeps k samples per class
     (``few_shot_rows``) and the test split is untouched."""
+    (split,) = load_client_splits(path, [client_id], few_shot)
+    return split
+
+
+def load_client_splits(path: str, client_ids: Sequence[int], few_shot: int = 0) -> list[ClientSplit]:
+    """:func:`load_client_split` for each of ``client_ids``, through one open file: a rank hosting
+    1,000 clients opened the cache 1,000 times, 10 ms each."""
+    reading = "the file"
     try:
         with _open_read(path) as f:
             num_clients = int(f.attrs["num_clients"])
-            if not 0 <= client_id < num_clients:
-                raise DataError(
-                    f"partition cache {path} holds clients 0..{num_clients - 1}, not {client_id}"
-                )
             x_format = str(f.attrs.get("x_format", "uint8"))
-            group = f[f"client_{client_id}"]
-            arrays = {name: group[name][()] for name in ("train_x", "train_y", "test_x", "test_y")}
+            raw = []
+            for client_id in client_ids:
+                reading = f"client {client_id}"
+                if not 0 <= client_id < num_clients:
+                    raise DataError(
+                        f"partition cache {path} holds clients 0..{num_clients - 1}, not {client_id}"
+                    )
+                group = f[f"client_{client_id}"]
+                raw.append({name: group[name][()] for name in ("train_x", "train_y", "test_x", "test_y")})
     except (OSError, KeyError) as exc:
-        raise DataError(f"cannot read client {client_id} from partition cache {path} ({exc}); "
+        raise DataError(f"cannot read {reading} from partition cache {path} ({exc}); "
                         f"delete the file so it is rebuilt") from None
+    return [_client_split(client_id, arrays, x_format, few_shot)
+            for client_id, arrays in zip(client_ids, raw, strict=True)]
+
+
+def _client_split(client_id: int, arrays: dict[str, np.ndarray], x_format: str, few_shot: int) -> ClientSplit:
     train_y = torch.from_numpy(arrays["train_y"].astype(np.int64))
     train_x = _to_tensor(arrays["train_x"], x_format)
     if few_shot > 0:

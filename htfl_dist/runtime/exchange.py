@@ -10,7 +10,7 @@ nothing of algorithms (they arrive as declared fields and payloads) or of metric
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -21,13 +21,14 @@ from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime.placement import Placement, client_ranks
 from htfl_dist.runtime.screening import (
     LeftOut,
+    check_rank_entries,
     check_rank_report,
     check_rank_row,
     screen_uploads,
     unpack_rank_message,
 )
 from htfl_dist.runtime.transport import Transport
-from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
+from htfl_dist.runtime.wire import BROADCAST_ENTRY, Encoded, decode, encode, pass_within_process
 
 RANK_ENTRY = -1
 """Report entry that carries rank-level figures (a RankReport) rather than a client's."""
@@ -130,6 +131,9 @@ class Exchange:
         self.on_bad_upload = on_bad_upload
         self.epsilon_budget = epsilon_budget
         """privacy.target_epsilon with privacy on: no client can truthfully report more ε spent."""
+        self.within_process = transport.world_size == 1
+        """Server and clients share this process: payloads are copied, not encoded and decoded
+        (``wire.pass_within_process``), with the same checks and byte counts."""
         self.training_reported = epsilon_budget is None
         """Whether clients report their training rows (loss sum, samples). A private client's
         training loss and sample count are computed from its training records without noise, so
@@ -139,6 +143,11 @@ class Exchange:
         """The server's ``download`` (rank 0; None elsewhere) to every rank, decoded on each."""
         if not spec:
             return {}  # the algorithm shares nothing server → clients: nothing travels
+        if self.within_process:
+            assert download is not None, "rank 0 passes the server's download"
+            copied, nbytes = pass_within_process(spec, {BROADCAST_ENTRY: download}, self.device)
+            traffic.down += nbytes  # the one client rank (this one), as below
+            return copied[BROADCAST_ENTRY]
         message = None
         if self.transport.rank == 0:
             assert download is not None, "rank 0 passes the server's download"
@@ -156,17 +165,25 @@ class Exchange:
         without one, said here); other ranks get (None, [])."""
         if not spec:
             return ({} if self.transport.rank == 0 else None), []  # nothing declared, nothing travels
-        gathered = self.transport.gather(encode(spec, uploads), message_bounds(
-            self.transport, spec, lambda rank: sum(self.placement.rank_of(cid) == rank for cid in participants)))
-        if gathered is None:
+        messages: Sequence[Encoded | tuple[dict[int, Payload], int]] | None
+        if self.within_process:  # rank 0's own clients: copied, not encoded and decoded
+            messages = [pass_within_process(spec, uploads)]
+        else:
+            messages = self.transport.gather(encode(spec, uploads), message_bounds(
+                self.transport, spec, lambda rank: sum(self.placement.rank_of(cid) == rank for cid in participants)))
+        if messages is None:
             return None, []
         record = left_out if left_out is not None else LeftOut(round_number)
         merged: dict[int, Payload] = {}
         skipped: list[int] = []
-        for rank, message in enumerate(gathered):  # the transport gathers ranks in order, rank 0 first
+        for rank, message in enumerate(messages):  # the transport gathers ranks in order, rank 0 first
             expected = [cid for cid in participants if self.placement.rank_of(cid) == rank]
             try:
-                entries = unpack_rank_message(spec, message, expected)
+                if isinstance(message, Encoded):
+                    entries, nbytes = unpack_rank_message(spec, message, expected), message.nbytes
+                else:
+                    entries, nbytes = message
+                    check_rank_entries(entries, expected)
             except ProtocolError as exc:
                 sender = self.placement.describe_rank(rank)
                 if self.on_bad_upload == "fail":
@@ -175,7 +192,7 @@ class Exchange:
                 skipped.extend(expected)
                 continue
             if entries:
-                traffic.up += message.nbytes
+                traffic.up += nbytes
             merged.update(entries)
         if left_out is None:
             record.say()

@@ -31,7 +31,7 @@ from htfl_dist.algorithms import (
     get_algorithm,
     parse_options,
 )
-from htfl_dist.algorithms.interface import seed_training
+from htfl_dist.algorithms.interface import release_gradients, seed_training
 from htfl_dist.algorithms.optimizers import begin_local_training
 from htfl_dist.config import Config
 from htfl_dist.errors import HtflError, TrainingDiverged
@@ -305,6 +305,7 @@ class Federation:
         for group in self._training_groups(mine):
             clients = [self.clients[client_id] for client_id in group]
             for client, result in zip(clients, self._train_group(clients, knowledge, round_index), strict=True):
+                release_gradients(client)
                 uploads[client.client_id] = result.upload
                 if self.privacy_plan is None:  # a private client's loss and count stay on the client
                     train_rows[client.client_id] = [result.loss_sum, float(result.samples)]

@@ -126,10 +126,16 @@ def unpack_rank_message(spec: PayloadSpec, message: Encoded, expected_ids: list[
         entries = decode(spec, message)
     except ProtocolError as exc:
         raise ProtocolError(f"sent a malformed message: {exc}") from None
+    check_rank_entries(entries, expected_ids)
+    return entries
+
+
+def check_rank_entries(entries: dict[int, Payload], expected_ids: list[int]) -> None:
+    """A rank's uploads are for exactly its participants (``unpack_rank_message``'s rule, also for
+    the uploads that never left the process)."""
     if sorted(entries) != sorted(expected_ids):
         raise ProtocolError(f"sent uploads for clients {sorted(entries)}, "
                             f"expected its participants {sorted(expected_ids)}")
-    return entries
 
 
 def check_rank_report(entries: dict[int, Payload], train_ids: list[int], eval_ids: list[int], *,

@@ -26,7 +26,7 @@ from htfl_dist.algorithms import (
 from htfl_dist.algorithms.optimizers import build_optimizer
 from htfl_dist.algorithms.training import batching_obstacle
 from htfl_dist.config import Config
-from htfl_dist.data import load_client_split, prepare_partition
+from htfl_dist.data import load_client_splits, prepare_partition
 from htfl_dist.data.cache import with_few_shot
 from htfl_dist.errors import ConfigError, HtflError, ProtocolError
 from htfl_dist.generators import build_generator
@@ -219,12 +219,17 @@ class ClientFactory:
         """The client's data on this rank's device, loaded once (data stays resident: its total is
         the dataset's size, however many clients share it); with ``data.few_shot`` its training
         split keeps k samples per class."""
-        split = self._splits.get(client_id)
-        if split is None:
-            raw = load_client_split(self.partition.path, client_id, few_shot=self.config.data.few_shot)
-            split = self._splits[client_id] = tuple(tensor.to(self.device) for tensor in
-                                                    (raw.train_x, raw.train_y, raw.test_x, raw.test_y))
-        return split
+        if client_id not in self._splits:
+            self.load_splits([client_id])
+        return self._splits[client_id]
+
+    def load_splits(self, client_ids: list[int]) -> None:
+        """Load the splits of ``client_ids`` not loaded yet, through one read of the cache (the
+        store calls it for all of a rank's clients at start-up, before any is built)."""
+        missing = [client_id for client_id in client_ids if client_id not in self._splits]
+        for raw in load_client_splits(self.partition.path, missing, few_shot=self.config.data.few_shot):
+            self._splits[raw.client_id] = tuple(tensor.to(self.device) for tensor in
+                                                (raw.train_x, raw.train_y, raw.test_x, raw.test_y))
 
     def initial_model(self, client_id: int, shell: bool) -> SplitModel:
         """Client ``client_id``'s initial model. A ``shell`` (about to receive a parked state) is
@@ -285,19 +290,20 @@ class ClientFactory:
 
 def client_store(config: Config, factory: ClientFactory, client_ids: list[int], device: torch.device,
                  rank: int) -> ClientStore:
-    """This rank's clients: all resident, or (``runtime.resident_clients``) an LRU of them.
-    A bounded store builds one client of each architecture now, so a model that does not fit
-    the data fails at start-up rather than in the round that first needs it."""
+    """This rank's clients: all resident once built, or (``runtime.resident_clients``) an LRU of
+    them. Their data is read now, in one pass over the cache; clients are built when first needed,
+    except one of each architecture, built now so that a model that does not fit the data fails at
+    start-up rather than in the round that first needs it."""
     runtime = config.runtime
     scratch = Path(runtime.client_scratch_dir) if runtime.client_scratch_dir else None
+    factory.load_splits(client_ids)
     store = ClientStore(client_ids, factory.build, resident=runtime.resident_clients, device=device, rank=rank,
                         scratch_dir=scratch)
-    if store.bounded:
-        first_of_architecture: dict[str, int] = {}
-        for client_id in client_ids:
-            first_of_architecture.setdefault(architecture_for_client(config.model.group, client_id), client_id)
-        for client_id in sorted(first_of_architecture.values()):
-            store.peek(client_id)
+    first_of_architecture: dict[str, int] = {}
+    for client_id in client_ids:
+        first_of_architecture.setdefault(architecture_for_client(config.model.group, client_id), client_id)
+    for client_id in sorted(first_of_architecture.values()):
+        store.peek(client_id)
     return store
 
 

@@ -22,7 +22,7 @@ from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 __all__ = ["BROADCAST_ENTRY", "Encoded", "Field", "Payload", "PayloadDeclarationError", "PayloadSpec",
-           "decode", "encode"]
+           "decode", "encode", "message_bytes", "pass_within_process"]
 
 BROADCAST_ENTRY = -1
 """Entry id used for server → clients messages (they address every client)."""
@@ -59,27 +59,55 @@ def _check_field(field: Field, tensor: torch.Tensor, entry_id: int) -> None:
         )
 
 
+def _check_declared(spec: PayloadSpec, payload: Payload, entry_id: int) -> None:
+    """``payload`` holds exactly the declared fields, each of its declared dtype and trailing shape."""
+    missing = [f.name for f in spec if f.name not in payload]
+    extra = sorted(set(payload) - {f.name for f in spec})
+    if missing or extra:
+        raise PayloadDeclarationError(
+            f"payload of client {entry_id} does not match its declaration "
+            f"(missing {missing}, undeclared {extra})"
+        )
+    for field in spec:
+        _check_field(field, payload[field.name], entry_id)
+
+
 def encode(spec: PayloadSpec, entries: dict[int, Payload]) -> Encoded:
     """Encode ``{entry_id: payload}`` (entries ordered by id) into header + body tensors."""
     header: list[int] = [len(entries)]
     chunks: list[torch.Tensor] = []
     for entry_id in sorted(entries):
         payload = entries[entry_id]
-        missing = [f.name for f in spec if f.name not in payload]
-        extra = sorted(set(payload) - {f.name for f in spec})
-        if missing or extra:
-            raise PayloadDeclarationError(
-                f"payload of client {entry_id} does not match its declaration "
-                f"(missing {missing}, undeclared {extra})"
-            )
+        _check_declared(spec, payload, entry_id)
         header.append(entry_id)
         for field in spec:
             tensor = payload[field.name]
-            _check_field(field, tensor, entry_id)
             header.append(tensor.shape[0])
             chunks.append(tensor.detach().to("cpu").contiguous().view(-1).view(torch.uint8))
     body = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
     return Encoded(torch.tensor(header, dtype=torch.int64), body)
+
+
+def message_bytes(spec: PayloadSpec, entries: dict[int, Payload]) -> int:
+    """What :func:`encode` of ``entries`` would count (``Encoded.nbytes``), without encoding."""
+    header_values = 1 + len(entries) * (1 + len(spec))
+    return header_values * 8 + sum(payload[field.name].numel() * field.dtype.itemsize
+                                   for payload in entries.values() for field in spec)
+
+
+def pass_within_process(spec: PayloadSpec, entries: dict[int, Payload], device: torch.device | str = "cpu"
+                        ) -> tuple[dict[int, Payload], int]:
+    """``decode(spec, encode(spec, entries), device)`` and the message's byte count, for a message
+    that never leaves the process (world size 1): the same declaration checks and fresh tensors,
+    so a receiver never aliases a sender's state, with one copy per tensor instead of packing
+    every upload into a byte buffer and slicing it out again (0.36 s a round for 50 pfl CNNs)."""
+    copied: dict[int, Payload] = {}
+    for entry_id in sorted(entries):
+        payload = entries[entry_id]
+        _check_declared(spec, payload, entry_id)
+        copied[entry_id] = {field.name: payload[field.name].detach().to(device, copy=True).contiguous()
+                            for field in spec}
+    return copied, message_bytes(spec, entries)
 
 
 def decode(spec: PayloadSpec, message: Encoded, device: torch.device | str = "cpu") -> dict[int, Payload]:

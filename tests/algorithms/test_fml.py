@@ -373,6 +373,29 @@ def test_average_rows_edges():
     assert torch.allclose(params.average_rows(rows), torch.full((1, 2), 1e-8 / 3), rtol=1e-5, atol=0.0)
 
 
+def test_average_rows_is_the_float64_sum_in_row_order_in_every_chunk():
+    """Rows longer than one chunk: each element is float32(((0 + x_0·w_0) + x_1·w_1) + ...) with
+    w_i = n_i/Σn, every step in float64, as Python's floats compute it element by element (checked
+    on both sides of every chunk boundary and at the ends)."""
+    import numpy as np
+
+    length = 2 * params._AVERAGE_CHUNK + 5
+    generator = torch.Generator().manual_seed(3)
+    rows = [torch.randn(1, length, generator=generator) * scale for scale in (1.0, 1e-7, 3e4)]
+    weights = [4.0, 4.0, 8.0]  # w = 1/4, 1/4, 1/2: exact
+    boundary = params._AVERAGE_CHUNK
+    for row, value in zip(rows, (4.0, -4.0, 2.0**-58), strict=True):  # in row order 1 - 1 + 2^-59 = 2^-59;
+        row[0, boundary] = value                           # any other order loses the 2^-59
+    mean = params.average_rows(rows, weights)
+    assert mean[0, boundary].item() == 2.0**-59
+    assert mean.shape == (1, length) and mean.dtype == torch.float32
+    for index in (0, 1, params._AVERAGE_CHUNK - 1, params._AVERAGE_CHUNK, 2 * params._AVERAGE_CHUNK, length - 1):
+        expected = 0.0
+        for row, weight in zip(rows, weights, strict=True):
+            expected = expected + float(row[0, index]) * (weight / sum(weights))
+        assert mean[0, index].item() == float(np.float32(expected)), index
+
+
 def test_identical_heads_check_describes_both_heads():
     """HtFE8-HtC4: client 0 is cnn:fc (Linear(4, 3)), client 1 googlenet:fc512 (Linear(4, 512),
     ReLU, Linear(512, 3)): the first mismatch is reported with both signatures."""

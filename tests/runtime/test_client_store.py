@@ -63,11 +63,15 @@ def _weights(client: ClientState) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in client.model.parameters()])
 
 
-def test_all_resident_builds_every_client_once_and_never_parks(tmp_path):
+def test_all_resident_builds_each_client_when_first_needed_once_and_never_parks(tmp_path):
     build = _Builder()
     store = _store(tmp_path, build, resident=0)
-    assert build.calls == [(0, False), (1, False), (2, False), (3, False)]
+    assert build.calls == []  # nothing built before it is needed
     assert store[2] is store[2] and list(store) == [0, 1, 2, 3] and len(store) == 4
+    assert store.peek(0) is store[0] and build.calls == [(2, False), (0, False)]
+    for client_id in store:
+        store.peek(client_id)
+    assert build.calls == [(2, False), (0, False), (1, False), (3, False)]
     assert list(tmp_path.iterdir()) == []  # nothing on disk
     assert 7 not in store
     with pytest.raises(KeyError):
@@ -176,6 +180,19 @@ def test_records_and_restores_reach_parked_and_unbuilt_clients(tmp_path):
     store.restore(3, record | {"client_id": 3}, "checkpoint /x")
     store.peek(1)
     assert torch.equal(store.peek(3).model.weight, torch.full((2, 3), 5.0))
+
+
+def test_an_unbounded_store_restores_a_client_it_has_not_built_into_memory(tmp_path):
+    """A resumed run with every client resident: a checkpoint's record goes into a shell that
+    stays resident (built once, as a shell), and nothing is parked."""
+    build = _Builder()
+    store = _store(tmp_path, build, resident=0)
+    record = client_record(_Builder()(1, False))
+    record["model"]["weight"] = torch.full((2, 3), 7.0)
+    store.restore(1, record | {"client_id": 1}, "checkpoint /x")
+    assert build.calls == [(1, True)]
+    assert torch.equal(store[1].model.weight, torch.full((2, 3), 7.0)) and build.calls == [(1, True)]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_record_of_another_architecture_is_refused_with_its_origin(tmp_path):

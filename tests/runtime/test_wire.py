@@ -115,3 +115,25 @@ def test_the_protocol_bound_refuses_before_the_megabyte_limit():
     assert checked_sizes([10, 720], 2, 1 << 30, protocol_bytes=800) == (10, 720)
     with pytest.raises(ProtocolError, match=r"rank 2 announced .* what it hosts can send at most 800 bytes"):
         checked_sizes([10, 721], 2, 1 << 30, protocol_bytes=800)
+
+
+def test_a_message_within_one_process_is_copied_checked_and_counted_as_encoded():
+    """World size 1 skips the byte buffer: the receiver gets what decode(encode(...)) gives, in
+    fresh tensors (changing them leaves the sender's intact), and the same byte count."""
+    from htfl_dist.runtime.wire import PayloadDeclarationError, pass_within_process
+
+    spec = (Field("class_ids", torch.int64), Field("protos", torch.float32, (3,)))
+    sent = {4: {"class_ids": torch.tensor([1, 7]), "protos": torch.arange(6.0).reshape(2, 3)},
+            2: {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 3)}}
+    copied, nbytes = pass_within_process(spec, sent)
+    decoded = decode(spec, encode(spec, sent))
+    assert list(copied) == [2, 4] and nbytes == encode(spec, sent).nbytes == (1 + 2 * 3) * 8 + 2 * 8 + 6 * 4
+    for entry_id, payload in decoded.items():
+        for name, tensor in payload.items():
+            assert torch.equal(copied[entry_id][name], tensor) and copied[entry_id][name].dtype == tensor.dtype
+    copied[4]["protos"].zero_()
+    assert sent[4]["protos"][1, 2] == 5.0
+    with pytest.raises(PayloadDeclarationError, match="dtype"):
+        pass_within_process(spec, {0: {"class_ids": torch.tensor([1]), "protos": torch.ones(1, 3).double()}})
+    with pytest.raises(PayloadDeclarationError, match="undeclared"):
+        pass_within_process(spec, {0: sent[4] | {"extra": torch.ones(1)}})
