@@ -90,8 +90,13 @@ class DiskFullError(HtflError):
     def __init__(self, path: str | os.PathLike, needed_bytes: int | None, reason: str = "no space left") -> None:
         self.path, self.needed_bytes = str(path), needed_bytes
         needed = f"needed {_size(needed_bytes)}" if needed_bytes is not None else "needed more"
-        super().__init__(f"disk full ({reason}) writing {self.path}: {needed}, {_free_space(self.path)}; "
-                         f"free space (or point --out elsewhere), then run again with --resume auto")
+        self.fact = f"disk full ({reason}) writing {self.path}: {needed}, {_free_space(self.path)}"
+        super().__init__(self.advising("run again with --resume auto"))
+
+    def advising(self, then: str) -> str:
+        """The line with another way to go on than a run's ``--resume auto`` (a study has none: it
+        is run again as it was)."""
+        return f"{self.fact}; free space (or point --out elsewhere), then {then}"
 
 
 def is_disk_full(exc: BaseException) -> TypeGuard[OSError]:

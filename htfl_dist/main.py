@@ -2,7 +2,8 @@
 
 The same program runs under torchrun, srun and mpirun, or alone (world size 1).
 User mistakes end the job with one line and exit code 2; a full disk (or quota) with one line
-naming the file and exit code 74; training that diverged for good with one line and exit code 1;
+naming the file and exit code 74; training that diverged for good, or a run in which no round
+aggregated an upload, with one line and exit code 1;
 any other failure prints the traceback of the failing rank, names the rank and its clients, and
 brings every rank down (exit code 1). A run stopped by SIGTERM after every rank checkpointed exits
 with 75 and leaves ``PREEMPTED`` in the run directory (torchrun reports any worker status as 1,
@@ -18,6 +19,7 @@ import errno
 import os
 import re
 import sys
+import tempfile
 import traceback
 import typing
 from pathlib import Path
@@ -111,13 +113,14 @@ def _prepare_out_dir(out: Path, resume_from: Path | None):
     written (``check_run_directory``) before anything in it changes. Returns the held lock."""
     from htfl_dist.runtime.bootstrap import check_run_directory, lock_run_directory
 
+    _check_out_dir(out, resume_from)  # what can be refused before the lock file exists: none is left behind
     try:
         out.mkdir(parents=True, exist_ok=True)
         lock = lock_run_directory(out)
     except OSError as exc:
-        raise _unwritable(out, exc.strerror) from None
+        raise _unwritable(out, exc) from None
     try:
-        check_run_directory(out, {PREEMPTED_MARKER: "its preemption marker"})
+        check_run_directory(out, {PREEMPTED_MARKER: "its preemption marker"})  # again, now that it is ours
         _refuse_another_run(out, resume_from)
         probe = out / ".write-test"
         probe.write_text("")
@@ -125,15 +128,19 @@ def _prepare_out_dir(out: Path, resume_from: Path | None):
         lock.record_holder()
     except OSError as exc:
         lock.release()
-        raise _unwritable(out, exc.strerror) from None
+        raise _unwritable(out, exc) from None
     except HtflError:
         lock.release()
         raise
     return lock
 
 
-def _unwritable(out: Path, reason: str | None) -> HtflError:
-    return HtflError(f"cannot write the run directory {out} ({reason}); pass --out DIR you can write to")
+def _unwritable(out: Path, exc: OSError) -> HtflError:
+    """The line of an OS error taking the run directory: a full disk or quota has its own (exit
+    status 74, as anywhere else in a run), anything else says the directory cannot be written."""
+    if is_disk_full(exc):
+        return DiskFullError(exc.filename or out, None, disk_full_reason(exc))
+    return HtflError(f"cannot write the run directory {out} ({exc.strerror}); pass --out DIR you can write to")
 
 
 def _refuse_another_run(out: Path, resume_from: Path | None) -> None:
@@ -155,16 +162,54 @@ def _check_out_dir(out: Path, resume_from: Path | None) -> None:
     refusal = (errno.EEXIST if existing == out else errno.ENOTDIR) if not existing.is_dir() else \
         None if os.access(existing, os.W_OK | os.X_OK) else errno.EACCES
     if refusal is not None:
-        raise _unwritable(out, os.strerror(refusal))
+        raise _unwritable(out, OSError(refusal, os.strerror(refusal)))
+    _probe(existing, out)
     if existing != out:
         return  # nothing there yet: the run makes it
     try:
         if (out / LOCK_FILE).exists():  # no lock file, no holder: it is made by the run that takes the directory
             lock_run_directory(out).release()
     except OSError as exc:
-        raise _unwritable(out, exc.strerror) from None
+        raise _unwritable(out, exc) from None
     check_run_directory(out, {PREEMPTED_MARKER: "its preemption marker"})
     _refuse_another_run(out, resume_from)
+
+
+def _probe(existing: Path, out: Path) -> None:
+    """Write one byte where the run's first entry goes (a file in ``out``, or in a directory made
+    in ``existing`` where ``out`` will be), then remove what was made: the mode bits pass a file
+    system that refuses every write (proc, sysfs, a read-only mount, for root) and a full one
+    (an empty file or directory still fits there), which the start met only when it wrote."""
+    directory = existing if existing == out else None
+    try:
+        if directory is None:
+            directory = Path(tempfile.mkdtemp(dir=existing, prefix=".htfl_dist-check."))
+        fd, made = tempfile.mkstemp(dir=directory, prefix=".write-test.")
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
+            os.unlink(made)
+    except OSError as exc:
+        raise _unwritable(out, exc) from None
+    finally:
+        if directory is not None and directory != existing:
+            os.rmdir(directory)
+
+
+def _check_backend(config, world_size: int) -> None:
+    """``--check`` runs on the node where the ranks start: ``runtime.backend=nccl`` there needs a
+    GPU per rank (more than one rank: a single rank talks to nobody), which a start would find
+    only after torchrun had started every rank."""
+    if config.runtime.backend != "nccl" or world_size < 2:
+        return
+    import torch
+
+    gpus = 0 if config.runtime.device == "cpu" else torch.cuda.device_count()
+    if gpus == 0:
+        where = "runtime.device=cpu" if config.runtime.device == "cpu" else "this machine has no GPU"
+        raise ConfigError(f"runtime.backend=nccl needs one GPU per rank, but {where}; use runtime.backend=gloo "
+                          f"(or auto)")
 
 
 def check(args: argparse.Namespace) -> int:
@@ -178,6 +223,7 @@ def check(args: argparse.Namespace) -> int:
     config = resolved_config(args.config, args.overrides, args.imports)
     world_size = args.world_size or 1
     check_config(config, world_size)
+    _check_backend(config, world_size)
     out = _out_dir(args.out, config)
     _check_out_dir(out, _resume_source(args.resume, out))
     print(f"check: {config.algorithm}, {_count(config.num_clients, 'client')}, {_count(config.rounds, 'round')} "

@@ -149,10 +149,13 @@ def server_skipped(outcome: RoundOutcome) -> bool:
     return bool(outcome.diagnostics.get("server_skipped"))
 
 
-def too_few_said(outcome: RoundOutcome, min_clients: int) -> bool:
-    """Whether the round loop has said already why this round aggregated nothing: fewer uploads
-    arrived than ``participation.min_clients`` (its own line)."""
+def said_already(outcome: RoundOutcome, min_clients: int) -> bool:
+    """Whether the round loop has said already why this round aggregated nothing, in its own line:
+    it left bad uploads out (naming them), or fewer uploads arrived than
+    ``participation.min_clients``."""
     arrivals = outcome.participation
+    if outcome.skipped:
+        return True
     if not min_clients or "arrived_clients" not in arrivals:
         return False
     return arrivals["arrived_clients"] + len(arrivals.get("late_folded_clients", [])) < min_clients
@@ -169,8 +172,6 @@ def nothing_aggregated_line(outcome: RoundOutcome, config: Config) -> str:
                        ("unavailable_clients", "outside their availability windows")):
         if arrivals.get(key):
             why.append(f"{len(arrivals[key])} {cause}")
-    if outcome.skipped:
-        why.append(f"{len(outcome.skipped)} left out as bad uploads")
     return (f"htfl_dist: warning: round {outcome.round_index + 1}: the server aggregated nothing "
             f"({'; '.join(why) or 'no upload reached it'}); it keeps last round's knowledge")
 
@@ -237,7 +238,7 @@ class RoundRecords:
         self._rounds_played += 1
         if not server_skipped(outcome):
             self._rounds_aggregated += 1
-        elif not too_few_said(outcome, self.config.participation.min_clients):
+        elif not said_already(outcome, self.config.participation.min_clients):
             print(nothing_aggregated_line(outcome, self.config), file=sys.stderr, flush=True)
         rank_seconds = [r.compute_seconds for r in ranks]
         seconds = round_seconds[-1]

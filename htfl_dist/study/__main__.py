@@ -3,7 +3,7 @@
 a paper's table in one command (docs/studies.md).
 
 Exit status: 0 every cell finished; 2 a mistake in the study, a cell's config or DIR, or DIR in
-use by another study (one line);
+use by another study (one line); 74 the disk or quota under DIR is full (one line);
 75 stopped by SIGTERM/Ctrl-C after the running cells checkpointed (run the same command again);
 100 + n when n cells failed or were stopped alone (at most 199); the others still ran.
 """
@@ -16,7 +16,7 @@ import sys
 import typing
 from pathlib import Path
 
-from htfl_dist.errors import HtflError
+from htfl_dist.errors import DiskFullError, HtflError
 from htfl_dist.study import plan, schedule, slurm, table
 
 EXIT_USER_ERROR = 2
@@ -207,6 +207,10 @@ def _slurm(study: plan.Study, out: Path, pending: list[plan.Cell], args: argpars
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(argv)
+    except DiskFullError as exc:  # the study's own files; a cell's full disk fails that cell (exit 74 in its log)
+        line = exc.advising("run the same command again: the study goes on where it stopped")
+        print(f"htfl_dist.study: error: {line}", file=sys.stderr, flush=True)
+        return exc.exit_status
     except HtflError as exc:
         print(f"htfl_dist.study: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USER_ERROR

@@ -350,6 +350,16 @@ def test_run_directory_entry_of_the_wrong_kind(tmp_path, capsys, cache_dir, name
     assert (run / LOCK_FILE).read_text() == HOLDER
 
 
+def test_a_start_refused_for_an_entry_of_the_wrong_kind_makes_no_lock_file(tmp_path, capsys, cache_dir):
+    """A directory that holds no run yet (no lock file) and a metrics.jsonl that is a directory: was
+    refused after the lock was taken, leaving a new empty lock file behind; now refused before."""
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)
+    _refused(capsys, _resume_args(run, cache_dir), run, 2,
+             [f"run directory {run}: metrics.jsonl is a directory, not a regular file"])
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]
+
+
 def test_resume_into_metrics_replaced_by_a_directory(finished_run, capsys, cache_dir):
     """Was an IsADirectoryError traceback, the lock file's record rewritten."""
     run = _occupied(finished_run, "metrics.jsonl", "directory")
@@ -467,6 +477,30 @@ def test_check_refuses_what_a_start_would_refuse_and_writes_nothing(tmp_path, ca
     """``--check`` is what the launch scripts run in one process before any rank starts."""
     out = tmp_path / "run"
     _refused(capsys, _check(["--config", str(SMOKE), "--out", str(out), *extra]), out, 2, needles)
+
+
+def test_check_refuses_nccl_where_a_start_would_find_no_gpu(tmp_path, capsys):
+    """The launch scripts run --check on the node the ranks start on: NCCL across ranks needs a GPU
+    each, which was found only after torchrun had started them (its traceback after our line). A
+    single rank talks to nobody, so it starts with any backend."""
+    import torch
+
+    out = tmp_path / "run"
+    nccl = ["--check", *SMOKE_ARGS, "--out", str(out), "runtime.backend=nccl", "--world-size", "2"]
+    _refused(capsys, [*nccl, "runtime.device=cpu"], out, 2,
+             ["runtime.backend=nccl needs one GPU per rank, but runtime.device=cpu; use runtime.backend=gloo"])
+    if torch.cuda.device_count() == 0:
+        _refused(capsys, nccl, out, 2, ["runtime.backend=nccl needs one GPU per rank, but this machine has no GPU"])
+    assert main(["--check", *SMOKE_ARGS, "--out", str(out), "runtime.backend=nccl", "runtime.device=cpu"]) == 0
+    assert "ready to start" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("out", ["/proc/htfl-no-such/run", "/proc/self", "/sys/kernel/run"])
+def test_check_refuses_an_out_where_nothing_can_be_written(tmp_path, capsys, out):
+    """/proc and /sys pass the mode bits for root, and --check said 'ready to start': the start then
+    failed under torchrun. Now --check writes a byte there (and removes it), as a start would."""
+    _refused(capsys, ["--check", *SMOKE_ARGS, "--out", out], tmp_path, 2,
+             [f"cannot write the run directory {Path(out).resolve()} ("])
 
 
 def test_world_size_belongs_to_check(tmp_path, capsys):

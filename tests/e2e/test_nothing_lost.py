@@ -199,6 +199,50 @@ def test_disk_full_while_checkpointing_is_one_line_and_the_previous_checkpoint_r
     assert [row["round"] for row in read_metrics(run)] == [1, 2, 3]
 
 
+@pytest.fixture
+def full_disk(small_disk):
+    """The small tmpfs with not one byte left (an empty file or directory still fits)."""
+    with open(small_disk / "filler", "wb", buffering=0) as handle, pytest.raises(OSError):
+        while True:
+            handle.write(b"\0" * (1 << 20))
+    with open(small_disk / "filler", "ab", buffering=0) as handle:
+        while True:
+            try:
+                handle.write(b"\0")
+            except OSError:
+                break
+    return small_disk
+
+
+@pytest.mark.parametrize("check", [False, True], ids=["start", "check"])
+def test_a_run_directory_on_a_full_disk_is_the_disk_full_line_and_leaves_nothing(full_disk, capsys, check):
+    """Was exit 2 ('cannot write the run directory ... No space left on device') with the directory and
+    an empty lock file left behind: now the disk-full line and status 74 (docs/running.md), from a
+    start and from --check, before anything is made there."""
+    run = full_disk / "run"
+    assert main([*(["--check"] if check else []), "--config", str(SMOKE), "--out", str(run), "rounds=1"]) == \
+        EXIT_DISK_FULL
+    line = _one_line(capsys)
+    assert line == (f"htfl_dist: error: disk full (no space left) writing {run}: needed more, 0 bytes free there; "
+                    f"free space (or point --out elsewhere), then run again with --resume auto"), line
+    assert sorted(p.name for p in full_disk.iterdir()) == ["filler"]
+
+
+def test_a_study_directory_on_a_full_disk_is_the_disk_full_line_without_a_resume_flag(full_disk, capsys):
+    """Was exit 2 and advice to use --resume auto, which the study's command line does not have."""
+    from htfl_dist.study.__main__ import main as study_main
+
+    out = full_disk / "study"
+    assert study_main([str(REPO / "studies" / "fedktl_table1.yaml"), "--out", str(out)]) == EXIT_DISK_FULL
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(f"htfl_dist.study: error: disk full (no space left) writing {out}/"), lines[0]
+    assert lines[0].endswith("free space (or point --out elsewhere), then run the same command again: the study "
+                             "goes on where it stopped"), lines[0]
+    assert "--resume" not in lines[0]
+
+
 def test_a_metrics_row_that_does_not_fit_is_taken_back(small_disk):
     metrics = small_disk / "metrics.jsonl"
     log = MetricsLog(metrics)

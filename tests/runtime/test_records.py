@@ -122,10 +122,15 @@ def test_a_round_that_aggregated_nothing_says_so_in_one_line(tmp_path, capsys):
     assert _warnings(capsys) == []
 
 
-def test_too_few_arrivals_are_said_once_by_the_round_loop(tmp_path, capsys):
-    """Below participation.min_clients the round loop says why in its own line: not a second one."""
+def test_too_few_arrivals_and_bad_uploads_are_said_once_by_the_round_loop(tmp_path, capsys):
+    """Below participation.min_clients, or with every upload left out as bad, the round loop says
+    why in its own line (tests/e2e/test_bad_inputs.py's diverged run shows the latter): not a
+    second one."""
     records = _records(tmp_path, "participation.min_clients=2")
     records.record(_lost(0, dropped=[0], arrived=1), [1.0])
+    bad = _lost(1, dropped=[], arrived=2)
+    bad.skipped = [0, 1]
+    records.record(bad, [1.0, 1.0])
     assert _warnings(capsys) == []
 
 
