@@ -9,6 +9,7 @@ import pytest
 
 from conftest import SMOKE, maths_only, read_metrics, run_program, run_smoke
 from htfl_dist.config import load_config
+from htfl_dist.errors import NothingAggregated
 from htfl_dist.runtime.simulate import simulate
 
 FAST, SLOW = 1000.0, 1e-4
@@ -161,11 +162,16 @@ def test_drop_out_and_random_join_counts(tmp_path, cache_dir):
 
 @pytest.mark.integration
 def test_too_few_arrivals_skip_the_server_step_and_say_so(tmp_path, cache_dir, capsys):
-    rows = simulate(SMOKE, [*_deadline_overrides(_trace(tmp_path), cache_dir), "participation.min_clients=5"],
-                    out=tmp_path / "run")
-    assert all(r["server_skipped"] is True and r["arrived_clients"] == 4 for r in rows)
-    err = capsys.readouterr().err
-    assert "round 1: 4 of 6 uploads arrived, fewer than participation.min_clients=5" in err
+    """Every round is short of participation.min_clients: each says so once, and a run in which no
+    round aggregated ends in NothingAggregated after its rows and summary are written."""
+    with pytest.raises(NothingAggregated, match=r"no round of this run aggregated an upload \(3 played"):
+        simulate(SMOKE, [*_deadline_overrides(_trace(tmp_path), cache_dir), "participation.min_clients=5"],
+                 out=tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 3 and all(r["server_skipped"] is True and r["arrived_clients"] == 4 for r in rows)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"htfl_dist: warning: round {r}: 4 of 6 uploads arrived, fewer than "
+                        f"participation.min_clients=5; the server keeps last round's knowledge" for r in (1, 2, 3)]
 
 
 @pytest.mark.integration
