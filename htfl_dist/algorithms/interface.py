@@ -196,6 +196,14 @@ class ClientAlgorithm:
         """The paper's count of floats this client uploads per round (for bytes_theory_up)."""
         return 0
 
+    def replaced_by_download(self, client: ClientState) -> frozenset[str]:
+        """Keys of ``client.model.state_dict()`` that every use of the client (``train``,
+        ``train_group``, ``prepare_evaluation``) first overwrites from the download: what an idle
+        client need not keep (FedAvg's whole model, LG-FedAvg's head). The runtime leaves them out
+        when it parks the client; nothing reads them before the next download fills them.
+        Default: none."""
+        return frozenset()
+
     def prepare_evaluation(self, client: ClientState, knowledge: Payload) -> None:
         """Install downloaded knowledge before the client is evaluated (the head-sharing methods
         evaluate the global head on the local base). The registry sees an override

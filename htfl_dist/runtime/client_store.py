@@ -40,22 +40,41 @@ ClientRecord = dict[str, Any]
 """One client's state as the checkpoint stores it (``client_record``)."""
 
 
-def client_record(client: ClientState) -> ClientRecord:
-    """What survives a client leaving memory: the same record a checkpoint writes per client id."""
-    return {
+REPLACED = "replaced_by_download"
+"""A parked record's list of the model entries it leaves out (``client_record``'s ``leave_out``)."""
+
+
+def client_record(client: ClientState, leave_out: frozenset[str] = frozenset()) -> ClientRecord:
+    """What survives a client leaving memory: the same record a checkpoint writes per client id,
+    less the model entries ``leave_out`` names (what the next download replaces, listed in the
+    record so that a restore knows which entries may be missing)."""
+    model = client.model.state_dict()
+    record = {
         "client_id": client.client_id,
         "architecture": client.architecture,
-        "model": client.model.state_dict(),
+        "model": {name: value for name, value in model.items() if name not in leave_out},
         "optimizer": client.optimizer.state_dict(),
         "modules": {name: module.state_dict() for name, module in client.modules.items()},
     }
+    if leave_out:
+        record[REPLACED] = sorted(name for name in model if name in leave_out)
+    return record
 
 
 def restore_client(client: ClientState, record: ClientRecord, origin: str) -> None:
-    """Put ``record`` back into ``client``; ``origin`` names where it came from in errors."""
+    """Put ``record`` back into ``client``; ``origin`` names where it came from in errors. Entries
+    a record lists as replaced by the download are zeroed: deterministic, and overwritten before
+    any use."""
     if record["architecture"] != client.architecture:
         raise HtflError(f"{origin}: client {client.client_id} is a {record['architecture']}, config says "
                         f"{client.architecture}")
+    replaced = set(record.get(REPLACED, ()))
+    if replaced:
+        state = client.model.state_dict()
+        if not replaced <= set(state) or replaced & set(record["model"]):
+            raise HtflError(f"{origin}: client {client.client_id}'s record leaves out model entries "
+                            f"{sorted(replaced)} that its {client.architecture} does not have apart")
+        record = {**record, "model": {**record["model"], **{name: torch.zeros_like(state[name]) for name in replaced}}}
     client.model.load_state_dict(record["model"])
     client.optimizer.load_state_dict(record["optimizer"])
     saved_modules = record.get("modules", {})
@@ -145,8 +164,12 @@ class ClientStore(Mapping[int, ClientState]):
 
     def __init__(self, client_ids: list[int], build: Callable[[int, bool], ClientState], *,
                  resident: int, device: torch.device, rank: int, scratch_dir: Path | None = None,
-                 park_in_memory: bool | None = None) -> None:
+                 park_in_memory: bool | None = None,
+                 replaced_by_download: Callable[[ClientState], frozenset[str]] | None = None) -> None:
         self.client_ids = sorted(client_ids)
+        self._replaced_by_download = replaced_by_download or (lambda client: frozenset())
+        """The algorithm's ``replaced_by_download``: what a parked record leaves out (FedAvg's whole
+        model: its parked record holds the optimizer and buffers only)."""
         self._ids = set(self.client_ids)
         self._build = build
         self.limit = resident
@@ -225,7 +248,7 @@ class ClientStore(Mapping[int, ClientState]):
         if client_id in self._unchanged:
             self._unchanged.discard(client_id)
         else:
-            self._parking_area.put(client_id, client_record(client))
+            self._parking_area.put(client_id, client_record(client, self._replaced_by_download(client)))
             self._parked.add(client_id)
             self.parked_count += 1
         del client  # the last reference: its tensors are freed before the trim below

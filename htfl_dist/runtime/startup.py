@@ -298,7 +298,7 @@ def client_store(config: Config, factory: ClientFactory, client_ids: list[int], 
     scratch = Path(runtime.client_scratch_dir) if runtime.client_scratch_dir else None
     factory.load_splits(client_ids)
     store = ClientStore(client_ids, factory.build, resident=runtime.resident_clients, device=device, rank=rank,
-                        scratch_dir=scratch)
+                        scratch_dir=scratch, replaced_by_download=factory.algorithm.replaced_by_download)
     first_of_architecture: dict[str, int] = {}
     for client_id in client_ids:
         first_of_architecture.setdefault(architecture_for_client(config.model.group, client_id), client_id)

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import GROUP, head_row, head_upload, launch_smoke, make_client, make_context
 
+from conftest import SMOKE, maths_only, read_metrics, run_program
 from htfl_dist.algorithms import get_algorithm, parse_options
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.models import initial_client_model
@@ -132,6 +133,32 @@ def test_bad_options_name_their_key(options, key):
 def test_real_run(single_run):
     rows = launch_smoke(single_run, "lgfedavg")
     assert all(r["test_acc"] == r["test_acc_head"] for r in rows)
+
+
+@pytest.mark.integration
+def test_parking_heads_the_download_replaces_changes_nothing(single_run):
+    """LG-FedAvg's parked clients keep their bases but not their heads (the download replaces
+    them before any use): with one client resident the run is the all-resident run, bit for bit."""
+    expected = launch_smoke(single_run, "lgfedavg")
+    parked = launch_smoke(single_run, "lgfedavg", "runtime.resident_clients=1")
+    assert [(r["test_acc"], r["train_loss"]) for r in parked] == [(r["test_acc"], r["train_loss"]) for r in expected]
+
+
+@pytest.mark.launch
+def test_a_run_resumed_with_compact_parked_clients_is_the_uninterrupted_run(tmp_path, cache_dir):
+    """Round 2's checkpoint holds parked clients without their heads (their records say so); resumed
+    into a new run directory, round 3 is the uninterrupted run's."""
+    args = ["--config", str(SMOKE), f"data.cache_dir={cache_dir}", "algorithm=lgfedavg", "num_clients=8",
+            "join_ratio=0.5", "rounds=3", "checkpoint_every=1", "checkpoint_keep=3", "runtime.resident_clients=2",
+            f"runtime.client_scratch_dir={tmp_path / 'scratch'}"]
+    result = run_program(["--out", str(tmp_path / "whole"), *args])
+    assert result.returncode == 0, result.stderr
+    checkpoint = tmp_path / "whole" / "checkpoints" / "round_00002"
+    records = [torch.load(path, weights_only=True) for path in sorted(checkpoint.glob("client_*.pt"))]
+    assert any(record.get("replaced_by_download") for record in records)  # some were parked when it was written
+    result = run_program(["--out", str(tmp_path / "resumed"), *args, "--resume", str(checkpoint)])
+    assert result.returncode == 0, result.stderr
+    assert maths_only(read_metrics(tmp_path / "resumed")) == maths_only(read_metrics(tmp_path / "whole"))
 
 
 # --------------------------------------------------------------------------- edges found by a mutmut pass

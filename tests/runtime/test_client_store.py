@@ -268,3 +268,24 @@ def test_every_client_starts_from_its_initial_model_however_it_is_built(init, tm
             assert list(got) == list(expected)
             assert all(torch.equal(got[name], expected[name]) for name in expected), (init, resident, client_id)
         federation.clients.close()
+
+
+def test_a_parked_client_keeps_only_what_the_download_does_not_replace(tmp_path):
+    """FedAvg-style: the algorithm says the download replaces the weight, so the parked record
+    holds the bias and the momentum only (listed as such), the client comes back with a zero
+    weight until its next download and everything else as it was, and a checkpoint's read of it
+    is the same compact record, which restores the same way."""
+    store = _store(tmp_path, _Builder(), resident=1, replaced_by_download=lambda client: frozenset({"weight"}))
+    _train_step(store[0])
+    bias, momentum = store[0].model.bias.detach().clone(), store[0].optimizer.state_dict()["state"][0]
+    store[1]  # parks client 0
+    parked = store.record(0)
+    assert sorted(parked["model"]) == ["bias"] and parked["replaced_by_download"] == ["weight"]
+    back = store[0]
+    assert torch.equal(back.model.weight, torch.zeros(2, 3)) and torch.equal(back.model.bias, bias)
+    assert torch.equal(back.optimizer.state_dict()["state"][0]["momentum_buffer"], momentum["momentum_buffer"])
+    other = _store(tmp_path / "other", _Builder(), resident=0)
+    other.restore(0, parked, "checkpoint /x")
+    assert torch.equal(other[0].model.weight, torch.zeros(2, 3)) and torch.equal(other[0].model.bias, bias)
+    with pytest.raises(HtflError, match="leaves out model entries"):
+        other.restore(1, parked | {"client_id": 1, "replaced_by_download": ["gain"]}, "checkpoint /x")

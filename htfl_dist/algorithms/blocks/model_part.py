@@ -224,6 +224,11 @@ class PartSharingClient(ClientAlgorithm):
         return {self.part.name: parameters.parameter_row(self.part.of(client.model)),
                 "num_samples": sample_count(client)}
 
+    def replaced_by_download(self, client: ClientState) -> frozenset[str]:
+        """The part's parameters: ``train`` and ``prepare_evaluation`` install the download first."""
+        prefix = "" if self.part.name == "model" else f"{self.part.name}."
+        return frozenset(prefix + name for name, _ in self.part.of(client.model).named_parameters())
+
     def theory_upload_floats(self, client: ClientState) -> int:
         """The part's parameters (n_i is an integer and not counted); counted once, as every
         client's part has client 0's shapes (``check_models``): counting builds the part on the
