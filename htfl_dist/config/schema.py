@@ -275,6 +275,12 @@ class RuntimeConfig:
     """balanced: clients onto client ranks by estimated work (``placement_work``), largest first,
     each to the least loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes
     the results."""
+    rebalance: Literal["round", "off"] = "round"
+    """round: each round, participants move from the busiest client rank to the idlest while that
+    shortens the round (``placement.round_trainers``: the largest that fits first), their state
+    lent for the round and given back before evaluation, so a sample that falls unevenly on the
+    home ranks still ends together; off: every client trains on its home rank. Never changes the
+    results (the lent state is the parked record; streams are keyed by client)."""
     placement_work: Literal["timed", "samples", "flops"] = "timed"
     """What balanced placement weighs a client by. ``timed``: its local steps per round times one
     training step of its architecture, which rank 0 times at start-up on its device (about a

@@ -265,6 +265,31 @@ class ClientStore(Mapping[int, ClientState]):
             return self._parking_area.get(client_id, torch.device("cpu"))
         return client_record(self._build(client_id, False))
 
+    def compact_record(self, client: ClientState) -> ClientRecord:
+        """``client``'s record less what the next download replaces (what parking keeps)."""
+        return client_record(client, self._replaced_by_download(client))
+
+    def lend(self, client_id: int) -> ClientRecord | None:
+        """The client's compact record, to train elsewhere this round (``runtime.lending``); None
+        when it was never built (the borrower builds it from the seed). It stays here, and is
+        not used until :meth:`restore` brings the trained state back."""
+        if client_id not in self._ids:
+            raise KeyError(client_id)
+        client = self._resident.get(client_id)
+        if client is not None:
+            return self.compact_record(client)
+        if client_id in self._parked:
+            return self._parking_area.get(client_id, torch.device("cpu"))
+        return None
+
+    def borrow(self, client_id: int, record: ClientRecord | None, origin: str) -> ClientState:
+        """Another rank's client, built here for one round's training from its ``record`` (None:
+        from the seed); not one of this store's clients."""
+        client = self._build(client_id, record is not None)
+        if record is not None:
+            restore_client(client, record, origin)
+        return client
+
     def restore(self, client_id: int, record: ClientRecord, origin: str) -> None:
         """Install a checkpoint's record for the client, parking it again if it is not resident."""
         client = self._resident.get(client_id)
@@ -277,7 +302,7 @@ class ClientStore(Mapping[int, ClientState]):
         if not self.bounded:  # not built yet: it stays, as every client of an unbounded store does
             self._resident[client_id] = shell
             return
-        self._parking_area.put(client_id, client_record(shell))
+        self._parking_area.put(client_id, self.compact_record(shell))
         self._parked.add(client_id)
 
     def close(self) -> None:

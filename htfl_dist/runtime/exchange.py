@@ -10,7 +10,7 @@ nothing of algorithms (they arrive as declared fields and payloads) or of metric
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
@@ -120,6 +120,13 @@ def message_bounds(transport: Transport, spec, entries_of_rank) -> list[int | No
     return [max_message_bytes(spec, entries_of_rank(rank)) for rank in range(transport.world_size)]
 
 
+def _check_only_hosted_ledgers(entries: dict[int, Payload], hosted: list[int]) -> None:
+    """Only a client's home rank holds its privacy ledger between rounds, so only it reports ε."""
+    foreign = sorted(cid for cid, entry in entries.items() if entry["privacy"].shape[0] and cid not in hosted)
+    if foreign:
+        raise ProtocolError(f"reported privacy ε for clients {foreign} it does not host")
+
+
 class Exchange:
     """The round's messages for one rank: broadcasts down, gathers up (decoded on rank 0)."""
 
@@ -157,12 +164,15 @@ class Exchange:
         return decode(spec, received, self.device)[BROADCAST_ENTRY]
 
     def gather_uploads(self, spec, uploads: dict[int, Payload], participants: list[int], round_number: int,
-                       traffic: RoundTraffic, left_out: LeftOut | None = None
+                       traffic: RoundTraffic, left_out: LeftOut | None = None,
+                       trainers: Mapping[int, int] | None = None
                        ) -> tuple[dict[int, Payload] | None, list[int]]:
         """This rank's participants' uploads to rank 0. Rank 0 gets every participant's decoded
         upload, in client-id order, and the clients left out because their rank's message broke
         its declaration (added to ``left_out``, the round's record its owner says once in one line;
-        without one, said here); other ranks get (None, [])."""
+        without one, said here); other ranks get (None, []). ``trainers``: the rank that trained
+        each participant this round (default: its home), the one rank that may speak for it."""
+        trainer_of = trainers.__getitem__ if trainers is not None else self.placement.rank_of
         if not spec:
             return ({} if self.transport.rank == 0 else None), []  # nothing declared, nothing travels
         messages: Sequence[Encoded | tuple[dict[int, Payload], int]] | None
@@ -170,14 +180,14 @@ class Exchange:
             messages = [pass_within_process(spec, uploads)]
         else:
             messages = self.transport.gather(encode(spec, uploads), message_bounds(
-                self.transport, spec, lambda rank: sum(self.placement.rank_of(cid) == rank for cid in participants)))
+                self.transport, spec, lambda rank: sum(trainer_of(cid) == rank for cid in participants)))
         if messages is None:
             return None, []
         record = left_out if left_out is not None else LeftOut(round_number)
         merged: dict[int, Payload] = {}
         skipped: list[int] = []
         for rank, message in enumerate(messages):  # the transport gathers ranks in order, rank 0 first
-            expected = [cid for cid in participants if self.placement.rank_of(cid) == rank]
+            expected = [cid for cid in participants if trainer_of(cid) == rank]
             try:
                 if isinstance(message, Encoded):
                     entries, nbytes = unpack_rank_message(spec, message, expected), message.nbytes
@@ -214,11 +224,14 @@ class Exchange:
         return kept
 
     def gather_reports(self, clients: dict[int, ClientReport], mine: RankReport, participants: list[int],
-                       tested: Collection[int]) -> RoundReports | None:
+                       tested: Collection[int], trainers: Mapping[int, int] | None = None) -> RoundReports | None:
         """Each rank's report rows to rank 0, checked against what the rank can truthfully say
-        (only its hosted clients, unseen ones included; training rows for its participants,
-        evaluation rows for the clients ``tested`` this round, none on a round without
-        evaluation); a report that cannot be true ends the job naming its rank."""
+        (training rows for the participants it trained, ``trainers`` saying who trained whom
+        (default: the homes); evaluation rows for the clients it hosts, unseen ones included, that
+        were ``tested`` this round, none on a round without evaluation); a report that cannot be
+        true ends the job naming its rank. A client trained away from home has its training row
+        from its trainer and its evaluation row from its home, joined here."""
+        trainer_of = trainers.__getitem__ if trainers is not None else self.placement.rank_of
         entries: dict[int, Payload] = {
             client_id: {"train": _rows(report.train, 2), "eval": _rows(report.evaluation, 4),
                         "rank": _rows(None, len(RankReport._fields)), "privacy": _rows(report.epsilon, 1)}
@@ -226,12 +239,19 @@ class Exchange:
         entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 4),
                                "rank": _rows(list(mine), len(mine)), "privacy": _rows(None, 1)}
         placement = self.placement
+        def trained_by(rank: int) -> list[int]:
+            return [cid for cid in participants if trainer_of(cid) == rank]
+
+        def entries_of(rank: int) -> int:
+            hosted = placement.clients_of(rank) + placement.unseen_of(rank)
+            return len(set(hosted) | set(trained_by(rank))) + 1
+
         gathered = self.transport.gather(encode(REPORT_SPEC, entries), message_bounds(
-            self.transport, REPORT_SPEC,
-            lambda rank: len(placement.clients_of(rank)) + len(placement.unseen_of(rank)) + 1))
+            self.transport, REPORT_SPEC, entries_of))
         if gathered is None:
             return None
-        reports, rank_rows = {}, []
+        reports: dict[int, Payload] = {}
+        rank_rows = []
         for rank, message in enumerate(gathered):  # ranks in order, rank 0 first
             hosted = placement.clients_of(rank) + placement.unseen_of(rank)
             try:
@@ -240,13 +260,17 @@ class Exchange:
                 if own is None or own["rank"].shape[0] != 1:
                     raise ProtocolError("sent a report without its rank row")
                 check_rank_row(own["rank"][0].tolist())
-                trained = [cid for cid in participants if cid in hosted] if self.training_reported else []
+                trained = trained_by(rank) if self.training_reported else []
                 check_rank_report(decoded, trained, [cid for cid in hosted if cid in tested],
                                   epsilon_budget=self.epsilon_budget)
+                _check_only_hosted_ledgers(decoded, hosted)
             except ProtocolError as exc:
                 raise ProtocolError(f"{self.placement.describe_rank(rank)} {exc}") from None
             rank_rows.append(RankReport(*own["rank"][0].tolist()))
-            reports.update(decoded)
+            for cid, entry in decoded.items():  # a lent client: training from its trainer, the rest from home
+                earlier = reports.get(cid)
+                reports[cid] = entry if earlier is None else {
+                    name: rows if rows.shape[0] else earlier[name] for name, rows in entry.items()}
         return RoundReports(dict(sorted(reports.items())), rank_rows)
 
     def agree(self, bits: int | None) -> int:

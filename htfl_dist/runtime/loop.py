@@ -63,9 +63,10 @@ from htfl_dist.runtime.exchange import (
     RoundTraffic,
     StopDecision,
 )
+from htfl_dist.runtime.lending import Lending
 from htfl_dist.runtime.liveness import Liveness, describe_plain, tell_supervisor
 from htfl_dist.runtime.participation import payload_bytes, rank0_participation
-from htfl_dist.runtime.placement import evaluated_clients, sample_participants
+from htfl_dist.runtime.placement import evaluated_clients, round_trainers, sample_participants
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.records import RoundOutcome, RoundRecords, early_stop_due
 from htfl_dist.runtime.screening import LeftOut, screen_uploads
@@ -158,6 +159,7 @@ class Federation:
         self.my_client_ids = self.placement.clients_of(self.rank)
         factory = ClientFactory(config, self.partition, self.device, self.client_algorithm, self.privacy_plan)
         self.clients = client_store(config, factory, self.my_client_ids, self.device, self.rank)
+        self.lending = Lending(transport, self.clients, self.placement.describe_rank, factory.forget_split)
         self.unseen = self._unseen_clients()
         if run.liveness is not None:
             run.liveness.watch(self.placement.describe_rank, on_silent=run.liveness.end_job)
@@ -285,25 +287,40 @@ class Federation:
         if self.is_server:
             outcome.traffic.theory_down = self._rank0_server.theory_download_floats() * 4 * len(outcome.participants)
         began = time.perf_counter()
-        uploads, train_rows, theory_up = self._train_participants(outcome.participants, knowledge, round_index)
+        trainers = self._trainers(outcome.participants)
+        uploads, train_rows, theory_up = self._train_participants(trainers, knowledge, round_index)
         outcome.client_seconds = time.perf_counter() - began
         left_out = LeftOut(round_index + 1)  # rank 0: who this round leaves out and why, said in one line
         gathered, outcome.skipped = self.exchange.gather_uploads(self.upload_spec, uploads, outcome.participants,
-                                                                 round_index + 1, outcome.traffic, left_out)
+                                                                 round_index + 1, outcome.traffic, left_out, trainers)
         if self.is_server:
             assert gathered is not None, "rank 0 gathers the uploads"
             self._server_step(outcome, gathered, left_out)
         knowledge, eval_rows = self._evaluation(outcome)
-        outcome.reports = self._gather_reports(outcome, train_rows, eval_rows, theory_up)
+        outcome.reports = self._gather_reports(outcome, train_rows, eval_rows, theory_up, trainers)
         return outcome, knowledge
 
-    def _train_participants(self, participants: list[int], knowledge: Payload, round_index: int
+    def _trainers(self, participants: list[int]) -> dict[int, int]:
+        """The rank that trains each participant this round (``runtime.rebalance``)."""
+        if self.config.runtime.rebalance == "off":
+            return {client_id: self.placement.rank_of(client_id) for client_id in participants}
+        return round_trainers(participants, self.placement)
+
+    def _train_participants(self, trainers: dict[int, int], knowledge: Payload, round_index: int
                             ) -> tuple[dict[int, Payload], dict[int, list[float]], int]:
+        """Train the participants ``trainers`` gives this rank: its own, and those lent to it for
+        the round (given back before this returns)."""
         uploads, train_rows, theory = {}, {}, 0
-        mine = [client_id for client_id in participants if client_id in self.clients]
+        moves = [(client_id, self.placement.rank_of(client_id), rank) for client_id, rank in sorted(trainers.items())
+                 if rank != self.placement.rank_of(client_id)]
+        if self.is_server and moves:  # summary.json: how much rebalancing did
+            summary = self.run_context.extra_summary
+            summary["clients_trained_away_from_home"] = summary.get("clients_trained_away_from_home", 0) + len(moves)
+        borrowed = self.lending.lend(moves)
+        mine = [client_id for client_id in sorted(trainers) if trainers[client_id] == self.rank]
         self.training_progress.start(round_index + 1, len(mine))
         for group in self._training_groups(mine):
-            clients = [self.clients[client_id] for client_id in group]
+            clients = [borrowed[client_id] if client_id in borrowed else self.clients[client_id] for client_id in group]
             for client, result in zip(clients, self._train_group(clients, knowledge, round_index), strict=True):
                 release_gradients(client)
                 uploads[client.client_id] = result.upload
@@ -311,6 +328,7 @@ class Federation:
                     train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
                 theory += self.client_algorithm.theory_upload_floats(client) * 4
                 self.training_progress.client_done()
+        self.lending.give_back(moves, borrowed)
         return uploads, train_rows, theory
 
     def _training_groups(self, client_ids: list[int]) -> list[list[int]]:
@@ -408,7 +426,8 @@ class Federation:
         return knowledge, eval_rows
 
     def _gather_reports(self, outcome: RoundOutcome, train_rows: dict[int, list[float]],
-                        eval_rows: dict[int, list[float]], theory_up: int) -> RoundReports | None:
+                        eval_rows: dict[int, list[float]], theory_up: int, trainers: dict[int, int]
+                        ) -> RoundReports | None:
         """This rank's report rows (training, evaluation, ε spent) and its own row to rank 0."""
         clients = {client_id: ClientReport(train_rows.get(client_id), eval_rows.get(client_id),
                                            self._epsilon_row(client_id))
@@ -416,13 +435,13 @@ class Federation:
         mine = RankReport(outcome.client_seconds, float(theory_up), float(self.preemption.requested))
         unseen = range(self.config.num_clients, self.config.num_clients + self.config.eval.new_clients)
         tested = set(outcome.tested) | (set(unseen) if outcome.evaluated else set())
-        return self.exchange.gather_reports(clients, mine, outcome.participants, tested)
+        return self.exchange.gather_reports(clients, mine, outcome.participants, tested, trainers)
 
     def _epsilon_row(self, client_id: int) -> list[float] | None:
         """privacy.enabled: [ε the client has spent so far] for the report; None otherwise, and for
         an unseen client (it releases nothing)."""
-        if self.privacy_plan is None or client_id >= self.config.num_clients:
-            return None
+        if self.privacy_plan is None or client_id >= self.config.num_clients or client_id not in self.clients:
+            return None  # a client trained here for another rank: its home reports its ledger
         epsilon = client_epsilon(self.clients.peek(client_id))
         assert epsilon is not None, "a private run gives every client a ledger"
         return [epsilon]

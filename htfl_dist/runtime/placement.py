@@ -141,6 +141,35 @@ class Placement:
                 f"{'; '.join(parts)}{more}")
 
 
+def round_trainers(participants: Sequence[int], home: Placement) -> dict[int, int]:
+    """The rank that trains each participant this round (``runtime.rebalance=round``): its home
+    rank, then, while it shortens the round, the largest participant on the most loaded rank whose
+    work is below that rank's lead over the least loaded rank moves there (ties: lower rank, lower
+    client id). Each move lowers the sum of squared loads, so it ends; clients stay home where the
+    sample is already even (every participant of a full-participation run). Work is
+    ``home.work`` (what placed the clients at start-up; 1 per client when unknown). A pure
+    function of the participants and the placement: every rank computes the same answer."""
+    trainers = {cid: home.rank_of(cid) for cid in participants}
+    if home.world_size <= 2 or not participants:
+        return trainers
+    work = [float(w) for w in home.work] if home.work else [1.0] * len(home.ranks)
+    ranks = client_ranks(home.world_size)
+    loads = dict.fromkeys(ranks, 0.0)
+    for cid, rank in trainers.items():
+        loads[rank] += work[cid]
+    while True:
+        busiest = max(ranks, key=lambda r: (loads[r], -r))
+        idlest = min(ranks, key=lambda r: (loads[r], r))
+        lead = loads[busiest] - loads[idlest]
+        movable = [cid for cid, rank in trainers.items() if rank == busiest and 0 < work[cid] < lead]
+        if not movable:
+            return trainers
+        moved = max(movable, key=lambda cid: (work[cid], -cid))
+        trainers[moved] = idlest
+        loads[busiest] -= work[moved]
+        loads[idlest] += work[moved]
+
+
 def plan_placement(policy: str, world_size: int, work: Sequence[float], work_unit: str = "samples") -> Placement:
     """``runtime.placement``: balanced (by ``work``) or round_robin."""
     if policy == "round_robin":

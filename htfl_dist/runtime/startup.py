@@ -223,6 +223,10 @@ class ClientFactory:
             self.load_splits([client_id])
         return self._splits[client_id]
 
+    def forget_split(self, client_id: int) -> None:
+        """Drop a split this rank held for a client it trained for another rank."""
+        self._splits.pop(client_id, None)
+
     def load_splits(self, client_ids: list[int]) -> None:
         """Load the splits of ``client_ids`` not loaded yet, through one read of the cache (the
         store calls it for all of a rank's clients at start-up, before any is built)."""

@@ -72,6 +72,17 @@ class Transport(abc.ABC):
         ``bounds[rank]`` (rank 0 only): the most bytes that rank's message may hold (None: no
         bound beyond ``max_message_bytes``)."""
 
+    def send(self, message: Encoded, dest: int) -> None:
+        """Point to point between client ranks (a client lent for a round's training): blocks
+        until ``dest`` takes it. Every rank walks the round's transfers in one order, so each
+        pair meets. World size 1 has no other rank."""
+        raise ProtocolError(f"{self.name} transport has no rank {dest} to send to")
+
+    def receive(self, source: int, limit_bytes: int) -> Encoded:
+        """The message ``source`` sends with :meth:`send`, refused before allocation when it
+        announces more than ``limit_bytes``."""
+        raise ProtocolError(f"{self.name} transport has no rank {source} to receive from")
+
     @abc.abstractmethod
     def barrier(self) -> None: ...
 
@@ -173,6 +184,29 @@ class TorchTransport(Transport):
         self.waiting_for = None
         return received
 
+    def send(self, message: Encoded, dest: int) -> None:
+        dist = self._dist
+        self.waiting_for = dest
+        dist.send(self._to_comm(_sizes(message)), dst=dest)
+        dist.send(self._to_comm(message.header), dst=dest)
+        if message.body.numel():
+            dist.send(self._to_comm(message.body), dst=dest)
+        self.waiting_for = None
+
+    def receive(self, source: int, limit_bytes: int) -> Encoded:
+        dist = self._dist
+        self.waiting_for = source
+        sizes = torch.empty(2, dtype=torch.int64, device=self.comm_device)
+        dist.recv(sizes, src=source)
+        header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes, limit_bytes)
+        header = torch.empty(header_len, dtype=torch.int64, device=self.comm_device)
+        dist.recv(header, src=source)
+        body = torch.empty(body_len, dtype=torch.uint8, device=self.comm_device)
+        if body_len:
+            dist.recv(body, src=source)
+        self.waiting_for = None
+        return Encoded(header.cpu(), body.cpu())
+
     def barrier(self) -> None:
         if self.name == "nccl":
             self._dist.barrier(device_ids=[self.comm_device.index])
@@ -235,6 +269,29 @@ class MPITransport(Transport):
             received.append(Encoded(torch.from_numpy(header), torch.from_numpy(body)))
         self.waiting_for = None
         return received
+
+    def send(self, message: Encoded, dest: int) -> None:
+        comm = self._comm
+        self.waiting_for = dest
+        comm.Send(_sizes(message).numpy(), dest=dest, tag=4)
+        comm.Send(message.header.numpy(), dest=dest, tag=5)
+        if message.body.numel():
+            comm.Send(message.body.numpy(), dest=dest, tag=6)
+        self.waiting_for = None
+
+    def receive(self, source: int, limit_bytes: int) -> Encoded:
+        comm = self._comm
+        self.waiting_for = source
+        sizes = np.empty(2, dtype=np.int64)
+        comm.Recv(sizes, source=source, tag=4)
+        header_len, body_len = checked_sizes(sizes.tolist(), source, self.max_message_bytes, limit_bytes)
+        header = np.empty(header_len, dtype=np.int64)
+        comm.Recv(header, source=source, tag=5)
+        body = np.empty(body_len, dtype=np.uint8)
+        if body.size:
+            comm.Recv(body, source=source, tag=6)
+        self.waiting_for = None
+        return Encoded(torch.from_numpy(header), torch.from_numpy(body))
 
     def barrier(self) -> None:
         self._comm.Barrier()

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from conftest import SMOKE, launch, read_metrics, run_program, run_smoke
+from conftest import SMOKE, launch, maths_only, read_metrics, run_program, run_smoke
 
 _run = run_smoke
 
@@ -140,3 +140,25 @@ def test_diverged_clients_are_skipped_and_the_run_goes_on(tmp_path, cache_dir):
     assert [r["round"] for r in rows] == [1, 2]
     assert rows[0]["skipped_clients"] == list(range(6))
     assert rows[0]["server_skipped"] is True  # nothing left to learn from: last knowledge kept, not erased
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("launcher,nproc,algorithm", [
+    ("torchrun", 3, "lgfedavg"),  # the lent state is the compact record: a base without its head
+    ("torchrun", 4, "fedproto"),  # three client ranks; momentum buffers travel with the client
+    ("mpirun", 3, "fedproto"),
+])
+def test_participants_lent_for_a_round_change_no_number(launcher, nproc, algorithm, tmp_path, cache_dir):
+    """Half the clients a round, so the sample falls unevenly on the home ranks and some clients
+    train on another rank (counted in summary.json): every row is the one-process row, and
+    runtime.rebalance=off, where nobody moves, gives them too."""
+    common = (f"algorithm={algorithm}", "num_clients=8", "join_ratio=0.5", "rounds=3", "train.momentum=0.9",
+              "runtime.placement_work=samples")
+    expected = maths_only(_run("single", 1, tmp_path / "single", cache_dir, *common))
+    assert maths_only(_run(launcher, nproc, tmp_path / "lent", cache_dir, *common)) == expected
+    summary = json.loads((tmp_path / "lent" / "summary.json").read_text())
+    assert summary["clients_trained_away_from_home"] > 0
+    if launcher == "torchrun" and nproc == 3:
+        home = _run(launcher, nproc, tmp_path / "home", cache_dir, *common, "runtime.rebalance=off")
+        assert maths_only(home) == expected
+        assert "clients_trained_away_from_home" not in json.loads((tmp_path / "home" / "summary.json").read_text())

@@ -4,7 +4,13 @@ import pytest
 from htfl_dist.config import RuntimeConfig
 from htfl_dist.errors import ConfigError, HtflError
 from htfl_dist.runtime import bootstrap
-from htfl_dist.runtime.placement import Placement, check_world_size, plan_placement, sample_participants
+from htfl_dist.runtime.placement import (
+    Placement,
+    check_world_size,
+    plan_placement,
+    round_trainers,
+    sample_participants,
+)
 
 WORK = [5.0, 100.0, 7.0, 60.0, 50.0, 3.0, 1.0, 40.0, 9.0, 2.0, 30.0]
 
@@ -38,6 +44,23 @@ def test_balanced_is_longest_processing_time_first():
     # round-robin: even ids (5 + 7 + 50 + 1 + 9 + 30 = 102) on rank 1, odd ids (205) on rank 2
     assert sum(WORK[c] for c in Placement.round_robin(3, 11).clients_of(2)) == 205
     assert placement.work_share(1) == pytest.approx(154 / 307)
+
+
+def test_a_round_moves_the_largest_participant_that_fits_until_the_ranks_are_even():
+    """Homes 1,1,1,1,2,3 with work 4,3,3,2,1,1, all taking part: loads 12/1/1. Client 0 (4, the
+    largest below the lead 11) goes to rank 2 (the idlest, lower rank first): 8/5/1; client 1 (3,
+    largest below 7) to rank 3: 5/5/4; the lead is now 1 and nothing smaller moves."""
+    home = Placement(4, (1, 1, 1, 1, 2, 3), (4, 3, 3, 2, 1, 1))
+    assert round_trainers([0, 1, 2, 3, 4, 5], home) == {0: 2, 1: 3, 2: 1, 3: 1, 4: 2, 5: 3}
+    # equal work, a sample all on rank 1 (even ids): the lowest ids move until 15/15
+    even = Placement(3, Placement.round_robin(3, 10).ranks, (5.0,) * 10)
+    assert round_trainers([0, 1, 2, 4, 6, 8], even) == {0: 2, 1: 2, 2: 2, 4: 1, 6: 1, 8: 1}
+    # a balanced sample stays home; one client rank or world size 1 never moves anyone
+    assert round_trainers([0, 1], even) == {0: 1, 1: 2}
+    assert round_trainers([0, 2, 4], Placement(2, (1,) * 6, (1.0,) * 6)) == {0: 1, 2: 1, 4: 1}
+    assert round_trainers([0, 2], Placement.round_robin(1, 3)) == {0: 0, 2: 0}
+    # no work known: one per client
+    assert round_trainers([0, 2, 4, 6], Placement.round_robin(3, 8)) == {0: 2, 2: 2, 4: 1, 6: 1}
 
 
 def test_placement_lines_name_ranks_clients_and_shares():
