@@ -13,7 +13,7 @@ from typing import Any
 
 from htfl_dist.algorithms.interface import ClientAlgorithm, ServerAlgorithm
 from htfl_dist.config import build_section, check_bounds
-from htfl_dist.config.rules import unknown_name
+from htfl_dist.registry import Registry, name_key
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class AlgorithmEntry:
     """What the conformance checks need beyond the classes (``htfl_dist.testing``)."""
 
 
-_REGISTRY: dict[str, AlgorithmEntry] = {}
+_REGISTRY: Registry[AlgorithmEntry] = Registry("algorithm", "algorithm", order=name_key, plumbing=(__name__,))
 
 
 def defined_by(cls: type, name: str) -> type:
@@ -131,8 +131,7 @@ def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type
     they must agree with it, else a ValueError names the algorithm and the flag (an algorithm that
     says it installs nothing at evaluation while it does would lose what it installs whenever its
     clients are parked). ``batched_clients=False`` is always accepted: it declines a batched path."""
-    if name in _REGISTRY:
-        raise ValueError(f"algorithm {name!r} registered twice")
+    source = _REGISTRY.check_free(name)
     if not (isinstance(client, type) and issubclass(client, ClientAlgorithm)):
         raise ValueError(f"algorithm {name!r}: client must be a ClientAlgorithm subclass, got {client!r}")
     if conformance is not None and not isinstance(conformance, ConformanceHints):
@@ -151,20 +150,19 @@ def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type
         if group is ClientAlgorithm else
         f"its client {client.__qualname__} takes train from {train.__qualname__} but train_group from "
         f"{group.__qualname__}, which batches another train")
-    _REGISTRY[name] = AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator,
-                                     private_release, batched_clients, evaluation_installs_knowledge,
-                                     conformance or ConformanceHints())
+    _REGISTRY.add(name, AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator,
+                                       private_release, batched_clients, evaluation_installs_knowledge,
+                                       conformance or ConformanceHints()), source=source)
 
 
 def algorithm_names() -> list[str]:
-    return sorted(_REGISTRY)
+    """Every algorithm as registered, sorted by the name rule's key."""
+    return _REGISTRY.names()
 
 
 def get_algorithm(name: str) -> AlgorithmEntry:
-    key = name.lower()
-    if key not in _REGISTRY:
-        raise unknown_name("algorithm", name, algorithm_names())
-    return _REGISTRY[key]
+    """The entry ``name`` finds under the one name rule (``htfl_dist.registry``)."""
+    return _REGISTRY.get(name)
 
 
 def parse_options(entry: AlgorithmEntry, raw: dict[str, Any]) -> Any:

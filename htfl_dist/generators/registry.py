@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from htfl_dist.config.rules import unknown_name
 from htfl_dist.errors import ConfigError
 from htfl_dist.generators.base import GeneratorConfig, LatentGenerator
+from htfl_dist.registry import Registry, name_key
 
 
 @dataclass(frozen=True)
@@ -29,25 +29,22 @@ class GeneratorEntry:
     needs_path: bool = False
 
 
-_REGISTRY: dict[str, GeneratorEntry] = {}
+_REGISTRY: Registry[GeneratorEntry] = Registry("generator", "generator.name", order=name_key, plumbing=(__name__,))
 
 
 def register_generator(name: str, *, build: Callable[[GeneratorConfig, int], LatentGenerator],
                        latent_dim: Callable[[GeneratorConfig], int], summary: str,
                        needs_path: bool = False) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"generator {name!r} registered twice")
-    _REGISTRY[name] = GeneratorEntry(name, build, latent_dim, summary, needs_path)
+    """Register a generator under ``name`` (the one name rule of ``htfl_dist.registry``)."""
+    _REGISTRY.add(name, GeneratorEntry(name, build, latent_dim, summary, needs_path))
 
 
 def generator_names() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def get_generator(name: str) -> GeneratorEntry:
-    if name not in _REGISTRY:
-        raise unknown_name("generator.name", name, generator_names())
-    return _REGISTRY[name]
+    return _REGISTRY.get(name)
 
 
 def check_generator_config(config: GeneratorConfig) -> None:

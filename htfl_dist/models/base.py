@@ -8,9 +8,11 @@ architecture-specific) and ``head`` (R^K -> R^C, the same shape on every client)
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from typing import Any
 
 from torch import Tensor, nn
+
+from htfl_dist.registry import Registry
 
 
 class SplitModel(nn.Module):
@@ -66,14 +68,14 @@ def natural_key(name: str) -> list[object]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def check_new_name(kind: str, name: str, taken: Mapping[str, object]) -> None:
-    """Shared rule of the architecture and head registries: a name is registered once, and holds
-    neither ':' (it separates ARCH:HEAD) nor ',' (it separates the members of a custom group)."""
-    if name in taken:
-        raise ValueError(f"{kind} {name!r} is already registered")
+def check_new_name(taken: Registry[Any], name: str) -> None:
+    """Shared rule of the architecture, head and model group registries: a name is free in
+    ``taken`` (the one name rule of :mod:`htfl_dist.registry`), and holds neither ':' (it
+    separates ARCH:HEAD) nor ',' (it separates the members of a custom group)."""
+    taken.check_free(name)
     for separator, role in ((":", "ARCH:HEAD"), (",", "the members of a custom group")):
         if separator in name:
-            raise ValueError(f"{kind} name {name!r} must not contain {separator!r} (it separates {role})")
+            raise ValueError(f"{taken.kind} name {name!r} must not contain {separator!r} (it separates {role})")
 
 
 __all__ = ["SplitModel", "check_new_name", "linear_head", "natural_key"]

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from torch import nn
 
 from htfl_dist.errors import ConfigError
+from htfl_dist.registry import Registry
 
 from .base import check_new_name, linear_head, natural_key
 
@@ -47,23 +48,22 @@ HEAD_GROUPS: dict[str, tuple[str, ...]] = {
     "HtC4-htfllib": ("fc_relu", "fc512_relu", "fc256_relu", "fc128_relu"),
 }
 
-_HEADS: dict[str, HeadBuilder] = {}
+_HEADS: Registry[HeadBuilder] = Registry("head", order=natural_key, plumbing=(__name__, "htfl_dist.models.base"))
 
 
 def register_head(name: str) -> Callable[[HeadBuilder], HeadBuilder]:
     """Decorator registering a head builder under ``name``. Registering a name twice is a bug."""
 
     def decorator(builder: HeadBuilder) -> HeadBuilder:
-        check_new_name("head", name, _HEADS)
-        _HEADS[name] = builder
-        return builder
+        check_new_name(_HEADS, name)
+        return _HEADS.add(name, builder)
 
     return decorator
 
 
 def heads() -> list[str]:
     """All registered head names, in natural order (``fc, fc128, fc256, fc512``)."""
-    return sorted(_HEADS, key=natural_key)
+    return _HEADS.names()
 
 
 def check_head(name: str, spec: str = "") -> None:
@@ -71,9 +71,15 @@ def check_head(name: str, spec: str = "") -> None:
 
     ``spec`` is the ``ARCH:HEAD`` string the name came from, quoted in the message when given.
     """
-    if name not in _HEADS:
+    if name not in _HEADS:  # the one name rule (htfl_dist.registry): any case finds a head
         where = f" in {spec!r}" if spec else ""
         raise ConfigError(f"unknown head {name!r}{where}; allowed heads: {', '.join(heads())}")
+
+
+def registered_head(name: str) -> str:
+    """``name`` as the head was registered (the one name rule finds it in any case)."""
+    check_head(name)
+    return _HEADS.spelling(name) or name
 
 
 def build_head(name: str, feature_dim: int, num_classes: int) -> nn.Module:
@@ -83,7 +89,7 @@ def build_head(name: str, feature_dim: int, num_classes: int) -> nn.Module:
         ConfigError: unknown ``name``.
     """
     check_head(name)
-    return _HEADS[name](feature_dim, num_classes)
+    return _HEADS.get(name)(feature_dim, num_classes)
 
 
 def hidden_fc_head(feature_dim: int, hidden_dim: int, num_classes: int) -> nn.Sequential:

@@ -27,9 +27,10 @@ import torch
 
 from htfl_dist.config.rules import PLUGIN_HINT
 from htfl_dist.errors import ConfigError
+from htfl_dist.registry import Registry
 
 from .base import SplitModel, check_new_name, natural_key
-from .heads import DEFAULT_HEAD, HEAD_GROUPS, build_head, check_head, heads
+from .heads import DEFAULT_HEAD, HEAD_GROUPS, build_head, check_head, heads, registered_head
 from .inputs import InputKind, InputSpec
 
 
@@ -78,11 +79,17 @@ SQUARE_IMAGES = InputNeed("image", "square images (C x S x S)", square=True)
 Builder = TypeVar("Builder", bound=ArchitectureBuilder | InputBuilder)
 
 
-_ARCHITECTURES: dict[str, ArchitectureBuilder | InputBuilder] = {}
-_INPUT_NEEDS: dict[str, InputNeed] = {}
-"""Architecture -> what it takes, where that is not :data:`SQUARE_IMAGES`."""
-_OWN_HEADS: dict[str, str] = {}
-"""Architecture -> the head its builder attaches, where that is not ``fc``."""
+@dataclass(frozen=True)
+class Architecture:
+    """One registered architecture: its builder, what it takes and the head its builder attaches."""
+
+    builder: ArchitectureBuilder | InputBuilder
+    needs: InputNeed
+    head: str
+
+
+_PLUMBING = (__name__, "htfl_dist.models.base")
+_ARCHITECTURES: Registry[Architecture] = Registry("architecture", order=natural_key, plumbing=_PLUMBING)
 
 HEAD_SEPARATOR = ":"
 """Separates ``ARCH`` from ``HEAD`` in a group member (``resnet34:fc512``)."""
@@ -105,7 +112,7 @@ def with_heads(extractors: tuple[str, ...], head_names: tuple[str, ...]) -> tupl
     )
 
 
-_MODEL_GROUPS: dict[str, tuple[str, ...]] = {
+_SHIPPED_GROUPS: dict[str, tuple[str, ...]] = {
     # FedTGP appendix Table 9: 1-channel 28x28 (Fashion-MNIST).
     "HtCNN8": ("htcnn1", "htcnn2", "htcnn3", "htcnn4", "htcnn5", "htcnn6", "htcnn7", "htcnn8"),
     "HtFE8": _HTFE8,
@@ -156,21 +163,24 @@ HTFLLIB_IMAGE_GROUPS: dict[str, str] = {
 }
 """HtFLlib's image group names and ours with the same members (its HtC-img-4 heads put a ReLU
 after every FC layer, our HtC4-htfllib)."""
-_MODEL_GROUPS.update({htfllib: _MODEL_GROUPS[ours] for htfllib, ours in HTFLLIB_IMAGE_GROUPS.items()})
+_SHIPPED_GROUPS.update({htfllib: _SHIPPED_GROUPS[ours] for htfllib, ours in HTFLLIB_IMAGE_GROUPS.items()})
+
+_MODEL_GROUPS: Registry[tuple[str, ...]] = Registry("model group", "model.group", plumbing=_PLUMBING)
+"""The named groups, in registration order (the shipped members are written as registered)."""
+for _name, _members in _SHIPPED_GROUPS.items():
+    _MODEL_GROUPS.add(_name, _members, source=__name__)
 
 
 def register_model_group(name: str, members: tuple[str, ...]) -> None:
     """Register the heterogeneous group ``name``: client ``i`` gets ``members[i mod len]``, each
     ``ARCH`` or ``ARCH:HEAD`` of registered names (a plugin registers its architectures first).
-    Registering a name twice, or a name an architecture holds, is a bug."""
-    check_new_name("model group", name, _MODEL_GROUPS)
-    if name in _ARCHITECTURES:
+    Registering a name twice, or an architecture's name as it is spelled there, is a bug."""
+    check_new_name(_MODEL_GROUPS, name)
+    if _ARCHITECTURES.spelling(name) == name:
         raise ValueError(f"model group name {name!r} clashes with an architecture name")
     if not members:
         raise ValueError(f"model group {name!r} has no members")
-    for member in members:
-        _check_member(member, name)
-    _MODEL_GROUPS[name] = tuple(members)
+    _MODEL_GROUPS.add(name, tuple(_checked_member(member, name) for member in members))
 
 
 def register_architecture(name: str, needs: InputNeed = SQUARE_IMAGES, head: str = DEFAULT_HEAD
@@ -182,14 +192,10 @@ def register_architecture(name: str, needs: InputNeed = SQUARE_IMAGES, head: str
     name twice is a bug."""
 
     def decorator(builder: Builder) -> Builder:
-        check_new_name("architecture", name, _ARCHITECTURES)
-        if name in _MODEL_GROUPS:
+        check_new_name(_ARCHITECTURES, name)
+        if _MODEL_GROUPS.spelling(name) == name:
             raise ValueError(f"architecture name {name!r} clashes with a model group name")
-        _ARCHITECTURES[name] = builder
-        if needs != SQUARE_IMAGES:
-            _INPUT_NEEDS[name] = needs
-        if head != DEFAULT_HEAD:
-            _OWN_HEADS[name] = head
+        _ARCHITECTURES.add(name, Architecture(builder, needs, head))
         return builder
 
     return decorator
@@ -197,17 +203,19 @@ def register_architecture(name: str, needs: InputNeed = SQUARE_IMAGES, head: str
 
 def input_need(arch: str) -> InputNeed:
     """What architecture ``arch`` (a registered name, no ``:HEAD``) accepts as input."""
-    return _INPUT_NEEDS.get(arch, SQUARE_IMAGES)
+    entry = _ARCHITECTURES.find(arch)
+    return SQUARE_IMAGES if entry is None else entry.needs
 
 
 def architectures() -> list[str]:
     """All registered architecture (feature extractor) names, in natural order; heads: :func:`heads`."""
-    return sorted(_ARCHITECTURES, key=natural_key)
+    return _ARCHITECTURES.names()
 
 
 def model_groups() -> dict[str, tuple[str, ...]]:
-    """The named heterogeneous groups (a copy; single-architecture groups are implicit)."""
-    return dict(_MODEL_GROUPS)
+    """The named heterogeneous groups, in registration order (a copy; single-architecture
+    groups are implicit)."""
+    return dict(_MODEL_GROUPS.items())
 
 
 def split_architecture(spec: str) -> tuple[str, str]:
@@ -222,7 +230,8 @@ def split_architecture(spec: str) -> tuple[str, str]:
 
 def own_head(arch: str) -> str:
     """The head ``arch``'s builder attaches (``fc`` for a name not registered)."""
-    return _OWN_HEADS.get(arch, DEFAULT_HEAD)
+    entry = _ARCHITECTURES.find(arch)
+    return DEFAULT_HEAD if entry is None else entry.head
 
 
 def _spelling_hint() -> str:
@@ -235,28 +244,39 @@ MEMBER_SEPARATOR = ","
 
 
 def resolve_group(group: str) -> tuple[str, ...]:
-    """The members of ``group``: a named group, one ``ARCH`` / ``ARCH:HEAD`` as a group of one,
-    or a custom group written as members separated by commas (``htcnn1:fc,htcnn2:fc512``, what
-    a YAML list in ``model.group`` becomes), e.g. HtCNN8 extractors with HtC4 heads on FMNIST.
+    """The members of ``group``, written as registered: a named group, one ``ARCH`` /
+    ``ARCH:HEAD`` as a group of one, or a custom group written as members separated by commas
+    (``htcnn1:fc,htcnn2:fc512``, what a YAML list in ``model.group`` becomes), e.g. HtCNN8
+    extractors with HtC4 heads on FMNIST.
+
+    Names follow the one name rule (:mod:`htfl_dist.registry`: any case). Where a group and an
+    architecture share a key (the group ``HtCNN8``, the architecture ``htcnn8``), the spelling as
+    registered decides, and any other spelling is refused as ambiguous.
 
     Raises:
         ConfigError: ``group`` is neither a named group nor made of registered architectures
-            (with registered heads, where members name one).
+            (with registered heads, where members name one), or is ambiguous.
     """
-    if group in _MODEL_GROUPS:
-        return _MODEL_GROUPS[group]
+    named = _MODEL_GROUPS.entry(group)
+    if named is not None:
+        arch = _ARCHITECTURES.spelling(group)
+        if arch is None or group == named.name:
+            return named.value
+        if group != arch:
+            raise ConfigError(f"model group {group!r} is ambiguous: the model group {named.name!r} or the "
+                              f"architecture {arch!r}; write the one you mean as it is spelled there")
     members = tuple(member.strip() for member in group.split(MEMBER_SEPARATOR))
     if len(members) > 1 and not all(members):
         raise ConfigError(f"model group {group!r} has an empty member; separate ARCH[:HEAD] members by single commas")
-    for member in members:
-        _check_member(member, group)
-    return members
+    return tuple(_checked_member(member, group) for member in members)
 
 
-def _check_member(member: str, group: str) -> None:
-    """One-line ConfigError unless ``member`` is ``ARCH`` or ``ARCH:HEAD`` of registered names."""
-    arch, head = split_architecture(member)
-    if arch not in _ARCHITECTURES:
+def _checked_member(member: str, group: str) -> str:
+    """``member`` (``ARCH`` or ``ARCH:HEAD``) written as registered; a one-line ConfigError
+    unless it names registered names."""
+    arch, separator, head = member.partition(HEAD_SEPARATOR)
+    spelled = _ARCHITECTURES.spelling(arch)
+    if spelled is None:
         if member != group:
             raise ConfigError(f"unknown architecture {arch!r} in model group {group!r}; allowed: "
                               f"{', '.join(architectures())} ({_spelling_hint()})")
@@ -265,7 +285,8 @@ def _check_member(member: str, group: str) -> None:
             f" (or one architecture name for a homogeneous group, or several comma-separated for a custom"
             f" group: {', '.join(architectures())}; {_spelling_hint()}; {PLUGIN_HINT})"
         )
-    check_head(head, member)
+    check_head(head if separator else own_head(spelled), member)
+    return f"{spelled}{HEAD_SEPARATOR}{registered_head(head)}" if separator else spelled
 
 
 def architecture_for_client(group: str, client_id: int) -> str:
@@ -317,18 +338,20 @@ def build_model(
     ``ARCH:HEAD`` builds ``ARCH`` exactly as ``ARCH`` alone, then replaces its head by a fresh
     ``HEAD`` (the discarded head's RNG draws are wasted, deterministically). For the
     architecture's own head (``ARCH:fc`` for all but the ViTs) nothing is replaced, so ``ARCH:fc``
-    and ``ARCH`` are bit-identical. ``model.arch`` is ``arch`` as given.
+    and ``ARCH`` are bit-identical. ``model.arch`` is ``arch`` with its names as registered (any
+    case finds them, :mod:`htfl_dist.registry`).
 
     Raises:
         ConfigError: unknown architecture or head, a non-positive size, inputs the architecture
             does not take, or an image too small.
     """
     name, head = split_architecture(arch)
-    builder = _ARCHITECTURES.get(name)
-    if builder is None:
+    found = _ARCHITECTURES.entry(name)
+    if found is None:
         shown = repr(name) if name == arch else f"{name!r} (in {arch!r})"
         raise ConfigError(f"unknown architecture {shown}; allowed: {', '.join(architectures())} ({_spelling_hint()})")
     check_head(head, arch)
+    name, head, builder = found.name, registered_head(head), found.value.builder  # as registered
     _check_positive("num_classes", num_classes)
     _check_positive("feature_dim", feature_dim)
     if inputs is None:
@@ -349,7 +372,7 @@ def build_model(
         model = cast(InputBuilder, builder)(num_classes=num_classes, feature_dim=feature_dim, inputs=inputs)
     if head != own_head(name):
         model.head = build_head(head, feature_dim, num_classes)
-    model.arch = arch
+    model.arch = f"{name}{HEAD_SEPARATOR}{head}" if HEAD_SEPARATOR in arch else name
     return model
 
 

@@ -5,6 +5,7 @@ cross-entropy training."""
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -50,7 +51,7 @@ class _ToyServer(ServerAlgorithm):
 @pytest.fixture
 def scratch_registry(monkeypatch):
     """A copy of the registry, so a test can register names without touching the real one."""
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", registry._REGISTRY.copy())
 
 
 def test_register_stores_every_field_and_defaults_to_sharing_nothing(scratch_registry):
@@ -204,12 +205,24 @@ def test_hints_that_cannot_be_followed_are_refused(hints, message):
     assert str(info.value) == message
 
 
-def test_registering_a_name_twice_is_refused(scratch_registry):
+def test_registering_a_name_twice_is_refused_naming_both_places(scratch_registry):
+    first = sys._getframe().f_lineno + 1
     register_algorithm("toy", server=_ToyServer, client=_ToyClient, options=_ToyOptions, summary="a toy")
     with pytest.raises(ValueError) as info:
-        register_algorithm("toy", server=_ToyServer, client=_ToyClient, options=_ToyOptions, summary="again")
-    assert str(info.value) == "algorithm 'toy' registered twice"
+        register_algorithm("TOY", server=_ToyServer, client=_ToyClient, options=_ToyOptions, summary="again")
+    assert str(info.value) == (f"algorithm 'TOY' is already registered (as 'toy') by {__name__}, line {first}; "
+                               f"{__name__}, line {first + 2} registers it again")
     assert get_algorithm("toy").summary == "a toy"  # the first registration stands
+
+
+def test_a_mixed_case_name_is_listed_and_found_as_registered(scratch_registry):
+    """Issue 46: "MyFedPer" was listed, yet refused under both spellings (the look-up lowered the
+    name, the registration did not)."""
+    register_algorithm("MyFedPer", server=_ToyServer, client=_ToyClient, options=_ToyOptions, summary="mixed")
+    assert "MyFedPer" in algorithm_names()
+    assert get_algorithm("MyFedPer").summary == get_algorithm("myfedper").summary == "mixed"
+    assert get_algorithm("MYFEDPER").name == "MyFedPer"
+    assert spelled_out_options("myfedper", {}) == {"knob": 1}
 
 
 def test_names_are_sorted_and_lookup_ignores_case():

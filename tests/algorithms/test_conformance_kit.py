@@ -66,7 +66,7 @@ def plugin():
     """plugin_fedper imported into a scratch copy of the registry (the real one never holds it),
     with its broken variants beside it."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+        patch.setattr(registry, "_REGISTRY", registry._REGISTRY.copy())
         sys.modules.pop(PLUGIN, None)
         module = importlib.import_module(PLUGIN)
         _register_broken_variants(module)

@@ -80,6 +80,13 @@ class _ThreeChannel(nn.Module):
         return self.fc(self.conv(x).flatten(1))
 
 
+def _register_for_the_test(monkeypatch, **builders) -> None:
+    """Register ``builders`` in a copy of the architecture registry that the test's end undoes."""
+    monkeypatch.setattr(model_registry, "_ARCHITECTURES", model_registry._ARCHITECTURES.copy())
+    for name, builder in builders.items():
+        model_registry.register_architecture(name)(builder)
+
+
 @pytest.fixture
 def odd_architectures(monkeypatch):
     """Two architectures registered for one test only: features 3 wide, and 3-channel input only."""
@@ -89,8 +96,7 @@ def odd_architectures(monkeypatch):
     def three_channel(*, num_classes, feature_dim, in_channels, image_size):
         return SplitModel(_ThreeChannel(feature_dim), nn.Linear(feature_dim, num_classes), feature_dim)
 
-    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_narrow", narrow)
-    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_rgb_only", three_channel)
+    _register_for_the_test(monkeypatch, test_narrow=narrow, test_rgb_only=three_channel)
 
 
 @pytest.mark.parametrize("algorithm", ["fml", "fedkd"])
@@ -221,7 +227,7 @@ def test_g_buffers_restart_from_the_initial_g_every_round(monkeypatch):
     def with_norm(*, num_classes, feature_dim, in_channels, image_size):
         return SplitModel(_WithBatchNorm(feature_dim), nn.Linear(feature_dim, num_classes), feature_dim)
 
-    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_bn", with_norm)
+    _register_for_the_test(monkeypatch, test_bn=with_norm)
     entry, context = make_context("fml", num_classes=3, feature_dim=8, batch_size=4, shared_model="test_bn")
     knowledge = entry.server(context).download()
     initial = {name: b.clone() for name, b in build_shared_model(context).named_buffers()}
@@ -343,8 +349,7 @@ def test_mutual_objective_by_hand(monkeypatch, kd, kl_scale):
         KL(p_g‖p) = 3/4·ln(3/2) + 1/4·ln(1/2); KL(p‖p_g) = 1/2·ln(2/3) + 1/2·ln 2;
     dml averages KL over the batch (scale 1), htfllib over B·C = 2B (scale 1/2);
     loss_sum = 8 · (L + L_g)."""
-    monkeypatch.setitem(model_registry._ARCHITECTURES, "test_constant",
-                        lambda **_: _constant_logits([math.log(3.0), 0.0]))
+    _register_for_the_test(monkeypatch, test_constant=lambda **_: _constant_logits([math.log(3.0), 0.0]))
     entry, context = make_context("fml", num_classes=2, feature_dim=4, batch_size=8, kd=kd,
                                   shared_model="test_constant")
     client = make_client(context, samples=8)

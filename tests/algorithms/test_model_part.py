@@ -21,7 +21,7 @@ from htfl_dist.runtime.simulate import simulate
 
 @pytest.fixture
 def fedper(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_REGISTRY", registry._REGISTRY.copy())
     register_algorithm("fedper", server=FedPerServer, client=FedPerClient, options=FedPerOptions,
                        summary="FedAvg over the feature extractor, local heads", shares_parameters=True,
                        evaluation_installs_knowledge=True)

@@ -495,7 +495,7 @@ def test_the_built_in_datasets_are_registered_in_their_order():
 
 
 def test_registered_dataset_is_allowed_and_unknown_refused(tmp_path, monkeypatch):
-    monkeypatch.setattr(registry, "_DATASETS", dict(registry._DATASETS))  # undone after the test
+    monkeypatch.setattr(registry, "_DATASETS", registry._DATASETS.copy())  # undone after the test
     source_file = tmp_path / "toy.bin"
     source_file.write_bytes(b"toy")
     labels = np.arange(40, dtype=np.int64) % 2
@@ -544,7 +544,7 @@ def test_unknown_dataset_message_is_the_configs():
 
 
 def test_duplicate_dataset_registration_fails(monkeypatch):
-    monkeypatch.setattr(registry, "_DATASETS", dict(registry._DATASETS))
+    monkeypatch.setattr(registry, "_DATASETS", registry._DATASETS.copy())
     before = dataset_names()
     with pytest.raises(ValueError, match="dataset 'cifar10' is already registered"):
         register_dataset(DatasetSource(name="cifar10", num_classes=10, files=lambda root: [],

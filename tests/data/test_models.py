@@ -561,7 +561,7 @@ def test_a_plugin_registers_a_model_group_of_registered_members(monkeypatch):
     taken once, and not by an architecture; the group then resolves like a built-in one."""
     from htfl_dist.models import register_model_group, registry
 
-    monkeypatch.setattr(registry, "_MODEL_GROUPS", dict(registry._MODEL_GROUPS))  # undone after the test
+    monkeypatch.setattr(registry, "_MODEL_GROUPS", registry._MODEL_GROUPS.copy())  # undone after the test
     register_model_group("pair", ("htcnn1", "htcnn2:fc512"))
     assert [architecture_for_client("pair", i) for i in range(3)] == ["htcnn1", "htcnn2:fc512", "htcnn1"]
     with pytest.raises(ConfigError, match="unknown architecture 'nocnn' in model group 'broken'"):

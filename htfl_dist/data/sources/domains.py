@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from htfl_dist.errors import ConfigError, DataError
+from htfl_dist.registry import Registry
 
 from .registry import DatasetArrays, DatasetSource, register_dataset
 
@@ -48,20 +49,20 @@ class DomainSuite:
     """How to obtain the data (said when a domain is missing)."""
 
 
-_SUITES: dict[str, DomainSuite] = {}
+_SUITES: Registry[DomainSuite] = Registry("domain suite", "data.dataset", plumbing=(__name__,))
 
 
 def domain_suite_names() -> list[str]:
-    return list(_SUITES)
+    return _SUITES.names()
 
 
 def domain_suite(dataset: str) -> DomainSuite:
     """The suite registered as ``dataset``; a one-line ConfigError for a dataset without domains."""
-    suite = _SUITES.get(dataset)
+    suite = _SUITES.find(dataset)
     if suite is None:
         raise ConfigError(
             f"config key 'data.domains' is set but data.dataset {dataset!r} has no domains; datasets "
-            f"with domains: {', '.join(_SUITES)} (docs/datasets.md, \"Domain shift\")"
+            f"with domains: {', '.join(_SUITES.names())} (docs/datasets.md, \"Domain shift\")"
         )
     return suite
 
@@ -171,9 +172,7 @@ def as_uint8(values: np.ndarray) -> np.ndarray:
 
 def register_suite(suite: DomainSuite) -> None:
     """Register ``suite`` as a domain suite and as a dataset (every domain pooled, in order)."""
-    if suite.name in _SUITES:
-        raise ValueError(f"domain suite {suite.name!r} is already registered")
-    _SUITES[suite.name] = suite
+    _SUITES.add(suite.name, suite)
 
     def files(root: str | None) -> list[str]:
         folder = suite.folder(root)

@@ -4,7 +4,8 @@ Each source module (``fmnist``, ``cifar``, ``tinyimagenet``, ``flowers102``) reg
 datasets with :func:`register_dataset` when it is imported; ``htfl_dist.data.sources`` imports
 them all, so the allowed names are exactly what was registered, in registration order. A
 config string is only ever looked up here (never ``eval``-ed, never resolved with ``getattr``),
-so an unknown name is a one-line :class:`~htfl_dist.errors.ConfigError` listing the allowed ones.
+under the one name rule of :mod:`htfl_dist.registry`, so an unknown name is a one-line
+:class:`~htfl_dist.errors.ConfigError` listing the allowed ones.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from htfl_dist.config.rules import unknown_name
+from htfl_dist.registry import Registry
 
 
 @dataclass
@@ -52,28 +53,24 @@ class DatasetSource:
         return root or self.default_root
 
 
-_DATASETS: dict[str, DatasetSource] = {}
+_DATASETS: Registry[DatasetSource] = Registry("dataset", "data.dataset", plumbing=(__name__, f"{__package__}.domains"))
+"""In registration order; a domain suite registers its dataset from ``domains``, so the source a
+duplicate names is the suite's module."""
 
 
 def register_dataset(source: DatasetSource) -> DatasetSource:
-    """Register ``source`` under ``source.name``. Registering a name twice is a bug."""
-    if source.name in _DATASETS:
-        raise ValueError(f"dataset {source.name!r} is already registered")
-    _DATASETS[source.name] = source
-    return source
+    """Register ``source`` under ``source.name`` (the one name rule of ``htfl_dist.registry``)."""
+    return _DATASETS.add(source.name, source)
 
 
 def dataset_names() -> list[str]:
     """All registered dataset names, in registration order (the order error messages list)."""
-    return list(_DATASETS)
+    return _DATASETS.names()
 
 
 def dataset_source(name: str) -> DatasetSource:
     """The registered source of ``name``; a one-line ConfigError listing the allowed names."""
-    source = _DATASETS.get(name)
-    if source is None:
-        raise unknown_name("data.dataset", name, dataset_names())
-    return source
+    return _DATASETS.get(name)
 
 
 def stat_fingerprint(paths: list[str]) -> list[list]:
