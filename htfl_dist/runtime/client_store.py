@@ -165,9 +165,14 @@ class ClientStore(Mapping[int, ClientState]):
     def __init__(self, client_ids: list[int], build: Callable[[int, bool], ClientState], *,
                  resident: int, device: torch.device, rank: int, scratch_dir: Path | None = None,
                  park_in_memory: bool | None = None,
-                 replaced_by_download: Callable[[ClientState], frozenset[str]] | None = None) -> None:
+                 replaced_by_download: Callable[[ClientState], frozenset[str]] | None = None,
+                 architecture_of: Callable[[int], str] | None = None) -> None:
         self.client_ids = sorted(client_ids)
         self._replaced_by_download = replaced_by_download or (lambda client: frozenset())
+        self._architecture_of = architecture_of or (lambda client_id: "")
+        self._fully_replaced: dict[str, bool] = {} if replaced_by_download is not None else {"": False}
+        """Per architecture: does the download replace every model entry (a fresh client's
+        weights never matter)?"""
         """The algorithm's ``replaced_by_download``: what a parked record leaves out (FedAvg's whole
         model: its parked record holds the optimizer and buffers only)."""
         self._ids = set(self.client_ids)
@@ -235,11 +240,30 @@ class ClientStore(Mapping[int, ClientState]):
     def _materialise(self, client_id: int) -> ClientState:
         if client_id not in self._parked:
             self.built += 1
-            return self._build(client_id, False)
+            return self._fresh(client_id)
         client = self._build(client_id, True)
         restore_client(client, self._parking_area.get(client_id, self.device), f"parked client {client_id}")
         self.unparked += 1
         return client
+
+    def _fresh(self, client_id: int) -> ClientState:
+        """A client never used yet. Where the download replaces every entry of its model before
+        any use (FedAvg), drawing initial weights is wasted: 50 fresh pfl CNNs a round took 1.9 s
+        of a 13 s round. Then a shell with zeroed entries is as good and the same bits later; the
+        architecture's answer is kept after its first client."""
+        architecture = self._architecture_of(client_id)
+        if self._fully_replaced.get(architecture) is False:
+            return self._build(client_id, False)
+        shell = self._build(client_id, True)
+        state = shell.model.state_dict()
+        replaced = self._replaced_by_download(shell)
+        self._fully_replaced[architecture] = bool(state) and replaced >= set(state)
+        if not self._fully_replaced[architecture]:
+            return self._build(client_id, False)
+        with torch.no_grad():
+            for value in state.values():
+                value.zero_()
+        return shell
 
     def _park_oldest(self) -> None:
         """Evict the least recently used client; write its record unless it is unchanged since it
@@ -285,9 +309,10 @@ class ClientStore(Mapping[int, ClientState]):
     def borrow(self, client_id: int, record: ClientRecord | None, origin: str) -> ClientState:
         """Another rank's client, built here for one round's training from its ``record`` (None:
         from the seed); not one of this store's clients."""
-        client = self._build(client_id, record is not None)
-        if record is not None:
-            restore_client(client, record, origin)
+        if record is None:
+            return self._fresh(client_id)
+        client = self._build(client_id, True)
+        restore_client(client, record, origin)
         return client
 
     def restore(self, client_id: int, record: ClientRecord, origin: str) -> None:

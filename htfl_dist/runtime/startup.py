@@ -277,7 +277,7 @@ class ClientFactory:
         train_x, train_y, test_x, test_y = self.split(client_id)
         architecture = architecture_for_client(config.model.group, client_id)
         model = self.initial_model(client_id, shell)
-        if not shell and architecture not in self._widths_checked:
+        if architecture not in self._widths_checked:  # shapes only: a shell's weights do not matter
             check_feature_width(model, architecture, client_id, train_x[:2], config.model.feature_dim)
             self._widths_checked.add(architecture)
         optimizer = build_optimizer(model.parameters(), config.train)
@@ -302,7 +302,8 @@ def client_store(config: Config, factory: ClientFactory, client_ids: list[int], 
     scratch = Path(runtime.client_scratch_dir) if runtime.client_scratch_dir else None
     factory.load_splits(client_ids)
     store = ClientStore(client_ids, factory.build, resident=runtime.resident_clients, device=device, rank=rank,
-                        scratch_dir=scratch, replaced_by_download=factory.algorithm.replaced_by_download)
+                        scratch_dir=scratch, replaced_by_download=factory.algorithm.replaced_by_download,
+                        architecture_of=lambda client_id: architecture_for_client(config.model.group, client_id))
     first_of_architecture: dict[str, int] = {}
     for client_id in client_ids:
         first_of_architecture.setdefault(architecture_for_client(config.model.group, client_id), client_id)

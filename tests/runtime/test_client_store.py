@@ -289,3 +289,18 @@ def test_a_parked_client_keeps_only_what_the_download_does_not_replace(tmp_path)
     assert torch.equal(other[0].model.weight, torch.zeros(2, 3)) and torch.equal(other[0].model.bias, bias)
     with pytest.raises(HtflError, match="leaves out model entries"):
         other.restore(1, parked | {"client_id": 1, "replaced_by_download": ["gain"]}, "checkpoint /x")
+
+
+def test_a_fresh_client_whose_whole_model_the_download_replaces_is_a_zeroed_shell(tmp_path):
+    """FedAvg: no weights are drawn for a client whose every model entry the next download
+    replaces; the first client of the architecture is probed as a shell, later ones go straight
+    to it. Where some entry survives (LG-FedAvg's base), clients are built in full."""
+    build = _Builder()
+    store = _store(tmp_path, build, resident=0, replaced_by_download=lambda client: frozenset({"weight", "bias"}))
+    assert torch.equal(store[0].model.weight, torch.zeros(2, 3)) and torch.equal(store[1].model.bias, torch.zeros(2))
+    assert build.calls == [(0, True), (1, True)]
+    partly = _Builder()
+    store = _store(tmp_path, partly, resident=0, replaced_by_download=lambda client: frozenset({"weight"}))
+    assert torch.equal(store[0].model.bias, _Builder()(0, False).model.bias)
+    store[1]
+    assert partly.calls == [(0, True), (0, False), (1, False)]
