@@ -213,6 +213,8 @@ def test_registering_a_name_twice_is_refused_naming_both_places(scratch_registry
     assert str(info.value) == (f"algorithm 'TOY' is already registered (as 'toy') by {__name__}, line {first}; "
                                f"{__name__}, line {first + 2} registers it again")
     assert get_algorithm("toy").summary == "a toy"  # the first registration stands
+    with pytest.raises(ValueError, match=r"^algorithm 'toy' is already registered by "):  # said before other faults
+        register_algorithm("toy", server=_ToyServer, client=object, options=_ToyOptions, summary="no client")
 
 
 def test_a_mixed_case_name_is_listed_and_found_as_registered(scratch_registry):

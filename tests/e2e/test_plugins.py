@@ -110,3 +110,33 @@ def test_an_unregistered_name_says_how_a_plugin_adds_one(tmp_path):
                                        "algorithm=example_fedpar", "rounds=1"], pythonpath=(str(EXAMPLE),))
     assert with_plugin.returncode == 2  # a plugin that registered other names: which plugins were loaded
     assert with_plugin.stderr.strip().endswith("; plugins loaded: htfl_example_plugin"), with_plugin.stderr
+
+
+MIXED_CASE = ("from fedper_parts import FedPerClient, FedPerOptions, FedPerServer\n"
+              "from htfl_dist.algorithms import register_algorithm\n"
+              "register_algorithm('MyFedPer', server=FedPerServer, client=FedPerClient, options=FedPerOptions,\n"
+              "                   summary='FedPer under a mixed-case name', shares_parameters=True)\n")
+
+
+def test_a_mixed_case_name_starts_under_either_spelling_and_clashes_under_any(tmp_path):
+    """Issue 46: an algorithm registered as "MyFedPer" was listed and refused under both
+    spellings. Now a start finds it under either; a second plugin registering "myfedper" is one
+    line naming both plugins; an unknown name lists it as registered."""
+    (tmp_path / "mixed_case_plugin.py").write_text(MIXED_CASE)
+    (tmp_path / "second_plugin.py").write_text("import mixed_case_plugin\n" + MIXED_CASE.replace("'MyFedPer'",
+                                                                                               "'myfedper'"))
+    path = (str(tmp_path), str(REPO / "tests"))  # fedper_parts: the FedPer a plugin writes
+    for spelling in ("MyFedPer", "myfedper"):
+        result = launch("single", 1, ["--check", "--out", str(tmp_path / spelling), "--import", "mixed_case_plugin",
+                                      f"algorithm={spelling}", "model.group=cnn", "rounds=1"], pythonpath=path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"check: {spelling}, "), result.stdout
+    clash = launch("single", 1, ["--check", "--out", str(tmp_path / "clash"), "--import", "second_plugin"],
+                   pythonpath=path)
+    assert clash.returncode == 2 and len(clash.stderr.strip().splitlines()) == 1, clash.stderr
+    assert ("ValueError: algorithm 'myfedper' is already registered (as 'MyFedPer') by mixed_case_plugin, line 3; "
+            "second_plugin, line 4 registers it again") in clash.stderr, clash.stderr
+    unknown = launch("single", 1, ["--check", "--out", str(tmp_path / "unknown"), "--import", "mixed_case_plugin",
+                                   "algorithm=MyFedPar"], pythonpath=path)
+    assert unknown.returncode == 2 and "registered: feddistill, " in unknown.stderr, unknown.stderr
+    assert ", MyFedPer, " in unknown.stderr and len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
