@@ -10,8 +10,10 @@ the in-process driver), so none of those imports the command-line module. The or
    pip-installed package registers itself without a flag;
 3. the modules named by ``--import MODULE`` (any CLI) and by the config's ``plugins`` key;
 4. every registry-named key (``algorithm``, ``data.dataset``, ``model.group``,
-   ``generator.name``) checked against its registry and refused the same way
-   (``config.rules.unknown_name``), and the algorithm's options checked and spelled out.
+   ``generator.name``) checked against its registry under the one name rule of
+   ``htfl_dist.registry`` (any case finds a name) and refused the same way
+   (``config.rules.unknown_name``), and the algorithm's options checked and spelled out. The
+   values are kept as written: the config hash is of what the user wrote.
 
 A plugin that cannot be imported, or whose registrations clash with what is registered, is one
 line naming it (exit status 2).
