@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from htfl_dist.algorithms import ServerAlgorithm, algorithm_names, get_algorithm
+from htfl_dist.algorithms import ServerAlgorithm, get_algorithm, is_algorithm
 from htfl_dist.algorithms.registry import ConformanceHints, has_batched_path, installs_knowledge
 from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Payload, PayloadSpec, max_message_bytes
@@ -149,7 +149,7 @@ def check_registration(name: str) -> None:
     covering = entry.conformance.ranks_covered_by
     if covering:
         _require(covering != name, f"{name}: ranks_covered_by names the algorithm itself")
-        _require(covering.lower() in algorithm_names(),
+        _require(is_algorithm(covering),
                  f"{name}: ranks_covered_by={covering!r} names no registered algorithm")
         other = get_algorithm(covering)
         _require(not other.conformance.ranks_covered_by,
@@ -490,7 +490,7 @@ def conformance_cases(names: Iterable[str], *, launch: bool = True, launch_marks
         for check in CHECKS:
             marks = list(run_marks) if check in RUN_CHECKS else []
             if check == "three_ranks":
-                registered = name.lower() in algorithm_names()
+                registered = is_algorithm(name)
                 if not launch or (registered and not hints(name).launched):
                     continue
                 marks += list(launch_marks)

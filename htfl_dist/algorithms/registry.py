@@ -160,6 +160,11 @@ def algorithm_names() -> list[str]:
     return _REGISTRY.names()
 
 
+def is_algorithm(name: str) -> bool:
+    """Whether ``name`` finds an algorithm under the one name rule."""
+    return name in _REGISTRY
+
+
 def get_algorithm(name: str) -> AlgorithmEntry:
     """The entry ``name`` finds under the one name rule (``htfl_dist.registry``)."""
     return _REGISTRY.get(name)
