@@ -24,6 +24,7 @@ from torch import nn
 
 from htfl_dist.errors import ConfigError, PrivacyPlanError
 from htfl_dist.privacy.noise import NoiseMode, NoiseSource, noise_source
+from htfl_dist.privacy.release_log import Recorded, ReleaseLog
 
 AccountantName = Literal["rdp", "prv"]
 History = tuple[tuple[float, float, int], ...]
@@ -112,6 +113,10 @@ class PrivacyPlan:
     local_epochs: int
     seed: int
     noise: NoiseMode = "secure"
+    run_directory: str | None = None
+    """Where each client's release file goes (``release_log``): the run directory; None (a plan
+    built outside a run, as the unit tests do) keeps no record, so a replayed round is not
+    recognised."""
 
     def mechanisms_per_round(self) -> dict[str, int]:
         """The plan of one round of a participant: each mechanism it may run once, and how many
@@ -167,6 +172,10 @@ class PrivacyLedger(nn.Module):
         self.opened_in = dict.fromkeys(MECHANISM_NAMES, -1)
         """Mechanism → the 0-based round it last ran in (-1: never). Part of the checkpointed
         state, so a client parked and restored within a round cannot run a mechanism twice."""
+        self.log = ReleaseLog(plan.run_directory, client_id) if plan.run_directory is not None else None
+        self.replay: Recorded | None = None
+        """The current round's release as it left the client before (a resumed run replaying a
+        round after its checkpoint), re-sent instead of a new one; None: the round is new."""
 
     @property
     def active(self) -> bool:
@@ -176,11 +185,29 @@ class PrivacyLedger(nn.Module):
     def epsilon(self) -> float:
         return epsilon_spent(self.history, self.plan.delta, self.plan.accountant)
 
+    @property
+    def replaying(self) -> bool:
+        """Whether this round's release left the client before (and is re-sent, no noise drawn)."""
+        return self.active and self.replay is not None
+
     def begin_round(self, round_index: int) -> None:
-        """Start the client's round: stop it (one line on stderr) if the round would overspend."""
+        """Start the client's round: stop it (one line on stderr) if the round would overspend.
+        A round whose release left the client before (a resumed run replays it) is a replay: its
+        release is re-sent and its DP-SGD not run again (``trainer``). A release file there but
+        unreadable left with values now lost: that round is charged on top, and this one is new."""
         self.round_index = round_index
+        self.replay = None
         if self.stopped_round >= 0:
             return
+        recorded = self.log.recorded(round_index) if self.log is not None else None
+        if recorded is not None and recorded.rows is None:
+            self.history = merged(self.history, self.plan.round_cost(self.noise_multiplier))
+            print(f"htfl_dist: privacy: client {self.client_id}: the release of round {round_index + 1} left the "
+                  f"client before this resume but its record {self.log.path(round_index) if self.log else ''} "
+                  f"cannot be read; that round is charged (ε={self.epsilon():.3f}) and played again with new noise",
+                  file=sys.stderr, flush=True)
+        elif recorded is not None:
+            self.replay = recorded
         after = epsilon_spent(merged(self.history, self.plan.round_cost(self.noise_multiplier)),
                               self.plan.delta, self.plan.accountant)
         if after > self.plan.target_epsilon:

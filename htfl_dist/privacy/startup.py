@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,10 +28,11 @@ SEEDED_NOISE_WARNING = ("htfl_dist: warning: privacy.noise=seeded: every noise d
                         "seed, so whoever holds config.yaml (the server included) can regenerate and remove it; "
                         "this run is NOT private against the server (for reproducible experiments only)")
 
-def privacy_plan(config: Config) -> PrivacyPlan | None:
+def privacy_plan(config: Config, run_dir: Path | None = None) -> PrivacyPlan | None:
     """The calibrated mechanisms of a run (None with ``privacy.enabled`` false): one σ for every
     mechanism, such that ``planned_rounds`` rounds of E DP-SGD epochs and one release spend at
-    most ``target_epsilon``."""
+    most ``target_epsilon``. ``run_dir``: where the clients record their releases, so that a
+    resumed run re-sends a replayed round's (``release_log``); the runtime passes its ``--out``."""
     privacy = config.privacy
     if not privacy.enabled:
         return None
@@ -40,7 +42,8 @@ def privacy_plan(config: Config) -> PrivacyPlan | None:
     return PrivacyPlan(noise_multiplier=sigma, target_epsilon=privacy.target_epsilon, delta=privacy.delta,
                        feature_clip=privacy.feature_clip, max_grad_norm=privacy.max_grad_norm,
                        min_class_samples=privacy.min_class_samples, accountant=privacy.accountant,
-                       local_epochs=epochs, seed=config.seed, noise=privacy.noise)
+                       local_epochs=epochs, seed=config.seed, noise=privacy.noise,
+                       run_directory=None if run_dir is None else str(run_dir))
 
 
 def check_private_config(config: Config) -> None:

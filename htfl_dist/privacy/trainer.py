@@ -30,6 +30,12 @@ class PrivateTrainer(PrivateTraining):
               public_loss: Callable[[], torch.Tensor] | None = None,
               public_optimizers: Sequence[torch.optim.Optimizer] = (),
               before_step: Callable[[], None] | None = None) -> tuple[float, int]:
+        """DP-SGD of the round; in a replayed round (its release left before, ``ledger.replaying``)
+        the pass is charged as it was then and not run again: the model stays as checkpointed, so
+        the client's later releases carry no second, fresh DP-SGD noise of this round."""
+        if self.ledger.replaying:
+            self.ledger.open_mechanism("sgd")
+            return 0.0, 0
         return train_privately(client, context, loss_fn, generator, self.ledger, on_batch=on_batch,
                                public_loss=public_loss, public_optimizers=public_optimizers,
                                before_step=before_step)
@@ -41,11 +47,19 @@ class PrivateTrainer(PrivateTraining):
     def release_class_means(self, sums: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The private release of the client's class means (``sums`` of rows already clipped to S,
         ``counts`` per class): nothing once the ledger has stopped the client; else the ledger is
-        charged one mechanism and the noised means of the classes with enough samples leave."""
+        charged one mechanism and the noised means of the classes with enough samples leave,
+        recorded in the client's release file first (``release_log``). A replayed round re-sends
+        the recorded release, charged as it was then, and draws no noise."""
         ledger = self.ledger
         if not ledger.active:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, sums.shape[1])
         noise = ledger.open_mechanism("release")
+        replay = ledger.replay
+        if replay is not None and replay.class_ids is not None and replay.rows is not None:
+            return replay.class_ids, replay.rows
         plan = ledger.plan
-        return noisy_class_means(sums, counts, clip=plan.feature_clip, noise_multiplier=ledger.noise_multiplier,
-                                 min_count=plan.min_class_samples, noise=noise)
+        released = noisy_class_means(sums, counts, clip=plan.feature_clip, noise_multiplier=ledger.noise_multiplier,
+                                     min_count=plan.min_class_samples, noise=noise)
+        if ledger.log is not None and ledger.round_index is not None:
+            ledger.log.record(ledger.round_index, *released)  # durable before the upload leaves
+        return released
