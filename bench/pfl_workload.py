@@ -37,14 +37,24 @@ import pfl_probe
 import torch
 from pfl_cnn import pfl_cnn_layers
 
-from htfl_dist.algorithms import register_algorithm
-from htfl_dist.algorithms.blocks.model_part import WHOLE_MODEL, Average, PartAveragingServer, PartSharingClient
-from htfl_dist.algorithms.interface import ClientState, TrainResult
-from htfl_dist.atomic import replaced_atomically
-from htfl_dist.data.sources import DatasetArrays, DatasetSource, register_dataset
-from htfl_dist.errors import ConfigError, DataError
-from htfl_dist.models import SplitModel, register_architecture
-from htfl_dist.payload import Payload
+from htfl_dist.api import (
+    WHOLE_MODEL,
+    Average,
+    ClientState,
+    ConfigError,
+    DataError,
+    DatasetArrays,
+    DatasetSource,
+    PartAveragingServer,
+    PartSharingClient,
+    Payload,
+    SplitModel,
+    TrainResult,
+    register_algorithm,
+    register_architecture,
+    register_dataset,
+    replaced_atomically,
+)
 
 DATASET = "pfl_cifar_like"
 FILE_NAME = f"{DATASET}.npz"

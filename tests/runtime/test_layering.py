@@ -1,6 +1,7 @@
 """The package's layering, read from the source: no circle between its sub-packages (imports inside
 functions count: they are circles put off until run time), nothing imports the command-line module,
-and the config layer imports nothing of the package but its errors."""
+the config layer imports nothing of the package but its errors, and the plugin API (``htfl_dist.api``)
+is the top layer: nothing in the package imports it."""
 from __future__ import annotations
 
 import ast
@@ -113,3 +114,12 @@ def test_the_config_layer_imports_only_itself_and_the_errors():
     edges, witnesses = _graph()
     assert edges["config"] <= {"errors"}, {b: sorted(witnesses[("config", b)]) for b in edges["config"]}
     assert edges["errors"] == set()
+
+
+def test_nothing_imports_the_plugin_api():
+    """``htfl_dist.api`` re-exports for plugins; a module of the package importing it would tie the
+    engine to its own public surface (and a circle through it would be one import away)."""
+    importers = sorted(_module_name(path) for path in PACKAGE.rglob("*.py")
+                       if path.name != "api.py" and any(name == "htfl_dist.api" or name.startswith("htfl_dist.api.")
+                                                        for name in _imports(path)))
+    assert importers == []

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from htfl_dist.data.sources import DatasetArrays, DatasetSource, register_dataset
-from htfl_dist.errors import DataError
+from htfl_dist.api import DataError, DatasetArrays, DatasetSource, register_dataset
 
 FILE_NAME = "shapes4.npz"
 CLASSES = 4
@@ -53,7 +52,7 @@ def _shape(label: int, rng: np.random.Generator) -> np.ndarray:
     return canvas
 
 
-def write_shapes4(root: str | os.PathLike, samples: int = 2000, seed: int = 0) -> Path:
+def write_shapes4(root: str | os.PathLike[str], samples: int = 2000, seed: int = 0) -> Path:
     """Draw ``samples`` noisy shapes (balanced classes) into ``root/shapes4.npz``; returns the path."""
     rng = np.random.default_rng(seed)
     labels = np.arange(samples, dtype=np.int64) % CLASSES

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from htfl_dist.algorithms import register_algorithm
-from htfl_dist.algorithms.blocks.model_part import FEATURE_EXTRACTOR, Average, PartAveragingServer, PartSharingClient
+from htfl_dist.api import FEATURE_EXTRACTOR, Average, PartAveragingServer, PartSharingClient, register_algorithm
 
 
 @dataclass

@@ -1,8 +1,7 @@
 """A small architecture and a model group, registered as the built-in ones are."""
 from __future__ import annotations
 
-from htfl_dist.models import SplitModel, register_architecture, register_model_group
-from htfl_dist.models.cnn import plain_cnn
+from htfl_dist.api import SplitModel, plain_cnn, register_architecture, register_model_group
 
 
 @register_architecture("tiny_cnn")
