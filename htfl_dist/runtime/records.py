@@ -275,9 +275,10 @@ class RoundRecords:
         if self._rounds_played and not self._rounds_aggregated and not self._aggregated_before():
             options = self.config.participation
             raise NothingAggregated(
-                f"no round of this run aggregated an upload ({self._rounds_played} played, each said above): the "
-                f"server learnt nothing and the accuracies are the clients' own local training; lower "
-                f"participation.drop_rate (now {options.drop_rate:g}) or participation.min_clients (now "
+                f"no round of this run aggregated an upload ({self._rounds_played} played, each said above with "
+                f"why): the server learnt nothing and the accuracies are the clients' own local training; for "
+                f"left-out uploads fix what their line says (a diverged client: lower train.lr), for missing ones "
+                f"lower participation.drop_rate (now {options.drop_rate:g}) or participation.min_clients (now "
                 f"{options.min_clients}), or raise participation.deadline_s (summary.json is written)")
         return summary
 

@@ -131,11 +131,13 @@ def test_diverged_client_ends_every_rank_loudly(launcher, tmp_path, cache_dir):
 @pytest.mark.integration
 def test_diverged_clients_are_skipped_and_the_run_goes_on(tmp_path, cache_dir):
     """on_bad_upload=skip (default): NaN uploads are left out with a warning naming the client
-    (rank 0 screens every upload, so one process shows what any world size does)."""
+    (rank 0 screens every upload, so one process shows what any world size does); every row is
+    written, and since no round aggregated anything the run ends in one line, status 1."""
     result = run_program(["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}",
                           "train.lr=1e12", "rounds=2"])
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr
     assert "warning: round 1: left client 0 out: client 0 sent NaN/Inf values" in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("htfl_dist: error: no round of this run aggregated")
     rows = read_metrics(tmp_path)
     assert [r["round"] for r in rows] == [1, 2]
     assert rows[0]["skipped_clients"] == list(range(6))

@@ -67,6 +67,7 @@ def _federation(monkeypatch, out, *overrides: str) -> Federation:
                                 class_counts=np.ones((NUM_CLIENTS, 2), dtype=np.int64))
     monkeypatch.setattr(loop, "prepare_data", lambda config, transport: partition)
     monkeypatch.setattr(ClientFactory, "build", lambda self, client_id, shell=False: _client(client_id))
+    monkeypatch.setattr(ClientFactory, "load_splits", lambda self, client_ids: None)  # the clients hold their data
     config = load_config(SMOKE, ["algorithm=fedproto", "rounds=1", f"num_clients={NUM_CLIENTS}",
                                  "join_ratio=0.5", "model.feature_dim=2", *overrides])
     return Federation(RunContext(config, LocalTransport(), torch.device("cpu"), out))
@@ -125,13 +126,15 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
     """The message of rank 0 (the only rank) claims client 999 instead of its participants: with
     on_bad_upload=skip the round goes on without them, named in a warning and in the row;
     with fail the job ends with that line."""
-    from htfl_dist.errors import ProtocolError
-    from htfl_dist.runtime.wire import encode
+    from htfl_dist.errors import NothingAggregated, ProtocolError
+    from htfl_dist.runtime import exchange as exchange_module
 
     def forge_uploads(federation: Federation) -> None:
-        """The uploads' gather returns the forged message; other gathers (reports) pass through."""
-        forged = encode(federation.upload_spec, {999: {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, 2)}})
-        gather, gather_uploads, uploading = federation.transport.gather, federation.exchange.gather_uploads, []
+        """The uploads that reach rank 0 are the forged ones; other messages pass through. In one
+        process they are copied, not sent (``wire.pass_within_process``): that copy is forged."""
+        forged = {999: {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, 2)}}
+        gather_uploads, uploading = federation.exchange.gather_uploads, []
+        passed = exchange_module.pass_within_process
 
         def uploads_then_flag(*args):
             uploading.append(True)
@@ -140,14 +143,15 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
             finally:
                 uploading.clear()
 
-        monkeypatch.setattr(federation.transport, "gather",
-                            lambda message, bounds=None: [forged] if uploading else gather(message, bounds))
+        monkeypatch.setattr(exchange_module, "pass_within_process",
+                            lambda spec, entries, device="cpu": passed(spec, forged if uploading else entries, device))
         monkeypatch.setattr(federation.exchange, "gather_uploads", uploads_then_flag)
 
     federation = _federation(monkeypatch, tmp_path)
     assert [field.name for field in federation.upload_spec] == ["class_ids", "protos"]
     forge_uploads(federation)
-    federation.run()
+    with pytest.raises(NothingAggregated):  # its only round aggregated nothing: said after the rows
+        federation.run()
     participants = sample_participants(0, 0, NUM_CLIENTS, 0.5)
     (row,) = read_metrics(tmp_path)
     assert row["skipped_clients"] == participants and row.get("server_skipped") is True

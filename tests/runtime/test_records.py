@@ -142,7 +142,7 @@ def test_a_run_in_which_no_round_aggregated_ends_in_one_line(tmp_path, capsys):
     with pytest.raises(NothingAggregated) as ended:
         records.finish([1.0] * 3, {}, {}, None)
     assert ended.value.exit_status == EXIT_FAILURE != 0
-    assert str(ended.value).startswith("no round of this run aggregated an upload (3 played, each said above)")
+    assert str(ended.value).startswith("no round of this run aggregated an upload (3 played, each said above with why)")
     assert "participation.drop_rate (now 0.99)" in str(ended.value) and "\n" not in str(ended.value)
     assert (tmp_path / "summary.json").exists()  # what the run did is on record all the same
 
