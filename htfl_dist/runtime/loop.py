@@ -129,7 +129,8 @@ class Federation:
         started = time.perf_counter()
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)  # checked when the config was resolved
-        self.privacy_plan = privacy_plan(config)  # None without privacy; before the data: a budget no σ reaches
+        # None without privacy; before the data: a budget no σ reaches; releases logged under the run directory
+        self.privacy_plan = privacy_plan(config, run.out_dir)
         if self.is_server and self.privacy_plan is not None and self.privacy_plan.noise == "seeded":
             progress(SEEDED_NOISE_WARNING)
         self.partition = prepare_data(config, transport)

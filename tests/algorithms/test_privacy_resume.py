@@ -23,13 +23,10 @@ PRIVATE = ("privacy.enabled=true", "privacy.target_epsilon=4", "rounds=3", "data
 def _play(out: Path, cache_dir: Path, monkeypatch, resume_from: Path | None = None) -> dict[int, dict]:
     """The private smoke run in this process (resumed from ``resume_from``); the uploads rank 0
     received, by round number and client."""
-    from htfl_dist.privacy import startup
     from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime import loop
     from htfl_dist.runtime.transport import LocalTransport
 
-    # until runtime/loop.py passes its --out itself (privacy_plan(config, run.out_dir))
-    monkeypatch.setattr(loop, "privacy_plan", lambda config, run_dir=None: startup.privacy_plan(config, out))
     received: dict[int, dict] = {}
     server_step = getattr(loop.Federation._server_step, "original", loop.Federation._server_step)  # not a wrapper
 
