@@ -40,6 +40,22 @@ def test_a_part_names_the_head_the_extractor_or_the_whole_model():
     assert WHOLE_MODEL.of(model) is model
 
 
+def test_what_the_download_replaces_is_the_parts_parameters_by_their_model_names():
+    """The names parking leaves out are the model's own state-dict keys of the part's parameters:
+    the head's under ``head.``, the whole model's all of its parameters, never a buffer."""
+    from types import SimpleNamespace
+
+    model = torch.nn.Module()
+    model.head, model.feature_extractor = torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(3)
+    client = SimpleNamespace(model=model)
+    for part, expected in ((HEAD, {"head.weight", "head.bias"}),
+                           (WHOLE_MODEL, {"head.weight", "head.bias", "feature_extractor.weight",
+                                          "feature_extractor.bias"})):
+        sharing = type("Sharing", (FedPerClient,), {"part": part})(context("HtCNN8"))
+        assert sharing.replaced_by_download(client) == expected
+        assert expected <= set(model.state_dict())
+
+
 def test_the_wire_row_counts_the_part_alone():
     # HtCNN8's head is Linear(K=4, C=3): 4·3 + 3 = 15 floats; the extractor and the model are larger.
     ctx = context("HtCNN8")

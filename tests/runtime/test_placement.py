@@ -59,6 +59,8 @@ def test_a_round_moves_the_largest_participant_that_fits_until_the_ranks_are_eve
     assert round_trainers([0, 1], even) == {0: 1, 1: 2}
     assert round_trainers([0, 2, 4], Placement(2, (1,) * 6, (1.0,) * 6)) == {0: 1, 2: 1, 4: 1}
     assert round_trainers([0, 2], Placement.round_robin(1, 3)) == {0: 0, 2: 0}
+    # a client as large as the lead would only swap the loads (and back, forever): it stays
+    assert round_trainers([0], Placement(3, (1, 2), (5.0, 5.0))) == {0: 1}
     # no work known: one per client
     assert round_trainers([0, 2, 4, 6], Placement.round_robin(3, 8)) == {0: 2, 2: 2, 4: 1, 6: 1}
 
