@@ -10,7 +10,7 @@ atomically (``htfl_dist.atomic``: whole or absent, on disk before the rename) to
 the release of class rows), written by whichever rank trains the client and keyed by client id,
 like the checkpoints, so a resume on another world size finds it. The file holds exactly the
 upload (the class ids and the noised rows, which rank 0 receives anyway): no key, no noise
-draw, no training record. A file is removed once no kept checkpoint is older than its round.
+draw, no training record. A file is removed when the checkpoints are pruned and no kept one is older than its round.
 """
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ RELEASES_DIR = ("privacy", "releases")
 """Under the run directory: one ``client_<id>`` directory of release files per private client."""
 
 _ROUND_FILE = re.compile(r"round_(\d+)\.pt")
-_CHECKPOINT_DIR = re.compile(r"round_(\d+)")
 
 
 @dataclass(frozen=True)
@@ -66,30 +65,21 @@ class ReleaseLog:
         return Recorded(ids.to(torch.int64), rows.to(torch.float32))
 
     def record(self, round_index: int, class_ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Publish the release of ``round_index`` (before it leaves), then drop the files no kept
-        checkpoint can replay."""
+        """Publish the release of ``round_index`` before it leaves (``prune_releases`` drops it
+        once no kept checkpoint can replay it)."""
         with os_errors(f"create the privacy release directory {self.directory}", self.directory):
             self.directory.mkdir(parents=True, exist_ok=True)
         buffer = io.BytesIO()
         torch.save({"client_id": self.client_id, "round": round_index, "mechanism": "release",
                     "class_ids": class_ids.detach().cpu(), "rows": rows.detach().cpu()}, buffer)
         publish_bytes(self.path(round_index), buffer.getbuffer())
-        self.prune(oldest_checkpoint(self.run_dir))
 
-    def prune(self, before_round: int) -> None:
-        """Remove the files of rounds before 0-based ``before_round`` (no resume replays them)."""
-        for path in self.directory.iterdir():
+def prune_releases(run_dir: Path, before_round: int) -> None:
+    """Remove every client's release files of 0-based rounds before ``before_round``: the rounds
+    completed by the oldest checkpoint kept, which no resume replays (the checkpoint's pruning
+    calls it, where that round is known)."""
+    for client_directory in run_dir.joinpath(*RELEASES_DIR).glob("client_*"):
+        for path in client_directory.iterdir():
             match = _ROUND_FILE.fullmatch(path.name)
             if match and int(match.group(1)) < before_round:
                 path.unlink(missing_ok=True)
-
-
-def oldest_checkpoint(run_dir: Path) -> int:
-    """The completed rounds of the oldest complete checkpoint in ``run_dir`` (0 if none): a resume
-    replays from there at the earliest (``runtime/checkpoint.py``'s layout)."""
-    root = run_dir / "checkpoints"
-    if not root.is_dir():
-        return 0
-    rounds = [int(match.group(1)) for directory in root.iterdir()
-              if (match := _CHECKPOINT_DIR.fullmatch(directory.name)) and (directory / "MANIFEST.json").is_file()]
-    return min(rounds, default=0)

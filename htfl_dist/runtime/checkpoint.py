@@ -34,6 +34,7 @@ from htfl_dist.config import Config, experiment_differences, experiment_view
 from htfl_dist.errors import DiskFullError, HtflError
 from htfl_dist.metrics.writer import write_json
 from htfl_dist.models import pretrained_change, pretrained_identity
+from htfl_dist.privacy.release_log import prune_releases
 from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.transport import Transport
 
@@ -156,6 +157,7 @@ def _prune(out_dir: Path, keep: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
     if not complete:
         return
+    prune_releases(out_dir, complete[-keep:][0][0])  # private runs: releases no kept checkpoint replays
     newest = complete[-1][0]
     for number, directory in _checkpoint_dirs(out_dir):
         if not (directory / "MANIFEST.json").is_file() and number < newest:

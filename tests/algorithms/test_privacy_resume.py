@@ -97,3 +97,27 @@ def test_a_release_whose_record_is_lost_is_charged(tmp_path):
     lost = PrivacyLedger(plan, client_id=3)
     lost.begin_round(0)
     assert not lost.replaying and lost.history == merged((), cost)
+
+
+def test_pruning_the_checkpoints_drops_the_releases_no_kept_checkpoint_replays(tmp_path):
+    """Checkpoints after rounds 2 and 3 and a partial one after 4, keep 1: round 3's stays, so a
+    resume replays 0-based rounds 3 and on; the releases of rounds 0-2 go, of every client, and
+    files that are not ours stay."""
+    from htfl_dist.runtime import checkpoint
+
+    for completed, complete in ((2, True), (3, True), (4, False)):
+        directory = tmp_path / "checkpoints" / f"round_{completed:05d}"
+        directory.mkdir(parents=True)
+        if complete:
+            (directory / "MANIFEST.json").write_text("{}")
+    for client_id in (0, 7):
+        log = ReleaseLog(tmp_path, client_id)
+        for round_index in range(5):
+            log.record(round_index, torch.tensor([1]), torch.ones(1, 2))
+    stranger = tmp_path.joinpath(*RELEASES_DIR, "client_7", "notes.txt")
+    stranger.write_text("mine")
+    checkpoint._prune(tmp_path, keep=1)
+    for client_id in (0, 7):
+        kept = sorted(p.name for p in tmp_path.joinpath(*RELEASES_DIR, f"client_{client_id}").glob("round_*.pt"))
+        assert kept == ["round_00003.pt", "round_00004.pt"]
+    assert stranger.is_file() and not (tmp_path / "checkpoints" / "round_00002").exists()
