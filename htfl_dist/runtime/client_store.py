@@ -170,9 +170,10 @@ class ClientStore(Mapping[int, ClientState]):
         self.client_ids = sorted(client_ids)
         self._replaced_by_download = replaced_by_download or (lambda client: frozenset())
         self._architecture_of = architecture_of or (lambda client_id: "")
-        self._fully_replaced: dict[str, bool] = {} if replaced_by_download is not None else {"": False}
+        self._fully_replaced: dict[str, bool] = {}
         """Per architecture: does the download replace every model entry (a fresh client's
-        weights never matter)?"""
+        weights never matter)? Only asked when the algorithm says what its download replaces."""
+        self._may_skip_initial_weights = replaced_by_download is not None
         """The algorithm's ``replaced_by_download``: what a parked record leaves out (FedAvg's whole
         model: its parked record holds the optimizer and buffers only)."""
         self._ids = set(self.client_ids)
@@ -252,7 +253,7 @@ class ClientStore(Mapping[int, ClientState]):
         of a 13 s round. Then a shell with zeroed entries is as good and the same bits later; the
         architecture's answer is kept after its first client."""
         architecture = self._architecture_of(client_id)
-        if self._fully_replaced.get(architecture) is False:
+        if not self._may_skip_initial_weights or self._fully_replaced.get(architecture) is False:
             return self._build(client_id, False)
         shell = self._build(client_id, True)
         state = shell.model.state_dict()
