@@ -122,10 +122,7 @@ def _prepare_out_dir(out: Path, resume_from: Path | None):
     try:
         check_run_directory(out, {PREEMPTED_MARKER: "its preemption marker"})  # again, now that it is ours
         _refuse_another_run(out, resume_from)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-        lock.record_holder()
+        lock.record_holder()  # _check_out_dir's probe wrote a byte here a moment ago
     except OSError as exc:
         lock.release()
         raise _unwritable(out, exc) from None
