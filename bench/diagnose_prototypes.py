@@ -34,7 +34,7 @@ from htfl_dist.algorithms.class_rows import class_prototypes, euclidean_distance
 from htfl_dist.config import load_config
 from htfl_dist.errors import HtflError
 from htfl_dist.runtime.checkpoint import find_checkpoint
-from htfl_dist.runtime.loop import Federation, RunContext
+from htfl_dist.runtime.loop import Federation, RunContext, start
 from htfl_dist.runtime.transport import LocalTransport
 
 RULES = ("global", "global_own", "own_centroid", "head")
@@ -47,14 +47,14 @@ def rebuild(run_dir: Path, scratch: Path) -> tuple[Federation, int]:
         raise HtflError(f"{run_dir}: no complete checkpoint; run with checkpoint_every > 0")
     config = load_config(run_dir / "config.yaml")
     context = RunContext(config, LocalTransport(), torch.device("cpu"), scratch, resume_from=run_dir)
-    federation = Federation(context)
+    federation = start(context)
     return federation, federation.restore()
 
 
 @torch.no_grad()
 def diagnose_client(federation: Federation, client, protos: torch.Tensor, class_ids: torch.Tensor) -> dict:
     """Sums (not means) over the client's test samples, so clients pool by sample count."""
-    own_ids, own_centroids = class_prototypes(client, federation.context.num_classes)
+    own_ids, own_centroids = class_prototypes(client, federation.session.context.num_classes)
     model = client.model.eval()
     trained_on = torch.isin(class_ids, own_ids)
     features, logits = model.forward_with_features(client.test_x)
@@ -86,7 +86,7 @@ def diagnose(run_dir: Path) -> dict:
             raise HtflError(f"{run_dir}: the algorithm downloads no global prototypes")
         protos, class_ids = knowledge["protos"].float(), knowledge["class_ids"]
         totals: dict[str, float] = {}
-        for client in federation.clients.values():
+        for client in federation.session.clients.values():
             for key, value in diagnose_client(federation, client, protos, class_ids).items():
                 totals[key] = totals.get(key, 0.0) + value
         result = {"run": run_dir.name, "round": completed}

@@ -194,33 +194,15 @@ def _probe(existing: Path, out: Path) -> None:
             os.rmdir(directory)
 
 
-def _check_backend(config, world_size: int) -> None:
-    """``--check`` runs on the node where the ranks start: ``runtime.backend=nccl`` there needs a
-    GPU per rank (more than one rank: a single rank talks to nobody), which a start would find
-    only after torchrun had started every rank."""
-    if config.runtime.backend != "nccl" or world_size < 2:
-        return
-    import torch
-
-    gpus = 0 if config.runtime.device == "cpu" else torch.cuda.device_count()
-    if gpus == 0:
-        where = "runtime.device=cpu" if config.runtime.device == "cpu" else "this machine has no GPU"
-        raise ConfigError(f"runtime.backend=nccl needs one GPU per rank, but {where}; use runtime.backend=gloo "
-                          f"(or auto)")
-
-
 def check(args: argparse.Namespace) -> int:
     """``--check``: the config and the run directory as a start would find them, in one process
     and before any rank exists, so a launch script stops a mistake with our one line (exit 2)
     instead of that line followed by torchrun's ChildFailedError traceback and summary (exit 1),
     and nothing is written."""
-    from htfl_dist.resolution import resolved_config
-    from htfl_dist.runtime.startup import check_config
+    from htfl_dist.runtime.session import checked_config
 
-    config = resolved_config(args.config, args.overrides, args.imports)
     world_size = args.world_size or 1
-    check_config(config, world_size)
-    _check_backend(config, world_size)
+    config = checked_config(args.config, args.overrides, args.imports, world_size)
     out = _out_dir(args.out, config)
     _check_out_dir(out, _resume_source(args.resume, out))
     print(f"check: {config.algorithm}, {_count(config.num_clients, 'client')}, {_count(config.rounds, 'round')} "
@@ -240,18 +222,15 @@ def _make_deterministic(torch) -> None:
 def run(argv: list[str] | None = None) -> int:
     import torch
 
-    from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime.bootstrap import agree_to_start, detect_launch, open_transport, pick_device
-    from htfl_dist.runtime.placement import check_world_size
-    from htfl_dist.runtime.startup import check_config
+    from htfl_dist.runtime.session import checked_config
 
     args = parse_args(argv)
     if args.check:
         return check(args)
-    config = resolved_config(args.config, args.overrides, args.imports)
-    check_config(config)  # every rank identically, before any communication (errors print once)
     launch = detect_launch()
-    check_world_size(launch.world_size, config.num_clients)
+    # every rank identically, before any communication (errors print once)
+    config = checked_config(args.config, args.overrides, args.imports, launch.world_size)
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
     _make_deterministic(torch)
@@ -280,7 +259,7 @@ def run(argv: list[str] | None = None) -> int:
 def _run_federation(config, launch, transport, device, out: Path, resume_from: Path | None) -> int:
     from htfl_dist.metrics.writer import progress
     from htfl_dist.runtime.bootstrap import open_liveness, software_versions
-    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.loop import RunContext, start
 
     liveness = open_liveness(config.runtime, transport)
     if launch.rank == 0:
@@ -293,9 +272,9 @@ def _run_federation(config, launch, transport, device, out: Path, resume_from: P
                          liveness=liveness)
     code = 0
     try:
-        federation = Federation(context)
+        federation = start(context)
         summary = federation.run()
-        federation.preemption.run_over = True
+        federation.session.preemption.run_over = True
         if liveness is not None:
             liveness.finish()  # from here a rank may exit: its silence is no failure
         if federation.preempted_after is not None:

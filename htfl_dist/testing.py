@@ -37,9 +37,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -50,15 +47,29 @@ import torch
 
 from htfl_dist.algorithms import ServerAlgorithm, get_algorithm, is_algorithm
 from htfl_dist.algorithms.registry import ConformanceHints, has_batched_path, installs_knowledge
+from htfl_dist.conformance_runs import (
+    SMALL_RUN,
+    ConformanceError,
+    check_world_size_invariance,
+    hints,
+    launch_env,
+    launch_run,
+    play_run,
+    require,
+    run_arguments,
+    run_overrides,
+)
 from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Payload, PayloadSpec, max_message_bytes
 from htfl_dist.resolution import resolved_config
-from htfl_dist.runtime.exchange import RoundTraffic
-from htfl_dist.runtime.loop import Federation, RunContext
+from htfl_dist.runtime.loop import Federation, RunContext, start
+from htfl_dist.runtime.records import RoundOutcome
+from htfl_dist.runtime.screening import LeftOut
+from htfl_dist.runtime.session import Session, checked_config
 from htfl_dist.runtime.startup import build_server
 from htfl_dist.runtime.transport import LocalTransport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, Encoded, decode, encode
-from htfl_dist.seeding import seed_global_torch, torch_generator
+from htfl_dist.seeding import torch_generator
 
 __all__ = [
     "CHECKS", "SMALL_RUN", "ConformanceCase", "ConformanceError", "ConformanceHints", "PlayedRound",
@@ -68,56 +79,15 @@ __all__ = [
     "play_run", "run_overrides",
 ]
 
-SMALL_RUN: tuple[str, ...] = (
-    "seed=0", "num_clients=6", "join_ratio=1.0", "eval_every=1", "checkpoint_every=0",
-    "data.dataset=fmnist", "data.partition=dirichlet", "data.beta=0.1", "data.subsample=0.02",
-    "data.min_samples_per_client=20", "model.group=HtCNN8", "model.feature_dim=512",
-    "train.batch_size=10", "train.lr=0.01", "train.local_epochs=1", "runtime.threads=1",
-)
-"""The checks' run when no config file is given: configs/smoke.yaml written as overrides (a
-plugin has no copy of the repository's configs/). It reads Fashion-MNIST from its default root
-(``launch/setup_env.sh`` installs it); pass ``overrides`` to run on something else."""
-
-ROUNDS = 2
 CHECKED_CLIENTS = (0, 1)
 """The clients the one-round checks train by hand."""
 
-TIMING_KEYS = frozenset({"seconds", "client_s", "comm_s", "server_s", "rank_idle_share"})
-"""Metrics keys that are wall times, which differ from run to run."""
-
-
-class ConformanceError(AssertionError):
-    """An algorithm breaks a contract of the interface; the message names the algorithm."""
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ConformanceError(message)
-
-
-def _server(federation: Federation) -> ServerAlgorithm:
-    """The played federation's server (the checks play in one process, which is rank 0)."""
-    server = federation.server
+def _server(session: Session) -> ServerAlgorithm:
+    """The played session's server (the checks play in one process, which is rank 0)."""
+    server = session.server
     if server is None:
         raise ConformanceError("the checks' federation has no server (it is not rank 0)")
     return server
-
-
-def hints(name: str) -> ConformanceHints:
-    return get_algorithm(name).conformance
-
-
-def run_overrides(name: str) -> list[str]:
-    """``algorithm=NAME``, ``rounds=2`` and the algorithm's own ``ConformanceHints.overrides``:
-    every run of the checks, on top of the config (``SMALL_RUN`` without one)."""
-    return [f"algorithm={name}", f"rounds={ROUNDS}", *hints(name).overrides]
-
-
-def _arguments(name: str, config_file: str | os.PathLike | None, overrides: Sequence[str]) -> list[str]:
-    """Every run of the checks: one thread per process whatever the config says (SMALL_RUN has it), as the launched
-    ranks have (OMP_NUM_THREADS=1): another thread count sums floats in another order, and the
-    one-process run would then differ from the 3-rank run in the last digits."""
-    return [*(SMALL_RUN if config_file is None else ("runtime.threads=1",)), *run_overrides(name), *overrides]
 
 
 def _same(a: Payload, b: Payload) -> bool:
@@ -141,22 +111,22 @@ def check_registration(name: str) -> None:
     ``ranks_covered_by`` names another registered algorithm whose launch is checked somewhere, and
     the hints' overrides load on the checks' run."""
     entry = get_algorithm(name)
-    _require(entry.evaluation_installs_knowledge == installs_knowledge(entry.client),
+    require(entry.evaluation_installs_knowledge == installs_knowledge(entry.client),
              f"{name}: evaluation_installs_knowledge={entry.evaluation_installs_knowledge}, but its client "
              f"{'overrides' if installs_knowledge(entry.client) else 'keeps'} the base prepare_evaluation")
-    _require(not entry.batched_clients or has_batched_path(entry.client),
+    require(not entry.batched_clients or has_batched_path(entry.client),
              f"{name}: batched_clients=True, but its client's train_group is not a batched path of its train")
     covering = entry.conformance.ranks_covered_by
     if covering:
-        _require(covering != name, f"{name}: ranks_covered_by names the algorithm itself")
-        _require(is_algorithm(covering),
+        require(covering != name, f"{name}: ranks_covered_by names the algorithm itself")
+        require(is_algorithm(covering),
                  f"{name}: ranks_covered_by={covering!r} names no registered algorithm")
         other = get_algorithm(covering)
-        _require(not other.conformance.ranks_covered_by,
+        require(not other.conformance.ranks_covered_by,
                  f"{name}: ranks_covered_by={covering!r}, whose own launch is covered by "
                  f"{other.conformance.ranks_covered_by!r}: name that one")
     try:
-        resolved_config(None, _arguments(name, None, ()))
+        resolved_config(None, run_arguments(name, None, ()))
     except ConfigError as exc:
         raise ConformanceError(f"{name}: the checks' run with its conformance overrides "
                                f"{list(entry.conformance.overrides)} does not load: {exc}") from None
@@ -167,11 +137,13 @@ def check_registration(name: str) -> None:
 
 @dataclass
 class PlayedRound:
-    """One round of an algorithm driven by hand in this process: the setup, two clients trained,
-    their uploads through the wire, the server's update. What the one-round checks read."""
+    """Round 1 of an algorithm played in this process through the loop's own phases, with the
+    two checked clients' uploads passed through the wire in between. What the one-round checks
+    read."""
 
     algorithm: str
     federation: Federation
+    session: Session
     message: Encoded
     """The two clients' uploads, encoded as one rank sends them."""
     theory_floats: dict[int, int]
@@ -181,29 +153,27 @@ class PlayedRound:
 def play_one_round(name: str, out_dir: str | os.PathLike, *, config_file: str | os.PathLike | None = None,
                    overrides: Sequence[str] = ()) -> PlayedRound:
     """Round 1 of ``name`` on the checks' run (``config_file`` and ``overrides`` on top of
-    ``run_overrides``), in this process: what ``Federation.run`` does first in a fresh run, then
-    clients 0 and 1 trained as the runtime trains them, their uploads encoded (the wire refuses an
-    upload off its declaration), decoded, validated and given to the server."""
+    ``run_overrides``), in this process, started as the program starts (the config checked, the
+    session built) and played through the loop's phases: the setup, the download, clients 0 and
+    1 trained by the train phase (the round's learning rate, the privacy ledger, the batches'
+    streams), their uploads encoded (the wire refuses an upload off its declaration) and decoded,
+    then the aggregate phase (arrivals, screening, the server step)."""
     file = None if config_file is None else str(config_file)
-    config = resolved_config(file, _arguments(name, config_file, overrides))
-    federation = Federation(RunContext(config, LocalTransport(), torch.device("cpu"), Path(out_dir)))
-    federation.play_setup(RoundTraffic())
+    config = checked_config(file, run_arguments(name, config_file, overrides), world_size=1)
+    federation = start(RunContext(config, LocalTransport(), torch.device("cpu"), Path(out_dir)))
+    session = federation.session
+    federation.play_setup()
     knowledge = federation.knowledge()
-    uploads, theory = {}, {}
-    for client_id in CHECKED_CLIENTS:
-        client = federation.clients[client_id]
-        seed_global_torch(config.seed, "train", client_id, 0)
-        result = federation.client_algorithm.train(client, knowledge, 0,
-                                                   torch_generator(config.seed, "batches", client_id, 0))
-        uploads[client_id] = result.upload
-        theory[client_id] = int(federation.client_algorithm.theory_upload_floats(client))
-    message = encode(federation.upload_spec, uploads)
-    received = decode(federation.upload_spec, message)
-    server = _server(federation)
-    for client_id, upload in received.items():
-        server.validate_upload(client_id, upload)
-    server.update(received, 0, torch_generator(config.seed, "server", 0))
-    return PlayedRound(name, federation, message, theory)
+    share = federation.training.train({client_id: 0 for client_id in CHECKED_CLIENTS}, knowledge, 0)
+    theory = {client_id: int(session.client_algorithm.theory_upload_floats(session.clients[client_id]))
+              for client_id in CHECKED_CLIENTS}
+    message = encode(session.upload_spec, share.uploads)
+    received = decode(session.upload_spec, message)
+    outcome = RoundOutcome(0, list(CHECKED_CLIENTS), evaluated=False)
+    left_out = LeftOut(1)
+    federation.aggregate(outcome, received, left_out)
+    require(not outcome.skipped, f"{name}: the server refused the uploads of clients {outcome.skipped}")
+    return PlayedRound(name, federation, session, message, theory)
 
 
 def check_declared_payloads(played: PlayedRound) -> None:
@@ -211,17 +181,17 @@ def check_declared_payloads(played: PlayedRound) -> None:
     refuses, before allocating, a message larger than the declared fields allow: without it only
     ``runtime.max_message_mb`` bounds it), and the two clients' real uploads fit the bound for two
     entries. (Uploads off their declaration were already refused when the round was played.)"""
-    name, federation = played.algorithm, played.federation
-    sent = encode(federation.download_spec, {BROADCAST_ENTRY: _server(federation).download()})
-    received = set(decode(federation.download_spec, sent)[BROADCAST_ENTRY])
-    declared = {field.name for field in federation.download_spec}
-    _require(received == declared, f"{name}: the download carries {sorted(received)}, declared {sorted(declared)}")
-    unbounded = [field.name for field in federation.upload_spec if field.max_rows is None]
-    _require(not unbounded, f"{name}: upload fields without max_rows: {unbounded}")
-    bound = max_message_bytes(federation.upload_spec, len(CHECKED_CLIENTS))
+    name, session = played.algorithm, played.session
+    sent = encode(session.download_spec, {BROADCAST_ENTRY: _server(session).download()})
+    received = set(decode(session.download_spec, sent)[BROADCAST_ENTRY])
+    declared = {field.name for field in session.download_spec}
+    require(received == declared, f"{name}: the download carries {sorted(received)}, declared {sorted(declared)}")
+    unbounded = [field.name for field in session.upload_spec if field.max_rows is None]
+    require(not unbounded, f"{name}: upload fields without max_rows: {unbounded}")
+    bound = max_message_bytes(session.upload_spec, len(CHECKED_CLIENTS))
     if bound is None:
         raise ConformanceError(f"{name}: an upload field declares no max_rows")
-    _require(played.message.nbytes <= bound,
+    require(played.message.nbytes <= bound,
              f"{name}: two uploads take {played.message.nbytes} bytes, more than their declaration allows ({bound})")
 
 
@@ -237,42 +207,42 @@ def check_parameters_travel_as_registered(played: PlayedRound) -> None:
     """Model parameters travel only for algorithms registered as sharing them
     (``shares_parameters``, where the method's paper shares them); every other one sends class
     knowledge only, and one registered as sharing them sends some."""
-    name, federation = played.algorithm, played.federation
-    payloads = [*decode(federation.upload_spec, played.message).values(), _server(federation).download()]
+    name, session = played.algorithm, played.session
+    payloads = [*decode(session.upload_spec, played.message).values(), _server(session).download()]
     class_knowledge = all(_class_knowledge_only(payload) for payload in payloads)
-    if federation.entry.shares_parameters:
-        _require(not class_knowledge, f"{name} is registered as sharing parameters but sends none")
+    if session.entry.shares_parameters:
+        require(not class_knowledge, f"{name} is registered as sharing parameters but sends none")
     else:
-        _require(class_knowledge, f"{name} sends more than class knowledge; register it with shares_parameters=True "
+        require(class_knowledge, f"{name} sends more than class knowledge; register it with shares_parameters=True "
                                   f"only if its paper shares model parameters")
 
 
 def check_state_round_trip(played: PlayedRound) -> None:
     """The server's state, loaded into a fresh server through ``torch.load(weights_only=True)``,
     gives the same download; every client's modules come back equal through the same load."""
-    name, federation = played.algorithm, played.federation
-    server = _server(federation)
+    name, session = played.algorithm, played.session
+    server = _server(session)
     before = server.download()
-    fresh = build_server(federation.entry, federation.context, federation.config, {})
+    fresh = build_server(session.entry, session.context, session.config, {})
     try:
         state = _weights_only(server.state_dict())
     except Exception as exc:  # pickle.UnpicklingError names the type weights_only refuses
         raise ConformanceError(f"{name}: server state_dict() does not load with weights_only=True: {exc}") from exc
     fresh.load_state_dict(state)
-    _require(_same(fresh.download(), before), f"{name}: a server loaded from the state sends another download")
+    require(_same(fresh.download(), before), f"{name}: a server loaded from the state sends another download")
     for client_id in CHECKED_CLIENTS:
-        for module_name, module in federation.clients[client_id].modules.items():
-            _require(_same(_weights_only(module.state_dict()), module.state_dict()),
+        for module_name, module in session.clients[client_id].modules.items():
+            require(_same(_weights_only(module.state_dict()), module.state_dict()),
                      f"{name}: client {client_id}'s module {module_name!r} does not round-trip")
 
 
 def check_empty_round_keeps_knowledge(played: PlayedRound) -> None:
     """``update({})`` (every upload of a round screened out) leaves the download as it was. It
     updates the played server: run it after the other one-round checks."""
-    name, server = played.algorithm, _server(played.federation)
+    name, server = played.algorithm, _server(played.session)
     before = server.download()
-    server.update({}, 1, torch_generator(played.federation.config.seed, "server", 1))
-    _require(_same(server.download(), before), f"{name}: a round without uploads changed the knowledge")
+    server.update({}, 1, torch_generator(played.session.config.seed, "server", 1))
+    require(_same(server.download(), before), f"{name}: a round without uploads changed the knowledge")
 
 
 # --------------------------------------------------------------------------- bytes against theory
@@ -298,105 +268,27 @@ def check_bytes_against_theory(played: PlayedRound, rows: Sequence[Mapping[str, 
     (4 bytes each, ``theory_upload_floats``), and every round of the two-round run (``rows``, its
     metrics) measured ``bytes_up`` between ``bytes_theory_up`` and that plus the framing of one
     upload per client (``framing_bytes``); an algorithm that uploads nothing measures 0."""
-    name, federation = played.algorithm, played.federation
-    for client_id, upload in decode(federation.upload_spec, played.message).items():
+    name, session = played.algorithm, played.session
+    for client_id, upload in decode(session.upload_spec, played.message).items():
         floats = sum(tensor.numel() * tensor.element_size() for tensor in upload.values()
                      if tensor.is_floating_point())
         counted = 4 * played.theory_floats[client_id]
-        _require(floats == counted, f"{name}: client {client_id} uploads {floats} bytes of floats; the paper's count "
+        require(floats == counted, f"{name}: client {client_id} uploads {floats} bytes of floats; the paper's count "
                                     f"(theory_upload_floats) is {counted} bytes")
-    framing = framing_bytes(federation.upload_spec)
+    framing = framing_bytes(session.upload_spec)
     if framing is None:
         raise ConformanceError(f"{name}: an upload field that is not floats declares no max_rows")
-    most = federation.config.num_clients * framing
-    _require(len(rows) > 0, f"{name}: the run wrote no metrics rows")
+    most = session.config.num_clients * framing
+    require(len(rows) > 0, f"{name}: the run wrote no metrics rows")
     for row in rows:
         measured, theory = row["bytes_up"], row["bytes_theory_up"]
-        if not federation.upload_spec:
-            _require(measured == 0 and theory == 0, f"{name} declares no upload but round {row['round']} "
+        if not session.upload_spec:
+            require(measured == 0 and theory == 0, f"{name} declares no upload but round {row['round']} "
                                                     f"measured {measured} bytes (theory {theory})")
             continue
-        _require(theory <= measured <= theory + most,
+        require(theory <= measured <= theory + most,
                  f"{name}: round {row['round']} sent {measured} bytes; the paper's count is {theory} and the "
-                 f"framing of {federation.config.num_clients} uploads at most {most}")
-
-
-# --------------------------------------------------------------------------- whole runs
-
-
-def play_run(name: str, out_dir: str | os.PathLike, *, config_file: str | os.PathLike | None = None,
-             overrides: Sequence[str] = ()) -> list[dict[str, Any]]:
-    """The checks' two-round run of ``name`` played in this process (``runtime.simulate``: the
-    program's own round loop and outputs, without a process start); its metrics rows."""
-    from htfl_dist.runtime.simulate import simulate
-
-    return simulate(config_file, _arguments(name, config_file, overrides), out=out_dir)
-
-
-def launch_env() -> dict[str, str]:
-    """The environment of a launch: this one, one intra-op thread per rank, no rank variables
-    inherited, and this process's import path (what imports here, a plugin included, imports there)."""
-    env = dict(os.environ)
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    env["OMP_NUM_THREADS"] = "1"
-    paths = [path for path in sys.path if path and Path(path).is_dir()]
-    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([*paths, *filter(None, env.get("PYTHONPATH", "").split(
-        os.pathsep))]))
-    return env
-
-
-def launch_run(name: str, out_dir: str | os.PathLike, *, nproc: int = 3, config_file: str | os.PathLike | None = None,
-               overrides: Sequence[str] = (), imports: Sequence[str] = (), env: Mapping[str, str] | None = None,
-               timeout: float = 600) -> list[dict[str, Any]]:
-    """The checks' two-round run of ``name`` on ``nproc`` torchrun ranks over Gloo
-    (``torchrun --standalone -m htfl_dist.main``, the torchrun next to this Python); its metrics
-    rows. ``imports``: modules each rank imports first (``--import``), for an algorithm that an
-    installed plugin's entry point does not register; ``env``: the launch's environment
-    (default ``launch_env()``)."""
-    from htfl_dist.metrics.writer import read_rows
-
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
-        raise ConformanceError("torchrun is not installed next to this Python or on PATH")
-    out = Path(out_dir)
-    command = [torchrun, "--standalone", f"--nproc_per_node={nproc}", "-m", "htfl_dist.main",
-               *(["--config", str(config_file)] if config_file is not None else []), "--out", str(out),
-               *[argument for module in imports for argument in ("--import", module)],
-               *_arguments(name, config_file, overrides), "runtime.backend=gloo", "runtime.device=cpu"]
-    result = subprocess.run(command, env=dict(env) if env is not None else launch_env(), capture_output=True,
-                            text=True, timeout=timeout)
-    _require(result.returncode == 0, f"{name} on {nproc} torchrun ranks exited with {result.returncode}:\n"
-                                     f"{result.stdout[-3000:]}{result.stderr[-3000:]}")
-    return read_rows(out / "metrics.jsonl")
-
-
-def _maths(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A metrics row without wall times and measured bytes: what must not depend on the world size."""
-    return {key: value for key, value in row.items()
-            if key not in TIMING_KEYS and not (key.startswith("bytes_") and "theory" not in key)}
-
-
-def check_world_size_invariance(single: Sequence[Mapping[str, Any]], spread: Sequence[Mapping[str, Any]], *,
-                                ranks: int = 3, name: str = "") -> None:
-    """The rows of one process (``single``) and of ``ranks`` ranks (``spread``) are equal in every
-    key but wall times and measured bytes (the maths, the algorithm's diagnostics, the papers'
-    counts), and each measured upload (``bytes_up``, ``bytes_setup_up``) differs by the entry
-    count of one message per further rank at most (8 bytes each)."""
-    label = name or "the algorithm"
-    _require(len(single) == len(spread) > 0,
-             f"{label}: {len(single)} rows in one process, {len(spread)} on {ranks} ranks")
-    for one, many in zip(single, spread, strict=True):
-        left, right = _maths(one), _maths(many)
-        for key in sorted(left.keys() | right.keys()):
-            _require(left.get(key) == right.get(key), f"{label}: round {one.get('round')}: {key} is {left.get(key)!r} "
-                                                      f"in one process, {right.get(key)!r} on {ranks} ranks")
-        for key in ("bytes_up", "bytes_setup_up"):
-            if key in one or key in many:
-                extra = many.get(key, 0) - one.get(key, 0)
-                _require(0 <= extra <= 8 * (ranks - 1),
-                         f"{label}: round {one.get('round')}: {key} is {one.get(key)} in one process and "
-                         f"{many.get(key)} on {ranks} ranks; they may differ by one message header per rank")
+                 f"framing of {session.config.num_clients} uploads at most {most}")
 
 
 # --------------------------------------------------------------------------- the cases of a suite

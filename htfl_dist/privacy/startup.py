@@ -49,8 +49,8 @@ def privacy_plan(config: Config, run_dir: Path | None = None) -> PrivacyPlan | N
 def check_private_config(config: Config) -> None:
     """Every refusal of a private run that the config alone decides, each one line: what the
     secret noise needs installed, unseen clients, the algorithm and its options
-    (:func:`check_private_run`), and a model group with a layer DP-SGD cannot pass. The runtime's
-    ``check_config`` calls it on every rank (and ``--check`` in one process) before any data
+    (:func:`check_private_run`), and a model group with a layer DP-SGD cannot pass. The start's
+    ``check_start`` calls it on every rank (and ``--check`` in one process) before any data
     loads, so nothing is read or prepared for a run that cannot be private."""
     if not config.privacy.enabled:
         return

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -48,6 +49,22 @@ def test_client(algorithm: ClientAlgorithm, client: ClientState, knowledge: Payl
         scores.append(logits)
     return [float(correct), float(correct_head), float(client.test_y.shape[0]),
             head_auc(scores, client.test_y, num_classes)]
+
+
+def evaluate_clients(algorithm: ClientAlgorithm, clients: Any, knowledge: Payload, num_classes: int,
+                     tested: Collection[int] | None = None, installs_knowledge: bool = True
+                     ) -> dict[int, list[float]]:
+    """Every client of a rank's store (or those of them in ``tested``) on its test split, in eval
+    mode, with ``knowledge``: :func:`test_client`'s row per client. Without
+    ``installs_knowledge`` (the algorithm's evaluation only reads a client) parked clients are
+    peeked at, not brought back."""
+    rows = {}
+    for client_id in clients:
+        if tested is not None and client_id not in tested:
+            continue
+        client = clients[client_id] if installs_knowledge else clients.peek(client_id)
+        rows[client_id] = test_client(algorithm, client, knowledge, num_classes)
+    return rows
 
 
 def head_auc(scores: list[Any], labels: torch.Tensor, num_classes: int) -> float:

@@ -52,6 +52,8 @@ class RoundOutcome:
     """The bytes of the knowledge the participants trained with (its transfer, on the simulated clock)."""
     participation: dict[str, Any] = field(default_factory=dict)
     """Rank 0, with ``participation.*`` in use: who was lost, late or aggregated, the simulated times."""
+    too_few: bool = False
+    """Rank 0: fewer uploads arrived than the server step needs; it keeps last round's knowledge."""
 
 
 def worst_share_mean(per_client: np.ndarray, share: float) -> float:

@@ -1,7 +1,7 @@
 """Play a whole run inside the calling process: the in-process driver for tests and notebooks.
 
-``simulate`` runs the one round loop (``runtime.loop.Federation``) over the local transport, with
-the config resolved exactly as ``python -m htfl_dist.main`` resolves it. So seeding, client order,
+``simulate`` starts as ``python -m htfl_dist.main`` starts (``runtime.session``: the config resolved
+and checked, the rank's parts built) and runs the one round loop over the local transport. So seeding, client order,
 upload screening, evaluation and the metrics rows are the program's own, while the process start,
 the launcher and the run-directory lock are left out. A world of one rank hosts every client, and
 results never depend on the world size, so its rows are the rows of any launch of the same config
@@ -23,12 +23,12 @@ def simulate(config_file: str | os.PathLike | None, overrides: Sequence[str] = (
     writing its outputs under ``out``; return its metrics rows. Raises the program's errors
     (``ConfigError`` for a user mistake) instead of exiting."""
     from htfl_dist.metrics.writer import read_rows
-    from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime.bootstrap import software_versions
-    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.loop import RunContext, start
+    from htfl_dist.runtime.session import checked_config
     from htfl_dist.runtime.transport import LocalTransport
 
-    config = resolved_config(None if config_file is None else str(config_file), list(overrides))
+    config = checked_config(None if config_file is None else str(config_file), overrides, world_size=1)
     run_dir = Path(out).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
@@ -36,7 +36,7 @@ def simulate(config_file: str | os.PathLike | None, overrides: Sequence[str] = (
         torch.set_num_threads(config.runtime.threads)
     try:
         facts = {"versions": software_versions(), "launcher": "simulate"}  # summary.json, as a launch writes it
-        Federation(RunContext(config, LocalTransport(), torch.device(device), run_dir, extra_summary=facts)).run()
+        start(RunContext(config, LocalTransport(), torch.device(device), run_dir, extra_summary=facts)).run()
     finally:
         torch.set_num_threads(threads)
     return read_rows(run_dir / "metrics.jsonl")

@@ -43,7 +43,7 @@ from htfl_dist.models import (
 )
 from htfl_dist.models.cost import timed_step_seconds
 from htfl_dist.payload import Field
-from htfl_dist.privacy.startup import attach_ledger, check_private_config
+from htfl_dist.privacy.startup import attach_ledger
 from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.exchange import message_bounds
 from htfl_dist.runtime.placement import Placement, estimated_client_work, plan_placement
@@ -310,29 +310,3 @@ def client_store(config: Config, factory: ClientFactory, client_ids: list[int], 
     for client_id in sorted(first_of_architecture.values()):
         store.peek(client_id)
     return store
-
-
-def check_config(config: Config, world_size: int | None = None) -> None:
-    """The checks every rank makes on its config before any communication, so a mistake is one
-    line from all of them at once (rank 0's is printed), and before any data loads: the privacy
-    refusals the config decides are here too. With ``world_size`` (``--check``, run before any
-    rank starts; a study's validation of its cells) also the world size, and the privacy plan
-    each rank computes first thing at start-up (a budget no noise reaches). One function, so a
-    launch's check, a study's and a start's cannot drift apart."""
-    from htfl_dist.metrics.sinks import check_outputs_available
-    from htfl_dist.models import architecture_for_client
-    from htfl_dist.models.pretrained import files_in_use as pretrained_files
-    from htfl_dist.runtime.participation import check_late_uploads, client_devices
-    from htfl_dist.runtime.placement import check_world_size
-
-    architecture_for_client(config.model.group, 0)
-    check_outputs_available(config)
-    client_devices(config)  # participation.trace: read and checked before any rank talks
-    check_late_uploads(config)  # participation.late=next_round: a server that can take them
-    pretrained_files(config)  # model.pretrained: every architecture's file is there
-    check_private_config(config)  # privacy.enabled: what cannot be private, before the data loads
-    if world_size is not None:
-        check_world_size(world_size, config.num_clients)
-        from htfl_dist.privacy.startup import privacy_plan
-
-        privacy_plan(config)

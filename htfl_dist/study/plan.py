@@ -263,14 +263,12 @@ def validate(study: Study, ranks_per_cell: int = 1) -> Study:
     """Load every cell's config as ``python -m htfl_dist.main`` does (and make its start-up
     checks), filling in each cell's config hash and planned rounds; the first mistake is one line
     naming the cell."""
-    from htfl_dist.resolution import resolved_config
-    from htfl_dist.runtime.startup import check_config
+    from htfl_dist.runtime.session import checked_config
 
     checked = []
     for cell in study.cells:
         try:
-            config = resolved_config(str(cell.config_file), list(cell.overrides), cell.imports)
-            check_config(config, ranks_per_cell)
+            config = checked_config(str(cell.config_file), list(cell.overrides), cell.imports, ranks_per_cell)
         except HtflError as exc:
             raise StudyError(f"cell {cell.name}: {exc}") from None
         checked.append(dataclasses.replace(cell, config_hash=config.config_hash(), rounds=config.rounds,

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO, _env
-from htfl_dist import testing
+from htfl_dist import conformance_runs, testing
 from htfl_dist.algorithms import register_algorithm, registry
 from htfl_dist.algorithms.registry import ConformanceHints
 
@@ -111,7 +111,7 @@ def test_each_check_refuses_the_variant_it_is_for(plugin, algorithm, check, mess
 def test_the_bytes_check_refuses_rows_off_the_theory(plugin, tmp_path, cache_dir):
     played = testing.play_one_round(PLUGIN, tmp_path, overrides=[f"data.cache_dir={cache_dir}"])
     theory = 4 * sum(played.theory_floats.values())
-    framing = played.federation.config.num_clients * testing.framing_bytes(played.federation.upload_spec)
+    framing = played.session.config.num_clients * testing.framing_bytes(played.session.upload_spec)
     testing.check_bytes_against_theory(played, [{"round": 1, "bytes_up": theory + framing, "bytes_theory_up": theory}])
     for measured in (theory - 1, theory + framing + 1):
         with pytest.raises(testing.ConformanceError, match=f"round 1 sent {measured} bytes"):
@@ -152,7 +152,7 @@ def test_the_launch_imports_the_plugin_on_every_rank(plugin, monkeypatch, tmp_pa
         return subprocess.CompletedProcess(command, 2, "", "stopped here")
 
     monkeypatch.setenv("RANK", "5")
-    monkeypatch.setattr(testing.subprocess, "run", fake_run)
+    monkeypatch.setattr(conformance_runs.subprocess, "run", fake_run)
     with pytest.raises(testing.ConformanceError, match=f"^{PLUGIN} on 3 torchrun ranks exited with 2:\nstopped here$"):
         testing.launch_run(PLUGIN, tmp_path / "out", imports=[PLUGIN])
     command, env = seen["command"], seen["env"]

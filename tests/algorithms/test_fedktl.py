@@ -532,25 +532,25 @@ def test_a_trailing_single_pair_does_not_break_batchnorm():
 
 
 def test_a_real_client_uploads_unit_prototypes(tmp_path, cache_dir):
-    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.session import RunContext, Session
     from htfl_dist.runtime.transport import LocalTransport
 
     config = load_config(SMOKE, ["algorithm=fedktl", f"data.cache_dir={cache_dir}", "rounds=2",
                                  "algo.unit_prototypes=true"])
-    federation = Federation(RunContext(config, LocalTransport(), torch.device("cpu"), tmp_path))
-    algorithm, context = federation.client_algorithm, federation.context
+    session = Session(RunContext(config, LocalTransport(), torch.device("cpu"), tmp_path))
+    algorithm, context = session.client_algorithm, session.context
     assert (context.latent_dim, context.in_channels, context.image_size) == (100, 1, 28)
     assert algorithm.aux_init.weight.shape == (100, 512)  # h′ = Linear(K′, H)
     assert algorithm.aux_init.weight.abs().max() <= 1 / math.sqrt(512)
-    client = federation.clients[0]
+    client = session.clients[0]
     init = copy.deepcopy(algorithm.aux_init.state_dict())
-    result = algorithm.train(client, federation.server.download(), 0, torch_generator(0, "batches", 0, 0))
+    result = algorithm.train(client, session.server.download(), 0, torch_generator(0, "batches", 0, 0))
     assert result.upload["class_ids"].tolist() == client.classes.tolist()
     assert result.upload["protos"].shape == (client.classes.numel(), 10)
     torch.testing.assert_close(result.upload["protos"].norm(dim=1), torch.ones(client.classes.numel()),
                                rtol=0, atol=1e-5)
-    federation.server.update({0: result.upload}, 0, torch_generator(0, "server", 0))
-    download = federation.server.download()
+    session.server.update({0: result.upload}, 0, torch_generator(0, "server", 0))
+    download = session.server.download()
     assert download["images"].shape == (10, 1, 28, 28) and download["latents"].shape == (10, 100)
     algorithm.train(client, download, 1, torch_generator(0, "batches", 0, 1))
     assert all(torch.equal(init[k], v) for k, v in algorithm.aux_init.state_dict().items())

@@ -174,19 +174,19 @@ def test_local_training_steps_the_clients_optimizer_and_keeps_its_state(train, s
 
 
 def test_the_runtime_builds_every_clients_optimizer_from_the_config(tmp_path, cache_dir):
-    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.session import RunContext, Session
     from htfl_dist.runtime.transport import LocalTransport
 
     config = load_config(SMOKE, [f"data.cache_dir={cache_dir}", "train.optimizer=adamw", "train.weight_decay=0.02",
                                  "train.lr=0.003"])
-    federation = Federation(RunContext(config, LocalTransport(), CPU, tmp_path))
+    session = Session(RunContext(config, LocalTransport(), CPU, tmp_path))
     for client_id in range(config.num_clients):
-        client = federation.clients.peek(client_id)
+        client = session.clients.peek(client_id)
         assert type(client.optimizer) is torch.optim.AdamW
         assert [(g["lr"], g["weight_decay"]) for g in client.optimizer.param_groups] == [(0.003, 0.02)]
         assert [id(p) for p in client.optimizer.param_groups[0]["params"]] == [
             id(p) for p in client.model.parameters()]
-    federation.clients.close()
+    session.clients.close()
 
 
 def test_the_round_loop_sets_the_rounds_rate_over_whatever_was_restored():

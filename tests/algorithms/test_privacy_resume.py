@@ -23,12 +23,12 @@ PRIVATE = ("privacy.enabled=true", "privacy.target_epsilon=4", "rounds=3", "data
 def _play(out: Path, cache_dir: Path, monkeypatch, resume_from: Path | None = None) -> dict[int, dict]:
     """The private smoke run in this process (resumed from ``resume_from``); the uploads rank 0
     received, by round number and client."""
-    from htfl_dist.resolution import resolved_config
     from htfl_dist.runtime import loop
+    from htfl_dist.runtime.session import checked_config
     from htfl_dist.runtime.transport import LocalTransport
 
     received: dict[int, dict] = {}
-    server_step = getattr(loop.Federation._server_step, "original", loop.Federation._server_step)  # not a wrapper
+    server_step = getattr(loop.Federation.aggregate, "original", loop.Federation.aggregate)  # not a wrapper
 
     def recording(self, outcome, gathered, left_out):
         received[outcome.round_index + 1] = {client: {name: value.clone() for name, value in payload.items()}
@@ -36,9 +36,9 @@ def _play(out: Path, cache_dir: Path, monkeypatch, resume_from: Path | None = No
         return server_step(self, outcome, gathered, left_out)
 
     recording.original = server_step  # type: ignore[attr-defined]
-    monkeypatch.setattr(loop.Federation, "_server_step", recording)
-    config = resolved_config(str(SMOKE), [f"data.cache_dir={cache_dir}", *PRIVATE])
-    loop.Federation(loop.RunContext(config, LocalTransport(), torch.device("cpu"), out, resume_from)).run()
+    monkeypatch.setattr(loop.Federation, "aggregate", recording)
+    config = checked_config(str(SMOKE), [f"data.cache_dir={cache_dir}", *PRIVATE])
+    loop.start(loop.RunContext(config, LocalTransport(), torch.device("cpu"), out, resume_from)).run()
     return received
 
 

@@ -73,18 +73,18 @@ def test_every_runtime_client_trains_on_exactly_k_per_class(shots, tmp_path, cac
     """Built by the runtime on the smoke config: each client's training split holds min(n_c, k)
     samples of each class c, they are the first of their class in the stored split, its test split
     is the full one's, and placement weighs the clients by the few-shot counts."""
-    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.session import RunContext, Session
     from htfl_dist.runtime.transport import LocalTransport
 
     full = load_config(SMOKE, [f"data.cache_dir={cache_dir}"])
     config = load_config(SMOKE, [f"data.cache_dir={cache_dir}", f"data.few_shot={shots}"])
-    federation = Federation(RunContext(config, LocalTransport(), CPU, tmp_path))
-    info = federation.partition
+    session = Session(RunContext(config, LocalTransport(), CPU, tmp_path))
+    info = session.partition
     assert info.class_counts.max() == shots  # the few-shot counts placement uses
     for client_id in range(config.num_clients):
         stored = load_client_split(info.path, client_id)
         counts = torch.bincount(stored.train_y, minlength=info.num_classes)
-        client = federation.clients.peek(client_id)
+        client = session.clients.peek(client_id)
         got = torch.bincount(client.train_y, minlength=info.num_classes)
         assert got.tolist() == torch.clamp(counts, max=shots).tolist()
         assert got.tolist() == info.class_counts[client_id].tolist()
@@ -92,7 +92,7 @@ def test_every_runtime_client_trains_on_exactly_k_per_class(shots, tmp_path, cac
         kept = _reference_rule(stored.train_y.tolist(), shots)
         assert torch.equal(client.train_x, stored.train_x[kept]) and torch.equal(client.train_y, stored.train_y[kept])
         assert torch.equal(client.test_x, stored.test_x) and torch.equal(client.test_y, stored.test_y)
-    federation.clients.close()
+    session.clients.close()
     assert config.config_hash() != full.config_hash()
     assert load_config(SMOKE, [f"data.cache_dir={cache_dir}", "data.few_shot=0"]).config_hash() == full.config_hash()
 

@@ -92,19 +92,19 @@ import os
 import sys
 
 from htfl_dist.main import main
-from htfl_dist.runtime.loop import Federation
+from htfl_dist.runtime import loop
 
-honest = Federation.evaluate_clients
+honest = loop.evaluate_clients
 
 
-def inflated(self, knowledge, tested=None):
+def inflated(*args, **kwargs):
     """Rank 1 claims more correct predictions than it has test samples."""
-    rows = honest(self, knowledge, tested)
+    rows = honest(*args, **kwargs)
     return {cid: [samples + 5.0, head, samples, auc] for cid, (correct, head, samples, auc) in rows.items()}
 
 
 if os.environ.get("RANK") == "1":
-    Federation.evaluate_clients = inflated
+    loop.evaluate_clients = inflated
 sys.exit(main(sys.argv[1:]))
 '''
 

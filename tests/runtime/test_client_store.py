@@ -252,22 +252,22 @@ def test_every_client_starts_from_its_initial_model_however_it_is_built(init, tm
     are rebuilt (12 clients: HtCNN8's members 0-3 twice)."""
     from htfl_dist.config import load_config
     from htfl_dist.models import initial_client_model
-    from htfl_dist.runtime.loop import Federation, RunContext
+    from htfl_dist.runtime.session import RunContext, Session
     from htfl_dist.runtime.transport import LocalTransport
 
     for resident in (0, 3):
         config = load_config(SMOKE, [f"data.cache_dir={cache_dir}", "num_clients=12", f"model.init={init}",
                                      f"runtime.resident_clients={resident}"])
-        federation = Federation(RunContext(config, LocalTransport(), CPU, tmp_path / f"{init}-{resident}"))
-        info = federation.partition
+        session = Session(RunContext(config, LocalTransport(), CPU, tmp_path / f"{init}-{resident}"))
+        info = session.partition
         for client_id in range(12):
             expected = initial_client_model(config.model.group, client_id, config.seed, num_classes=info.num_classes,
                                             feature_dim=config.model.feature_dim, in_channels=info.in_channels,
                                             image_size=info.image_size, init=init).state_dict()
-            got = federation.clients.peek(client_id).model.state_dict()
+            got = session.clients.peek(client_id).model.state_dict()
             assert list(got) == list(expected)
             assert all(torch.equal(got[name], expected[name]) for name in expected), (init, resident, client_id)
-        federation.clients.close()
+        session.clients.close()
 
 
 def test_a_parked_client_keeps_only_what_the_download_does_not_replace(tmp_path):

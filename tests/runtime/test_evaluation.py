@@ -19,8 +19,9 @@ from conftest import SMOKE, read_metrics
 from htfl_dist.algorithms import ClientState
 from htfl_dist.config import load_config
 from htfl_dist.models import InputSpec, SplitModel
-from htfl_dist.runtime import loop
-from htfl_dist.runtime.loop import Federation, RunContext
+from htfl_dist.runtime import session as session_module
+from htfl_dist.runtime.evaluation import evaluate_clients
+from htfl_dist.runtime.loop import Federation, RunContext, start
 from htfl_dist.runtime.placement import sample_participants
 from htfl_dist.runtime.startup import ClientFactory
 from htfl_dist.runtime.transport import LocalTransport
@@ -65,12 +66,12 @@ def _federation(monkeypatch, out, *overrides: str) -> Federation:
     partition = SimpleNamespace(num_classes=2, in_channels=1, image_size=1, path=None,
                                 inputs=lambda: InputSpec.image(1, 1),
                                 class_counts=np.ones((NUM_CLIENTS, 2), dtype=np.int64))
-    monkeypatch.setattr(loop, "prepare_data", lambda config, transport: partition)
+    monkeypatch.setattr(session_module, "prepare_data", lambda config, transport: partition)
     monkeypatch.setattr(ClientFactory, "build", lambda self, client_id, shell=False: _client(client_id))
     monkeypatch.setattr(ClientFactory, "load_splits", lambda self, client_ids: None)  # the clients hold their data
     config = load_config(SMOKE, ["algorithm=fedproto", "rounds=1", f"num_clients={NUM_CLIENTS}",
                                  "join_ratio=0.5", "model.feature_dim=2", *overrides])
-    return Federation(RunContext(config, LocalTransport(), torch.device("cpu"), out))
+    return start(RunContext(config, LocalTransport(), torch.device("cpu"), out))
 
 
 @pytest.fixture
@@ -91,14 +92,16 @@ def test_accuracy_is_pooled_over_all_clients_with_the_updated_knowledge(federati
     # population std of 36/48, 8/48, 48/48, 0/48 around 23/48: √(13² + 15² + 25² + 23²) / 48 / √4
     assert row["test_acc_std"] == pytest.approx(math.sqrt(1548) / 96, rel=1e-12)
     expected = torch.tensor([[-1.0, 0.0], [1.0, 0.0]]) / math.sqrt(1.0 + 1e-5)  # eval-mode BatchNorm
-    torch.testing.assert_close(federation.server.download()["protos"], expected)
+    torch.testing.assert_close(federation.session.server.download()["protos"], expected)
 
 
 @pytest.mark.integration
 def test_every_client_is_evaluated_in_eval_mode_with_the_download(federation):
     """What each client reports: [correct by nearest prototype, correct by the head, samples]."""
     federation.run()
-    rows = federation.evaluate_clients(federation.knowledge())
+    session = federation.session
+    rows = evaluate_clients(session.client_algorithm, session.clients, federation.knowledge(),
+                            session.context.num_classes)
     # the zero head scores every (sample, class) pair alike: AUC 1/2 wherever it is defined
     assert rows == {0: [3.0, 3.0, 4.0, 0.5], 1: [1.0, 5.0, 6.0, 0.5], 2: [2.0, 1.0, 2.0, 0.5], 3: [0.0, 2.0, 4.0, 0.5]}
 
@@ -109,13 +112,13 @@ def test_a_round_without_evaluation_still_hands_its_knowledge_to_the_next(monkey
     participants must train towards the prototypes of round 1, not the empty round-0 download."""
     federation = _federation(monkeypatch, tmp_path, "rounds=2", "eval_every=2")
     seen = {}
-    train = federation.client_algorithm.train
+    train = federation.session.client_algorithm.train
 
     def recording_train(client, knowledge, round_index, generator):
         seen[round_index] = knowledge["class_ids"].tolist()
         return train(client, knowledge, round_index, generator)
 
-    monkeypatch.setattr(federation.client_algorithm, "train", recording_train)
+    monkeypatch.setattr(federation.session.client_algorithm, "train", recording_train)
     federation.run()
     assert seen == {0: [], 1: [0, 1]}
     assert [row["round"] for row in read_metrics(tmp_path)] == [2]
@@ -133,7 +136,7 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
         """The uploads that reach rank 0 are the forged ones; other messages pass through. In one
         process they are copied, not sent (``wire.pass_within_process``): that copy is forged."""
         forged = {999: {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, 2)}}
-        gather_uploads, uploading = federation.exchange.gather_uploads, []
+        gather_uploads, uploading = federation.session.exchange.gather_uploads, []
         passed = exchange_module.pass_within_process
 
         def uploads_then_flag(*args):
@@ -145,10 +148,10 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
 
         monkeypatch.setattr(exchange_module, "pass_within_process",
                             lambda spec, entries, device="cpu": passed(spec, forged if uploading else entries, device))
-        monkeypatch.setattr(federation.exchange, "gather_uploads", uploads_then_flag)
+        monkeypatch.setattr(federation.session.exchange, "gather_uploads", uploads_then_flag)
 
     federation = _federation(monkeypatch, tmp_path)
-    assert [field.name for field in federation.upload_spec] == ["class_ids", "protos"]
+    assert [field.name for field in federation.session.upload_spec] == ["class_ids", "protos"]
     forge_uploads(federation)
     with pytest.raises(NothingAggregated):  # its only round aggregated nothing: said after the rows
         federation.run()

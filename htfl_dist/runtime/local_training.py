@@ -1,0 +1,101 @@
+"""The spine's train phase: which rank trains each participant this round, and the training of
+this rank's share (its own participants and those lent to it), each client's batches drawn from
+its own stream (seed, client, round), so the numbers do not depend on where a client trains."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from htfl_dist.algorithms import ClientState, TrainResult
+from htfl_dist.algorithms.interface import release_gradients, seed_training
+from htfl_dist.algorithms.optimizers import begin_local_training
+from htfl_dist.metrics.writer import TrainingProgress
+from htfl_dist.models import architecture_for_client
+from htfl_dist.payload import Payload
+from htfl_dist.privacy.startup import begin_round
+from htfl_dist.runtime.placement import round_trainers
+from htfl_dist.seeding import torch_generator
+
+if TYPE_CHECKING:
+    from htfl_dist.runtime.session import Session
+
+
+@dataclass
+class TrainedShare:
+    """What this rank's training produced in one round."""
+
+    uploads: dict[int, Payload] = field(default_factory=dict)
+    train_rows: dict[int, list[float]] = field(default_factory=dict)
+    """[loss sum, samples] per trained client (none for a private client: they stay on it)."""
+    theory_bytes: int = 0
+    """The paper's count of this rank's upload bytes."""
+
+
+class LocalTraining:
+    """One rank's train phase over its session."""
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.config = session.config
+        where = "" if session.world_size == 1 else f"rank {session.rank}"
+        self.progress = TrainingProgress(self.config.output.progress_every_s, where)
+
+    def trainers(self, participants: list[int]) -> dict[int, int]:
+        """The rank that trains each participant this round (``runtime.rebalance``)."""
+        placement = self.session.placement
+        if self.config.runtime.rebalance == "off":
+            return {client_id: placement.rank_of(client_id) for client_id in participants}
+        return round_trainers(participants, placement)
+
+    def train(self, trainers: dict[int, int], knowledge: Payload, round_index: int) -> TrainedShare:
+        """Train the participants ``trainers`` gives this rank: its own, and those lent to it for
+        the round (given back before this returns)."""
+        session = self.session
+        share = TrainedShare()
+        moves = [(client_id, session.placement.rank_of(client_id), rank) for client_id, rank in sorted(trainers.items())
+                 if rank != session.placement.rank_of(client_id)]
+        if session.is_server and moves:  # summary.json: how much rebalancing did
+            summary = session.run.extra_summary
+            summary["clients_trained_away_from_home"] = summary.get("clients_trained_away_from_home", 0) + len(moves)
+        borrowed = session.lending.lend(moves)
+        mine = [client_id for client_id in sorted(trainers) if trainers[client_id] == session.rank]
+        self.progress.start(round_index + 1, len(mine))
+        for group in self._groups(mine):
+            clients = [borrowed[client_id] if client_id in borrowed else session.clients[client_id]
+                       for client_id in group]
+            for client, result in zip(clients, self._train_group(clients, knowledge, round_index), strict=True):
+                release_gradients(client)
+                share.uploads[client.client_id] = result.upload
+                if session.privacy_plan is None:  # a private client's loss and count stay on the client
+                    share.train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
+                share.theory_bytes += session.client_algorithm.theory_upload_floats(client) * 4
+                self.progress.client_done()
+        session.lending.give_back(moves, borrowed)
+        return share
+
+    def _groups(self, client_ids: list[int]) -> list[list[int]]:
+        """The clients that train together: each alone (``train.client_batching=off``), or this
+        rank's participants of one architecture (``vmap``), in client-id order; a group is held in
+        memory at once, so with ``runtime.resident_clients=K`` it holds at most K clients."""
+        if self.config.train.client_batching == "off":
+            return [[client_id] for client_id in client_ids]
+        groups: dict[str, list[int]] = {}
+        for client_id in client_ids:
+            groups.setdefault(architecture_for_client(self.config.model.group, client_id), []).append(client_id)
+        store = self.session.clients
+        size = store.limit if store.bounded else len(client_ids)
+        return [group[start : start + size] for group in groups.values() for start in range(0, len(group), size)]
+
+    def _train_group(self, clients: list[ClientState], knowledge: Payload, round_index: int) -> list[TrainResult]:
+        """One group's round of local training, each client's batches ordered by its own stream
+        (seed, client, round); off: ``train`` of the one client, torch's global RNG seeded for it."""
+        seed = self.config.seed
+        algorithm = self.session.client_algorithm
+        generators = [torch_generator(seed, "batches", client.client_id, round_index) for client in clients]
+        begin_round(clients, round_index)  # privacy: each client's ledger decides whether it can afford the round
+        begin_local_training(clients, self.config.train, round_index, self.config.rounds)  # the round's client lr
+        if self.config.train.client_batching == "vmap":
+            return algorithm.train_group(clients, knowledge, round_index, generators)
+        (client,), (generator,) = clients, generators
+        seed_training(seed, client.client_id, round_index)
+        return [algorithm.train(client, knowledge, round_index, generator)]
