@@ -261,12 +261,12 @@ def _as_disk_full(exc: BaseException) -> DiskFullError | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from htfl_dist.runtime import liveness, preemption
+    from htfl_dist.runtime import preemption, supervisor
 
-    if liveness.needs_supervisor(os.environ):  # under mpirun: this process names the rank if it is killed
-        return liveness.supervise([sys.executable, *sys.orig_argv[1:]])
-    liveness.become_supervised_worker()
-    liveness.follow_torchrun_agent()
+    if supervisor.needs_supervisor(os.environ):  # under mpirun: this process names the rank if it is killed
+        return supervisor.supervise([sys.executable, *sys.orig_argv[1:]])
+    supervisor.become_supervised_worker()
+    supervisor.follow_torchrun_agent()
     preemption.install()  # before torch starts threads: SIGTERM must reach the listener, not them
     from htfl_dist.runtime.bootstrap import launch_rank_hint
 

@@ -20,15 +20,14 @@ from typing import TextIO
 
 from htfl_dist.errors import EXIT_USER_ERROR, HtflError
 from htfl_dist.metrics.figures import plot_class_margins, plot_client_spread, plot_prototype_projection
+from htfl_dist.metrics.following import RunProgress, run_progress
 from htfl_dist.metrics.report import (
     RUN_DIRECTORY,
     ReportError,
-    RunProgress,
     markdown_table,
     plot_curves,
     read_run,
     report_table,
-    run_progress,
     withheld_runs,
     write_csv,
 )

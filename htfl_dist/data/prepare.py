@@ -2,7 +2,7 @@
 
 :func:`prepare_partition` is the one entry point. It names the cache by a hash of every input
 that changes the split (format version, dataset, a fingerprint of the source files, partition
-parameters, subsample, train_ratio, seed, num_clients: :func:`_partition_key`), reuses the file
+parameters, subsample, train_ratio, seed, num_clients: :func:`partition_key`), reuses the file
 when it exists and is complete, and otherwise builds it: for a split drawn here, it reads the
 dataset and draws every client's (train, test) indices (:func:`_build_indices`, by the legacy or
 PFLlib's rules); for ``data.partition=pfllib`` it converts a directory PFLlib already wrote.
@@ -13,15 +13,12 @@ glue that decides, and the only place that knows which config keys enter a cache
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 from collections.abc import Callable
 
 import numpy as np
 
-from htfl_dist.config import DataConfig, partition_cache_dir
+from htfl_dist.config import DataConfig
 from htfl_dist.config.rules import check_value
 from htfl_dist.errors import ConfigError, DataError
 from htfl_dist.seeding import numpy_rng
@@ -34,9 +31,9 @@ from .cache import (
     read_partition_info,
     write_cache,
 )
-from .datasets import dataset_fingerprint, dataset_root, dataset_source, load_dataset
+from .cache_keys import cache_path, canonical_json, legacy_min_samples, partition_key, pfllib_guard, safe_label
+from .datasets import dataset_root, dataset_source, load_dataset
 from .partition import (
-    LEGACY_MIN_SAMPLES,
     partition_dirichlet,
     partition_pathological,
     split_train_test,
@@ -44,9 +41,7 @@ from .partition import (
 )
 from .partition_pfllib import (
     PFLLIB_BATCH_SIZE,
-    PFLLIB_EXDIR_MIN_SAMPLES,
     pfllib_client_splits,
-    pfllib_least_samples,
 )
 from .pfllib import (
     MAX_VOCAB_SIZE,
@@ -64,79 +59,6 @@ Report = Callable[[str], None]
 """Receives one progress line per step (rank 0 prints them)."""
 
 
-# --------------------------------------------------------------------------- keys and names
-
-
-def _safe_label(text: str) -> str:
-    """A directory's name made safe for a file name (a PFLlib cache is named after it)."""
-    return re.sub(r"[^A-Za-z0-9_.]+", "_", text).strip("._") or "dataset"
-
-
-def _key_json(key: dict) -> str:
-    return json.dumps(key, sort_keys=True, separators=(",", ":"))
-
-
-def _cache_path(data: DataConfig, label: str, partition: str, key_json: str) -> str:
-    """``<cache_dir>/<label>-<partition>-<hash>.h5``, the hash over everything that shapes the split."""
-    digest = hashlib.sha256(key_json.encode()).hexdigest()[:16]
-    return os.path.join(partition_cache_dir(data), f"{label}-{partition}-{digest}.h5")
-
-
-def _partition_key(data: DataConfig, num_clients: int, seed: int, root: str | None,
-                   batch_size: int, source: list | None = None) -> dict:
-    """Every input that changes a split drawn here. Its JSON is hashed into the file name and
-    stored in the file, so any change means another cache; a new key must leave the JSON of
-    configs that do not use it unchanged, or every existing cache would be rebuilt. ``source``:
-    the fingerprint of what is read (default: the whole dataset's)."""
-    key = {
-        "format_version": FORMAT_VERSION,
-        "dataset": data.dataset,
-        "source": dataset_fingerprint(data.dataset, root) if source is None else source,
-        "partition": data.partition,
-        "subsample": float(data.subsample),
-        "train_ratio": float(data.train_ratio),
-        "seed": int(seed),
-        "num_clients": int(num_clients),
-    }
-    if data.partition in ("pathological", "exdir"):
-        key["classes_per_client"] = int(data.classes_per_client)
-    if data.partition in ("dirichlet", "exdir"):
-        key["beta"] = float(data.beta)
-    if data.balance:  # only when set: the keys of unbalanced splits stay as they were
-        key["balance"] = True
-    if data.partition_rules == "legacy":  # the key as before the option existed: caches stay valid
-        if data.partition == "dirichlet":
-            key["min_samples_per_client"] = _legacy_min_samples(data)
-    else:
-        key["partition_rules"] = data.partition_rules
-        key["min_samples_per_client"] = data.min_samples_per_client
-        if data.min_samples_per_client is None and _guard_uses_batch_size(data):
-            key["batch_size"] = int(batch_size)
-    return key
-
-
-def _guard_uses_batch_size(data: DataConfig) -> bool:
-    """PFLlib's ``least_samples`` (from the batch size) guards dir and shapes unbalanced pat's
-    shares; exdir's guard is a fixed 10 and balanced pat draws nothing."""
-    return data.partition == "dirichlet" or (data.partition == "pathological" and not data.balance)
-
-
-def _legacy_min_samples(data: DataConfig) -> int:
-    if data.min_samples_per_client is None:
-        return LEGACY_MIN_SAMPLES
-    return int(data.min_samples_per_client)
-
-
-def _pfllib_guard(data: DataConfig, n_samples: int, num_clients: int, batch_size: int) -> int:
-    """The user's data.min_samples_per_client, else PFLlib's own: least_samples for this data
-    (dir, pat), a fixed 10 for exdir."""
-    if data.min_samples_per_client is not None:
-        return int(data.min_samples_per_client)
-    if data.partition == "exdir":
-        return PFLLIB_EXDIR_MIN_SAMPLES
-    return pfllib_least_samples(n_samples, num_clients, batch_size, data.train_ratio)
-
-
 # --------------------------------------------------------------------------- a split drawn here
 
 
@@ -149,7 +71,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
     if data.partition_rules == "pfllib":
         splits = pfllib_client_splits(
             sub_labels, num_clients, num_classes, partition=data.partition, seed=seed,
-            least_samples=_pfllib_guard(data, sub_labels.size, num_clients, batch_size),
+            least_samples=pfllib_guard(data, sub_labels.size, num_clients, batch_size),
             train_ratio=data.train_ratio, beta=data.beta,
             classes_per_client=data.classes_per_client, max_tries=data.max_partition_tries,
             balance=data.balance,
@@ -163,7 +85,7 @@ def _build_indices(data: DataConfig, labels: np.ndarray, num_classes: int, num_c
     else:
         parts = partition_dirichlet(
             sub_labels, num_clients, data.beta, num_classes, rng,
-            min_samples=_legacy_min_samples(data), max_tries=data.max_partition_tries,
+            min_samples=legacy_min_samples(data), max_tries=data.max_partition_tries,
         )
     out = []
     for cid, part in enumerate(parts):
@@ -176,9 +98,9 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Re
                        batch_size: int) -> PartitionInfo:
     _check_classes_per_client(data, dataset_source(data.dataset).num_classes)  # before the dataset is read
     root = dataset_root(data)
-    key = _partition_key(data, num_clients, seed, root, batch_size)
-    key_json = _key_json(key)
-    path = _cache_path(data, data.dataset, data.partition, key_json)
+    key = partition_key(data, num_clients, seed, root, batch_size)
+    key_json = canonical_json(key)
+    path = cache_path(data, data.dataset, data.partition, key_json)
     if is_complete(path, key_json):
         report(f"data: partition cache found ({path})")
         return read_partition_info(path)
@@ -238,12 +160,12 @@ def _prepare_domains(data: DataConfig, num_clients: int, seed: int, report: Repo
     for domain in domains:
         suite.files(folder, domain)  # a missing domain: one line naming its files
         source.append([domain, *suite.fingerprint(folder, domain)])
-    key = _partition_key(data, num_clients, seed, folder, batch_size, source=source)
+    key = partition_key(data, num_clients, seed, folder, batch_size, source=source)
     key["domains"] = domains
     key["domain_of_client"] = "i mod D"
-    key_json = _key_json(key)
-    label = _safe_label(f"{data.dataset}-{'+'.join(domains)}")
-    path = _cache_path(data, label, data.partition, key_json)
+    key_json = canonical_json(key)
+    label = safe_label(f"{data.dataset}-{'+'.join(domains)}")
+    path = cache_path(data, label, data.partition, key_json)
     if is_complete(path, key_json):
         report(f"data: partition cache found ({path})")
         return read_partition_info(path)
@@ -306,7 +228,7 @@ def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> Parti
         # Refuse before anything is read, whether or not a converted cache already exists.
         raise pickle_refusal(directory)
     num_classes = int(config["num_classes"])
-    label = _safe_label(os.path.basename(directory))
+    label = safe_label(os.path.basename(directory))
     key = {
         "format_version": FORMAT_VERSION,
         "partition": "pfllib",
@@ -314,8 +236,8 @@ def _prepare_pfllib(data: DataConfig, num_clients: int, report: Report) -> Parti
         "source": pfllib_fingerprint(directory, num_clients),
         "num_clients": int(num_clients),
     }
-    key_json = _key_json(key)
-    path = _cache_path(data, label, "pfllib", key_json)
+    key_json = canonical_json(key)
+    path = cache_path(data, label, "pfllib", key_json)
     if is_complete(path, key_json):
         report(f"data: partition cache found ({path})")
         return read_partition_info(path)

@@ -148,22 +148,22 @@ def accuracy_summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _cost(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    seconds, server_s = _mean(rows, "seconds"), _mean(rows, "server_s")
+    seconds, server_s = mean_of(rows, "seconds"), mean_of(rows, "server_s")
     ratios = [row["bytes_up"] / row["bytes_theory_up"] for row in rows
               if _is_number(row.get("bytes_up")) and row.get("bytes_theory_up")]
     return {
         "seconds_per_round": seconds,
         "server_s": server_s,
         "server_share": server_s / seconds if seconds and server_s is not None else None,
-        "bytes_up_per_round": _mean(rows, "bytes_up"),
+        "bytes_up_per_round": mean_of(rows, "bytes_up"),
         "max_bytes_up_over_theory": max(ratios, default=None),
         # a broadcast counts once per client rank, the papers' count once per participating client
-        "bytes_down_per_round": _mean(rows, "bytes_down"),
-        "bytes_theory_down_per_round": _mean(rows, "bytes_theory_down"),
+        "bytes_down_per_round": mean_of(rows, "bytes_down"),
+        "bytes_theory_down_per_round": mean_of(rows, "bytes_theory_down"),
     }
 
 
-def _mean(rows: list[dict[str, Any]], key: str) -> float | None:
+def mean_of(rows: list[dict[str, Any]], key: str) -> float | None:
     values = [row[key] for row in rows if _is_number(row.get(key))]
     return statistics.fmean(values) if values else None
 
@@ -368,49 +368,3 @@ def new_figure(size: tuple[float, float] = (8, 5)):
     figure = Figure(figsize=size, dpi=120, layout="constrained")
     FigureCanvasAgg(figure)
     return figure
-
-
-# ------------------------------------------------------------------------------------ following
-
-PREEMPTED_FILE = "PREEMPTED"
-"""The marker a run leaves when it checkpoints on SIGTERM (``htfl_dist.main``); it stays until the
-run finishes, so it means "stopped" only while it is newer than the attempt's config.yaml."""
-
-
-@dataclass(frozen=True)
-class RunProgress:
-    """Where a run directory stands, read from its files alone (a live view of a run that may be
-    anywhere: starting, running, stopped, finished)."""
-
-    state: str
-    """waiting (no config.yaml yet), running, stopped (checkpointed on SIGTERM) or finished."""
-    rows: list[dict[str, Any]]
-    rounds: int
-    summary: dict[str, Any] | None
-
-    @property
-    def rounds_done(self) -> int:
-        return self.rows[-1]["round"] if self.rows else 0
-
-    @property
-    def eta_s(self) -> float | None:
-        """The rounds left at the evaluated rounds' mean time, None before the first row."""
-        seconds = _mean(self.rows, "seconds")
-        return None if seconds is None else seconds * max(self.rounds - self.rounds_done, 0)
-
-
-def run_progress(path: Path) -> RunProgress:
-    """The run's state, rows and planned rounds; a directory without config.yaml is waiting."""
-    config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        return RunProgress("waiting", [], 0, None)
-    run = read_run(path)
-    rounds = int(run.config.get("rounds") or 0)
-    if run.summary is not None:
-        return RunProgress("finished", run.rows, rounds, run.summary)
-    marker = path / PREEMPTED_FILE
-    try:
-        stopped = marker.stat().st_mtime >= config_file.stat().st_mtime
-    except FileNotFoundError:
-        stopped = False
-    return RunProgress("stopped" if stopped else "running", run.rows, rounds, None)

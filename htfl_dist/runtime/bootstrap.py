@@ -32,10 +32,9 @@ from htfl_dist.atomic import os_errors
 from htfl_dist.config import RuntimeConfig
 from htfl_dist.errors import ConfigError, HtflError, RefusedByRank0
 from htfl_dist.runtime.liveness import Liveness, StoreAddress
+from htfl_dist.runtime.supervisor import MPI_RANK_VARS
 from htfl_dist.runtime.transport import LocalTransport, MPITransport, TorchTransport, Transport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, Field, decode, encode
-
-_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ def detect_launch() -> LaunchInfo:
         world = _int_env("WORLD_SIZE")
         return LaunchInfo("torchrun", _int_env("RANK"), world, _int_env("LOCAL_RANK", 0),
                           _int_env("LOCAL_WORLD_SIZE", world))
-    if any(name in env for name in _MPI_RANK_VARS):
+    if any(name in env for name in MPI_RANK_VARS):
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
@@ -108,7 +107,7 @@ def detect_launch() -> LaunchInfo:
 
 def launch_rank_hint() -> int:
     """Best guess of this process's rank before any communication (to print errors once)."""
-    for name in ("RANK", *_MPI_RANK_VARS, "SLURM_PROCID"):
+    for name in ("RANK", *MPI_RANK_VARS, "SLURM_PROCID"):
         if name in os.environ:
             try:
                 return int(os.environ[name])

@@ -10,10 +10,8 @@ import tempfile
 from pathlib import Path
 
 from htfl_dist.errors import ConfigError, DiskFullError, HtflError, disk_full_reason, is_disk_full
+from htfl_dist.metrics.following import PREEMPTED_MARKER
 
-PREEMPTED_MARKER = "PREEMPTED"
-"""Left in the run directory by a run that checkpointed on SIGTERM (the exit status does not survive
-torchrun, so batch scripts read the file); a start accepts it where a run was."""
 
 def resume_source(resume: str, out: Path) -> Path | None:
     if resume == "never":

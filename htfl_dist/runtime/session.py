@@ -32,7 +32,7 @@ from htfl_dist.metrics.writer import progress
 from htfl_dist.privacy.startup import SEEDED_NOISE_WARNING, check_private_run, privacy_plan
 from htfl_dist.runtime.exchange import Exchange
 from htfl_dist.runtime.lending import Lending
-from htfl_dist.runtime.liveness import Liveness, describe_plain, tell_supervisor
+from htfl_dist.runtime.liveness import Liveness, describe_plain
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.startup import (
     ClientFactory,
@@ -44,6 +44,7 @@ from htfl_dist.runtime.startup import (
     place_clients,
     prepare_data,
 )
+from htfl_dist.runtime.supervisor import tell_supervisor
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.watchdog import CLIENT_DELAY_S, STARTUP, RoundWatchdog
 

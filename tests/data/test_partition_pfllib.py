@@ -17,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from htfl_dist.config import DEFAULT_FMNIST_ROOT, DataConfig, load_config
+from htfl_dist.data.cache_keys import partition_key, pfllib_guard
 from htfl_dist.data.datasets import fmnist_files, parse_idx
 from htfl_dist.data.partition_pfllib import (
     PFLLIB_EXDIR_MIN_SAMPLES,
@@ -32,7 +33,7 @@ from htfl_dist.data.partition_pfllib import (
     pfllib_shares,
     split_train_test_pfllib,
 )
-from htfl_dist.data.prepare import _build_indices, _partition_key, _pfllib_guard, prepare_partition
+from htfl_dist.data.prepare import _build_indices, prepare_partition
 from htfl_dist.errors import ConfigError, DataError
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "pfllib_partition_seed1.json").read_text())
@@ -468,9 +469,9 @@ def test_exdir_never_gives_a_client_a_class_it_did_not_pick():
 
 
 def test_exdir_guard_is_a_fixed_10_unless_set():
-    assert _pfllib_guard(DataConfig(partition="exdir"), 70000, 20, 32) == PFLLIB_EXDIR_MIN_SAMPLES == 10
-    assert _pfllib_guard(DataConfig(partition="dirichlet"), 70000, 20, 32) == 128  # least_samples
-    assert _pfllib_guard(DataConfig(partition="exdir", min_samples_per_client=3), 70000, 20, 32) == 3
+    assert pfllib_guard(DataConfig(partition="exdir"), 70000, 20, 32) == PFLLIB_EXDIR_MIN_SAMPLES == 10
+    assert pfllib_guard(DataConfig(partition="dirichlet"), 70000, 20, 32) == 128  # least_samples
+    assert pfllib_guard(DataConfig(partition="exdir", min_samples_per_client=3), 70000, 20, 32) == 3
 
 
 def test_exdir_and_balance_options_and_their_refusals():
@@ -501,7 +502,7 @@ def test_new_keys_keep_old_hashes_and_enter_the_cache_key():
     assert balanced.experiment()["data"]["balance"] is True and balanced.config_hash() != unbalanced.config_hash()
 
     def key(**options):
-        return _partition_key(DataConfig(partition_rules="pfllib", **options), 20, 1, None, 10)
+        return partition_key(DataConfig(partition_rules="pfllib", **options), 20, 1, None, 10)
 
     assert all("balance" not in key(partition=p) for p in ("dirichlet", "pathological"))  # old caches stay valid
     exdir = key(partition="exdir")
@@ -566,14 +567,14 @@ def test_partition_rules_option_and_its_checks(tmp_path):
 
 
 def test_cache_key_names_the_rules_only_when_not_legacy():
-    legacy = _partition_key(DataConfig(partition_rules="legacy"), 20, 1, None, 10)
+    legacy = partition_key(DataConfig(partition_rules="legacy"), 20, 1, None, 10)
     assert "partition_rules" not in legacy and legacy["min_samples_per_client"] == 10  # as before
-    pfllib = _partition_key(DataConfig(partition_rules="pfllib"), 20, 1, None, 10)
+    pfllib = partition_key(DataConfig(partition_rules="pfllib"), 20, 1, None, 10)
     assert pfllib["partition_rules"] == "pfllib" and pfllib["batch_size"] == 10
-    assert _partition_key(DataConfig(partition_rules="pfllib"), 20, 1, None, 32) != pfllib
+    assert partition_key(DataConfig(partition_rules="pfllib"), 20, 1, None, 32) != pfllib
     fixed = DataConfig(partition_rules="pfllib", min_samples_per_client=40)
-    assert "batch_size" not in _partition_key(fixed, 20, 1, None, 32)
-    pathological = _partition_key(DataConfig(partition="pathological", partition_rules="pfllib"), 20, 1, None, 10)
+    assert "batch_size" not in partition_key(fixed, 20, 1, None, 32)
+    pathological = partition_key(DataConfig(partition="pathological", partition_rules="pfllib"), 20, 1, None, 10)
     assert pathological["batch_size"] == 10  # the guard enters the share floor too
 
 

@@ -12,15 +12,9 @@ import time
 import pytest
 
 from conftest import REPO, _env
-from htfl_dist.runtime.liveness import (
-    MPI_RANK_VARS,
-    SUPERVISOR_DRAIN_S,
-    SUPERVISOR_ENV,
-    StoreAddress,
-    needs_supervisor,
-    open_store,
-)
 from htfl_dist.runtime.liveness import Liveness as _Liveness
+from htfl_dist.runtime.liveness import StoreAddress, open_store
+from htfl_dist.runtime.supervisor import MPI_RANK_VARS, SUPERVISOR_DRAIN_S, SUPERVISOR_ENV, needs_supervisor
 
 
 def _free_port() -> int:
@@ -156,8 +150,8 @@ def test_a_finished_rank_does_not_take_its_peers_exit_for_a_failure(address):
 
 # ------------------------------------------------------------------ under mpirun: the supervisor names a killed rank
 
-SUPERVISOR = "import sys; from htfl_dist.runtime.liveness import supervise; sys.exit(supervise(sys.argv[1:]))"
-WORKER = ("import os, signal, sys, time; from htfl_dist.runtime.liveness import become_supervised_worker, "
+SUPERVISOR = "import sys; from htfl_dist.runtime.supervisor import supervise; sys.exit(supervise(sys.argv[1:]))"
+WORKER = ("import os, signal, sys, time; from htfl_dist.runtime.supervisor import become_supervised_worker, "
           "tell_supervisor; become_supervised_worker(); {body}")
 
 
@@ -227,9 +221,9 @@ def _alive(pid: int) -> bool:
 
 
 def test_only_an_unsupervised_mpi_rank_needs_a_supervisor():
-    from htfl_dist.runtime.bootstrap import _MPI_RANK_VARS
+    from htfl_dist.runtime import bootstrap
 
-    assert MPI_RANK_VARS == _MPI_RANK_VARS  # one list of what mpirun sets, in two layers
+    assert bootstrap.MPI_RANK_VARS is MPI_RANK_VARS  # one list of what mpirun sets
     assert needs_supervisor({"PMI_RANK": "0"}) and needs_supervisor({"OMPI_COMM_WORLD_RANK": "3"})
     assert not needs_supervisor({"PMI_RANK": "0", SUPERVISOR_ENV: "12:5"})
     assert not needs_supervisor({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun: its agent names lost ranks
