@@ -12,6 +12,7 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     fedmrl,
     fednh,
     fedoc,
+    fedorgp,
     fedpcl,
     fedproto,
     fedsa,

@@ -16,10 +16,9 @@ from conftest import SMOKE, run_program
 from htfl_dist import testing
 from htfl_dist.algorithms import AlgorithmContext, get_algorithm, parse_options
 from htfl_dist.algorithms import fedtgp as fedtgp_module
-from htfl_dist.algorithms.fedoc import (
-    FedOCOptions,
+from htfl_dist.algorithms.fedoc import FedOCOptions, orthogonality_loss
+from htfl_dist.algorithms.fedorgp import (
     filtered_class_means,
-    orthogonality_loss,
     outlier_mask,
     outlier_scores,
     sigmoid_weights,
