@@ -118,7 +118,7 @@ _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PMI_RAN
 
 def _launch_with(monkeypatch, **env):
 
-    for name in (*_LAUNCH_VARS, *bootstrap._MPI_RANK_VARS):
+    for name in (*_LAUNCH_VARS, *bootstrap.MPI_RANK_VARS):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
