@@ -214,8 +214,9 @@ def test_a_tracker_failing_mid_run_costs_its_copy_not_the_run(tmp_path, cache_di
     def take_the_store_away() -> None:
         while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
             time.sleep(0.005)
-        shutil.rmtree(store)
+        store.rename(tmp_path / "taken")  # at once: an rmtree races the writer adding a file under it
         gone.set()
+        shutil.rmtree(tmp_path / "taken")
 
     thief = threading.Thread(target=take_the_store_away, daemon=True)
     thief.start()
