@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from htfl_dist.seeding import torch_generator
+
 SLICE_MODES = ("static", "rolling", "random")
 
 
@@ -36,7 +38,7 @@ def slice_indices(width: int, rate: float, mode: str, round_index: int = 0,
         start = round_index % width
         return (torch.arange(k) + start) % width
     if mode == "random":
-        gen = torch.Generator().manual_seed(hash((seed, client, round_index)) & 0x7FFFFFFF)
+        gen = torch_generator(seed, "width-slice", client, round_index)  # both sides derive it
         return torch.sort(torch.randperm(width, generator=gen)[:k]).values
     raise ValueError(f"unknown slice mode {mode!r}; expected one of {SLICE_MODES}")
 
