@@ -1,14 +1,12 @@
 """Architecture registry, model groups, and ``build_model``.
 
-Architectures are registered by decorating a builder function with
-``@register_architecture(name)``; config strings are only ever looked up in this registry
-(never ``eval``-ed, never resolved with ``getattr`` on a library), so an unknown name is a
-clean :class:`~htfl_dist.errors.ConfigError` that lists what is allowed.
+Architectures are registered with ``@register_architecture(name)`` on a builder; config strings
+are only looked up here (never ``eval``-ed or found with ``getattr``), so an unknown name is one
+:class:`~htfl_dist.errors.ConfigError` line listing what is allowed.
 
-Model groups follow the papers' HtFE_X rule: client ``i`` gets ``group[i mod len(group)]``.
-A single architecture name is also accepted wherever a group is expected and means the
-homogeneous group of one (``model.group=resnet18`` -> every client is a ResNet18, as in the
-FedTGP appendix's homogeneous-model table).
+Model groups follow the papers' HtFE_X rule: client ``i`` gets ``group[i mod len(group)]``; one
+architecture name is the homogeneous group of one (``model.group=resnet18``: every client is a
+ResNet18, as in the FedTGP appendix's homogeneous-model table).
 
 A group member is ``ARCH`` (the architecture with its default ``fc`` head, ``Linear(K, C)``) or
 ``ARCH:HEAD`` (the same extractor with a registered head from :mod:`htfl_dist.models.heads`,
