@@ -13,6 +13,7 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     fednh,
     fedoc,
     fedorgp,
+    fedpac,
     fedpcl,
     fedproto,
     fedsa,
