@@ -87,8 +87,12 @@ ADDED_BY_DOMAINS = {
     "digit5_htcnn8_fedproto_domains": "56c02e9ed83ff664",
 }
 
+ADDED_BY_FEDPAC = {
+    "fmnist_htcnn8_fedpac_dirichlet": "50aa461fa7f55192",
+}
+
 PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25, **ADDED_ON_2026_11_27,
-          **ADDED_BY_DOMAINS}
+          **ADDED_BY_DOMAINS, **ADDED_BY_FEDPAC}
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
