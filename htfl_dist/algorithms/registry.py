@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from htfl_dist.algorithms.interface import ClientAlgorithm, ServerAlgorithm
-from htfl_dist.config import build_section, check_bounds
+from htfl_dist.config import build_section, check_bounds, declare_algorithm_options
 from htfl_dist.registry import Registry, name_key
 
 
@@ -150,6 +150,7 @@ def register_algorithm(name: str, *, server: type[ServerAlgorithm], client: type
         if group is ClientAlgorithm else
         f"its client {client.__qualname__} takes train from {train.__qualname__} but train_group from "
         f"{group.__qualname__}, which batches another train")
+    declare_algorithm_options(name, options)  # the hash walks its fields' declared identity
     _REGISTRY.add(name, AlgorithmEntry(name, server, client, options, summary, shares_parameters, uses_generator,
                                        private_release, batched_clients, evaluation_installs_knowledge,
                                        conformance or ConformanceHints()), source=source)

@@ -18,13 +18,11 @@ generator) are resolved one layer up, by ``htfl_dist.resolution``. The names bel
 package's public interface.
 """
 from htfl_dist.config.identity import (
-    DATA_LOCATION_KEYS,
-    KEYS_ADDED_LATER,
-    PLUMBING_KEYS,
-    TRAIN_STOPPING_KEYS,
+    declare_algorithm_options,
     experiment_differences,
     experiment_hash,
     experiment_view,
+    section_view,
     spelled_out_partition_rules,
 )
 from htfl_dist.config.loading import (
@@ -60,16 +58,12 @@ from htfl_dist.config.schema import (
 )
 
 __all__ = [
-    "DATA_LOCATION_KEYS",
     "DEFAULT_FMNIST_ROOT",
     "FLOAT32_MAX",
     "HEARTBEAT_FLOOR_S",
     "INT64_MAX",
-    "KEYS_ADDED_LATER",
     "MAX_EXPANDED_NODES",
     "PLUGIN_HINT",
-    "PLUMBING_KEYS",
-    "TRAIN_STOPPING_KEYS",
     "YAML_SWITCH",
     "Bound",
     "Config",
@@ -85,6 +79,7 @@ __all__ = [
     "build_section",
     "check_bounds",
     "config_from_dict",
+    "declare_algorithm_options",
     "default_cache_dir",
     "experiment_differences",
     "experiment_hash",
@@ -93,6 +88,7 @@ __all__ = [
     "load_yaml",
     "parse_overrides",
     "partition_cache_dir",
+    "section_view",
     "spelled_out_partition_rules",
     "unknown_name",
     "validate",

@@ -2,10 +2,12 @@
 resumed run may change.
 
 A run directory and its checkpoints carry the hash of the config's experiment part; resuming
-needs an equal hash. The experiment part leaves out plumbing (``PLUMBING_KEYS``), where the
-data lives and when a run gives up, and writes every key added after runs existed the way those
-runs were hashed (``KEYS_ADDED_LATER``, the legacy partition view), so old run directories keep
-resuming. tests/runtime/test_config_identity.py pins the hash of every shipped config.
+needs an equal hash. What a key contributes is declared where the key is declared
+(``config.rules.Identity`` in the field's metadata: plumbing, added later with its default, a
+location, a renamed key or value, a section left out when off) and walked here, for the config's
+sections and for each algorithm's options alike; only the two conditional rules (``rounds`` under
+the cosine schedule, the legacy partition view) are written out below. Old run directories keep
+resuming; tests/runtime/test_config_identity.py pins the hash of every shipped config.
 """
 from __future__ import annotations
 
@@ -15,24 +17,8 @@ import hashlib
 import json
 from typing import Any
 
-from htfl_dist.config.generator_section import GeneratorConfig
-from htfl_dist.config.participation_section import ParticipationConfig
+from htfl_dist.config.rules import Identity
 from htfl_dist.errors import shown
-
-PLUMBING_KEYS = ("runtime", "output", "rounds", "eval_every", "checkpoint_every", "checkpoint_keep", "on_bad_upload",
-                 "plugins", "stop")
-"""Not part of the experiment: plumbing, the run length and when to stop early (a resumed run may
-extend `rounds`, except under ``train.lr_schedule=cosine``, whose learning rates depend on it) and
-the plugin modules (they provide names; the names and options they resolve to are the experiment, so
-moving a plugin to another module keeps a run's hash)."""
-DATA_LOCATION_KEYS = ("root", "cache_dir", "allow_changed")
-"""Where the data lives: moving it (another node, a new cache) is the same run; and the consent to
-resume on changed data (the data themselves are checked against the checkpoint's, not hashed)."""
-MODEL_LOCATION_KEYS = ("pretrained",)
-"""Where a model's files live (pre-trained weights): moving them is the same run, so the experiment
-says only that they are used (``True``); their bytes are checked against the checkpoint's, not hashed."""
-TRAIN_STOPPING_KEYS = ("max_diverged_rounds",)
-"""When a run gives up, not what its rounds compute."""
 
 
 def _legacy_partition_view(data: dict[str, Any]) -> None:
@@ -48,53 +34,79 @@ def _legacy_partition_view(data: dict[str, Any]) -> None:
         data["min_samples_per_client"] = 10
 
 
-KEYS_ADDED_LATER: dict[str, dict[str, Any]] = {
-    "model": {"init": "per_client", "pretrained": None, "pretrained_part": "features"},
-    "train": {"batch_order": "shuffled", "last_batch": "keep", "client_batching": "off", "optimizer": "sgd",
-              "momentum": 0.0, "weight_decay": 0.0, "lr_schedule": "constant", "lr_decay": 0.99,
-              "lr_step_rounds": 0, "lr_min": 0.0},
-    "data": {"vocab_size": None, "few_shot": 0, "balance": False, "domains": []},
-    "eval": {"new_clients": 0, "new_client_epochs": 1},
-    "participation": {"late": "drop", "availability_period_s": 0.0, "tiers": None},
-}
-"""Keys added after runs existed, per section, with the default that was the only behaviour
-before them: at that default a key is left out of the experiment, so earlier runs and their
-checkpoints keep their hash."""
+_ALGORITHM_OPTIONS: dict[str, type] = {}
+"""Each registered algorithm's options dataclass, by case-folded name, so the hash can walk the
+identity its fields declare (a renamed option, one added later). The algorithm registry fills it
+when an algorithm registers (the config layer imports no algorithm)."""
 
 
-def _drop_defaults_added_later(view: dict[str, Any]) -> None:
-    for section, defaults in KEYS_ADDED_LATER.items():
-        values = view.get(section, {})
-        for key, default in defaults.items():
-            if values.get(key, default) == default:
-                values.pop(key, None)
+def declare_algorithm_options(name: str, options: type) -> None:
+    """Called by ``algorithms.register_algorithm``: ``algo.*`` of ``name`` follows ``options``' fields."""
+    _ALGORITHM_OPTIONS[name.casefold()] = options
 
 
-def experiment_view(tree: dict[str, Any]) -> dict[str, Any]:
-    """The experiment part of a config dict (a copy). Tolerates keys that are absent, so it also
-    reads the experiments stored by older versions in checkpoint manifests."""
-    view = copy.deepcopy(tree)
-    if view.get("generator") == dataclasses.asdict(GeneratorConfig()):
-        view.pop("generator")  # the default generator is pinned by its sha256; older runs stay resumable
-    if not view.get("privacy", {}).get("enabled", False):
-        view.pop("privacy", None)  # off, the section changes nothing: runs without it keep their hash
-    if view.get("participation") == dataclasses.asdict(ParticipationConfig()):
-        view.pop("participation")  # everyone aggregated, no clock: runs made before it keep their hash
-    _drop_defaults_added_later(view)
-    if view.get("eval") == {"clients_fraction": 1.0}:
-        view.pop("eval")  # every client tested: runs made before sampled evaluation keep their hash
+def section_view(section: type, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (a section of a config dict; keys may be missing, as in older manifests) as it
+    enters the hash, following each field's declared :class:`Identity`: plumbing left out, a key
+    added later left out at its default, a location hashed as "set", renamed keys and values
+    written as they were hashed, and sub-sections walked the same way (and left out where they
+    declare so)."""
+    view = dict(values)
+    for item in dataclasses.fields(section):
+        if item.name not in view:
+            continue
+        rule: Identity = item.metadata.get("identity", Identity())
+        default = _default_of(item)
+        value = view.pop(item.name)
+        if rule.plumbing or (rule.added_later and value == _as_dict(default)):
+            continue
+        if dataclasses.is_dataclass(default) and isinstance(value, dict):
+            value = section_view(type(default), value)
+            if rule.omit_when_default and value == section_view(type(default), _as_dict(default)):
+                continue
+            if rule.omit_unless and not value.get(rule.omit_unless, False):
+                continue
+        if rule.location and value is not None:
+            value = True
+        value = dict(rule.hashed_values).get(value, value) if _hashable(value) else value
+        view[rule.hashed_as or item.name] = value
+    return view
+
+
+def _default_of(item: dataclasses.Field) -> Any:
+    if item.default_factory is not dataclasses.MISSING:
+        return item.default_factory()
+    return item.default
+
+
+def _as_dict(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) and not isinstance(value, type) else value
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def experiment_view(tree: dict[str, Any], config: type) -> dict[str, Any]:
+    """The experiment part of a config dict (a copy), ``config`` being the Config dataclass whose
+    fields declare each key's identity. Tolerates keys that are absent, so it also reads the
+    experiments stored by older versions in checkpoint manifests. Two rules are conditional and
+    so written here: ``rounds`` is plumbing except under ``train.lr_schedule=cosine`` (the
+    schedule spans the run: its length decides every round's lr), and the legacy partition
+    rules' view of the data section."""
+    tree = copy.deepcopy(tree)
+    cosine_rounds = tree.get("rounds") if tree.get("train", {}).get("lr_schedule") == "cosine" else None
+    view = section_view(config, tree)
+    if cosine_rounds is not None:
+        view["rounds"] = cosine_rounds
+    options = _ALGORITHM_OPTIONS.get(str(view.get("algorithm", "")).casefold())
+    if options is not None and isinstance(view.get("algo"), dict):
+        view["algo"] = section_view(options, view["algo"])
     _legacy_partition_view(view.get("data", {}))
-    for key in PLUMBING_KEYS:
-        if key == "rounds" and view.get("train", {}).get("lr_schedule") == "cosine":
-            continue  # the cosine schedule spans the run: its length decides every round's lr
-        view.pop(key, None)
-    for key in DATA_LOCATION_KEYS:
-        view.get("data", {}).pop(key, None)
-    for key in MODEL_LOCATION_KEYS:
-        if view.get("model", {}).get(key) is not None:
-            view["model"][key] = True
-    for key in TRAIN_STOPPING_KEYS:
-        view.get("train", {}).pop(key, None)
     return view
 
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from htfl_dist.config.rules import bounded
+from htfl_dist.config.rules import ADDED_LATER, bounded, declared
 from htfl_dist.errors import ConfigError
 
 
@@ -48,7 +48,7 @@ class ParticipationConfig:
     """uniform: every client at the reference speed and ``bandwidth_mbps``; tiers: shares of the
     clients at a speed and bandwidth each (``tiers``); both with HtFLlib's slow fractions on top;
     trace: speed, bandwidth and availability per client from ``trace``."""
-    tiers: str | None = None
+    tiers: str | None = declared(None, identity=ADDED_LATER)
     """``SHARE:SPEED:MBPS,...`` (e.g. ``0.5:1:100,0.3:0.5:20,0.2:0.1:5``): the shares, summing to
     1, of the clients that get each speed factor and bandwidth; which clients from (seed)."""
     trace: str | None = None
@@ -72,10 +72,10 @@ class ParticipationConfig:
     """A round with fewer aggregated uploads than this skips the server step and says so."""
     random_join: bool = False
     """HtFLlib's -rjr: each round's participant count drawn from int(N·join_ratio)..N."""
-    availability_period_s: float = bounded(0.0, at_least=0, note="0 = windows do not repeat")
+    availability_period_s: float = bounded(0.0, identity=ADDED_LATER, at_least=0, note="0 = windows do not repeat")
     """The period after which a trace's availability windows (``available``) repeat, in simulated
     seconds (86400: a day); 0: they are absolute times."""
-    late: Literal["drop", "next_round"] = "drop"
+    late: Literal["drop", "next_round"] = declared("drop", identity=ADDED_LATER)
     """What becomes of an upload that misses ``deadline_s``: drop (lost, as HtFLlib's -tth);
     next_round: the server takes it in the next round, with that round's uploads, unless its
     client has a fresh one there (the metrics row says whose: ``late_folded_clients``); only for

@@ -55,9 +55,52 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
-def bounded(default: Any, **limits: Any) -> Any:
-    """A dataclass field with a :class:`Bound` (see ``check_bounds``)."""
-    return field(default=default, metadata={"bound": Bound(**limits)})
+@dataclass(frozen=True)
+class Identity:
+    """How a field enters the experiment's identity (``config.identity``), declared next to the
+    field so that adding a key says, where it is added, whether old runs keep their hash: the
+    hash walks these declarations instead of lists kept by hand elsewhere."""
+
+    plumbing: bool = False
+    """Not part of the experiment (where output goes, when to give up, where data lives)."""
+    added_later: bool = False
+    """Added after runs existed: at its default (the only behaviour before it), left out of the
+    hash, so those runs and their checkpoints keep their hash."""
+    location: bool = False
+    """Where files live: hashed as ``True`` when set (that they are used is the experiment; where
+    they are is not; their bytes are checked against the checkpoint's instead)."""
+    hashed_as: str | None = None
+    """The key's name in the hash when it was renamed: runs made under the old name keep their hash."""
+    hashed_values: tuple[tuple[Any, Any], ...] = ()
+    """(value, value in the hash) pairs for a value renamed, for the same reason."""
+    omit_when_default: bool = False
+    """A section left out of the hash when its view equals its default's (it changes nothing)."""
+    omit_unless: str | None = None
+    """A section left out of the hash unless this boolean key of it is true (off, it changes nothing)."""
+
+
+PLUMBING = Identity(plumbing=True)
+ADDED_LATER = Identity(added_later=True)
+LOCATION = Identity(location=True)
+
+
+def declared(default: Any = dataclasses.MISSING, *, identity: Identity | None = None,
+             default_factory: Any = dataclasses.MISSING, **limits: Any) -> Any:
+    """A dataclass field with its rules declared beside it: a :class:`Bound` when ``limits`` are
+    given (checked by ``check_bounds``) and an :class:`Identity` (walked by ``config.identity``)."""
+    metadata: dict[str, Any] = {}
+    if limits:
+        metadata["bound"] = Bound(**limits)
+    if identity is not None:
+        metadata["identity"] = identity
+    if default_factory is not dataclasses.MISSING:
+        return field(default_factory=default_factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def bounded(default: Any, *, identity: Identity | None = None, **limits: Any) -> Any:
+    """A dataclass field with a :class:`Bound` (see ``check_bounds``) and optionally an :class:`Identity`."""
+    return declared(default, identity=identity, **limits)
 
 
 def check_bounds(section: Any, prefix: str = "") -> None:

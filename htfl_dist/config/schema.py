@@ -16,7 +16,7 @@ from typing import Any, Literal
 from htfl_dist.config.generator_section import GeneratorConfig
 from htfl_dist.config.identity import experiment_hash, experiment_view
 from htfl_dist.config.participation_section import ParticipationConfig
-from htfl_dist.config.rules import Bound, bounded, check_bounds
+from htfl_dist.config.rules import ADDED_LATER, PLUMBING, Bound, Identity, bounded, check_bounds, declared
 from htfl_dist.errors import ConfigError, shown
 
 __all__ = ["Bound", "bounded", "check_bounds"]  # re-exported: the schema's own rules
@@ -44,7 +44,7 @@ class DataConfig:
     (fmnist, cifar10, cifar100, tinyimagenet, flowers102; the domain suites digit5 and domainnet)
     or a plugin's; the resolution step
     (``htfl_dist.resolution``) refuses a name no source holds."""
-    root: str | None = None
+    root: str | None = declared(None, identity=PLUMBING)
     """Directory holding the dataset files (fmnist default: the OS package's directory). The
     others need it, never download, and take the parent of the dataset's folder or the folder
     itself: cifar-10-batches-py/, cifar-100-python/, tiny-imagenet-200/ (the extracted
@@ -58,7 +58,7 @@ class DataConfig:
     classes_per_client: int = bounded(2, at_least=1)
     """Pathological setting: classes held by each client; exdir: classes each client may hold
     (PFLlib's ``class_per_client``)."""
-    balance: bool = False
+    balance: bool = declared(False, identity=ADDED_LATER)
     """PFLlib's ``balance=True`` (partition=pathological, partition_rules=pfllib only): a class's
     holders get equal shares (int(n / m), the last the rest) instead of PFLlib's random ones.
     PFLlib's dir and exdir ignore ``balance``; here it is refused there rather than ignored."""
@@ -89,30 +89,30 @@ class DataConfig:
     number replaces the rule's own value."""
     max_partition_tries: int = bounded(1000, at_least=1)
     """Dirichlet: give up (with a clear error) after this many re-draws."""
-    cache_dir: str | None = None
+    cache_dir: str | None = declared(None, identity=PLUMBING)
     """Where partition caches (HDF5) are written; default ~/.cache/htfl_dist/partitions."""
     pfllib_dir: str | None = None
     """partition=pfllib: a PFLlib/HtFLlib dataset directory (config.json, train/, test/)."""
     allow_pickle: bool = False
     """partition=pfllib: PFLlib's .npz files hold pickled arrays; loading them needs consent."""
-    allow_changed: bool = False
+    allow_changed: bool = declared(False, identity=PLUMBING)
     """Resume on data other than the checkpoint's (another source, other files, another split) on
     purpose: without it such a resume is refused; with it the run goes on and summary.json records
     the change. Not part of the experiment's hash."""
-    vocab_size: int | None = bounded(None, at_least=1, at_most=1_000_000, optional=True,
+    vocab_size: int | None = bounded(None, identity=ADDED_LATER, at_least=1, at_most=1_000_000, optional=True,
                                      note="or null: the data's largest id + 1")
     """Text data: the vocabulary the text models embed (token ids 0 .. vocab_size - 1); unset: the
     largest id in the data + 1. HtFLlib sets 32000 for AG News (the tokenizer's ``max_tokens``).
     At most the cap the data's own ids are held to (``htfl_dist.data.pfllib.MAX_VOCAB_SIZE``, above
     PFLlib's largest text vocabulary): a larger one would size every text model's embedding
     (10**12 asked for 2 PB) before a single id is read."""
-    few_shot: int = bounded(0, at_least=0, note="0 = off")
+    few_shot: int = bounded(0, identity=ADDED_LATER, at_least=0, note="0 = off")
     """k: each client trains on at most k samples of each class, the first k of that class in its
     training split's stored order (its test split is untouched); 0 = the whole split. HtFLlib's
     and PFLlib's ``-fs`` (``read_client_data``). The stored order of a split drawn here is a
     permutation drawn from the partition's seed, so the k are a seeded draw per (seed, client); with
     data.partition=pfllib it is the file's order, exactly the samples HtFLlib keeps."""
-    domains: list[str] = field(default_factory=list)
+    domains: list[str] = declared(default_factory=list, identity=ADDED_LATER)
     """Domain shift: the domains of ``dataset`` the clients come from (``[mnist, usps, svhn, syn,
     mnistm]`` of ``digit5``; ``domainnet``'s clipart, infograph, painting, quickdraw, real, sketch),
     all sharing one label space. Client i gets domain i mod D (D = how many are named), each
@@ -142,7 +142,7 @@ class ModelConfig:
     group: a YAML list of members, or the same members comma-separated (a list is stored in that
     comma form, so both spellings are one experiment)."""
     feature_dim: int = bounded(512, at_least=1, at_most=1 << 16, note="wider than any model's features")
-    init: Literal["per_client", "htfllib"] = "per_client"
+    init: Literal["per_client", "htfllib"] = declared("per_client", identity=ADDED_LATER)
     """per_client: client i's initial weights come from a stream keyed by (seed, client i), so no
     two clients start alike. htfllib: as HtFLlib's clients, torch's RNG is set to ``seed`` before
     each client's model is built (HtFLlib always uses 0), so clients of the same architecture
@@ -150,14 +150,14 @@ class ModelConfig:
     architecture's own ``Linear(K, C)`` is drawn and replaced by a freshly drawn head, as
     HtFLlib's BaseHeadSplit does. With seed 0 this is HtFLlib's initial model, bit for bit,
     wherever our architecture draws its parameters in HtFLlib's order (checked for HtCNN8)."""
-    pretrained: str | None = None
+    pretrained: str | None = declared(None, identity=Identity(added_later=True, location=True))
     """A directory of pre-trained weights, one ``torch.save``-d state dict per architecture
     (``ARCH.pt``; with ``pretrained_part: whole`` and a head other than the architecture's own,
     ``ARCH+HEAD.pt``), loaded into every client's freshly built model before its first round
     (htfl_dist/models/pretrained.py, docs/datasets.md). Unset: every model from scratch. Like
     ``data.root``, where the directory is is not part of the experiment (that one is set is);
     checkpoints record each file's sha256 and a resume on other files is refused."""
-    pretrained_part: Literal["features", "whole"] = "features"
+    pretrained_part: Literal["features", "whole"] = declared("features", identity=ADDED_LATER)
     """What ``pretrained`` replaces: the feature extractor (the head stays as ``init`` drew it, its
     class count being the data's), or the whole model (feature_extractor.* and head.*)."""
 
@@ -180,17 +180,17 @@ class TrainConfig:
     batch_size: int = bounded(10, at_least=1)
     lr: float = bounded(0.01, above=0)
     local_epochs: int = bounded(1, at_least=1)
-    batch_order: Literal["shuffled", "fixed"] = "shuffled"
+    batch_order: Literal["shuffled", "fixed"] = declared("shuffled", identity=ADDED_LATER)
     """shuffled: every local epoch visits the client's training split in a fresh permutation drawn
     from the (seed, client, round) batch stream; fixed: in the split's stored order, the same
     batches every epoch and every round, as HtFLlib's client loader (``shuffle=False``) does.
     With data.partition=pfllib the stored order is the order of the PFLlib file."""
-    last_batch: Literal["keep", "drop"] = "keep"
+    last_batch: Literal["keep", "drop"] = declared("keep", identity=ADDED_LATER)
     """What happens to an epoch's trailing partial batch. keep: it trains like any other, except a
     batch of a single sample (BatchNorm cannot train on it); drop: it is left out, as HtFLlib's
     client loader (``drop_last=True``) does, so a client with fewer samples than one batch does
     not train (nor collect prototypes while training)."""
-    client_batching: Literal["off", "vmap"] = "off"
+    client_batching: Literal["off", "vmap"] = declared("off", identity=ADDED_LATER)
     """off: each participant trains alone, one after the other. vmap: the participants of one
     architecture hosted on a rank train as one batched model (``torch.func.vmap`` over their
     stacked parameters), each with its own batches and step count, equal to ``off`` within float
@@ -199,31 +199,31 @@ class TrainConfig:
     arithmetic and it does not pay. Only for algorithms with a batched client path (local,
     fedproto, fedtgp) and models without BatchNorm or Dropout; anything else is refused at
     start-up. Changes the config hash (``off`` does not)."""
-    max_diverged_rounds: int = bounded(3, at_least=0, note="0 = never give up")
+    max_diverged_rounds: int = bounded(3, identity=PLUMBING, at_least=0, note="0 = never give up")
     """A run in which every participating client's loss is not finite (NaN or infinite: the
     learning rate is too large for the model) this many rounds in a row ends with one line and
     status 1; the rounds in between are not checkpointed, so the last checkpoint is a good one.
     Not part of the experiment (it decides when to give up, not what a round computes)."""
-    optimizer: Literal["sgd", "adam", "adamw"] = "sgd"
+    optimizer: Literal["sgd", "adam", "adamw"] = declared("sgd", identity=ADDED_LATER)
     """The client's optimizer (``torch.optim.SGD``, ``Adam``, ``AdamW``; Adam's betas and eps are
     torch's defaults), built in one place (``algorithms.optimizers``) and kept with the client
     across rounds: its state (momentum, Adam's moments) is checkpointed and parked with it."""
-    momentum: float = bounded(0.0, at_least=0, below=1)
+    momentum: float = bounded(0.0, identity=ADDED_LATER, at_least=0, below=1)
     """SGD's momentum (torch's form: dampening 0, no Nesterov); sgd only."""
-    weight_decay: float = bounded(0.0, at_least=0)
+    weight_decay: float = bounded(0.0, identity=ADDED_LATER, at_least=0)
     """L2 weight decay as torch applies it: added to the gradient (sgd, adam) or decoupled (adamw)."""
-    lr_schedule: Literal["constant", "exponential", "step", "cosine"] = "constant"
+    lr_schedule: Literal["constant", "exponential", "step", "cosine"] = declared("constant", identity=ADDED_LATER)
     """The client learning rate of round r (0-based), a function of the config and r alone, set on
     the client's optimizer before it trains: constant ``lr``; exponential ``lr``·γ^r (γ =
     ``lr_decay``; HtFLlib's/PFLlib's ``-ld True -ldg γ``); step ``lr``·γ^⌊r / lr_step_rounds⌋;
     cosine ``lr_min`` + (``lr`` − ``lr_min``)·(1 + cos(π·r / rounds))/2 over the run's ``rounds``
     (which then becomes part of the experiment: such a run cannot be extended on resume)."""
-    lr_decay: float = bounded(0.99, above=0, at_most=1)
+    lr_decay: float = bounded(0.99, identity=ADDED_LATER, above=0, at_most=1)
     """γ, the factor per round (exponential) or per ``lr_step_rounds`` rounds (step); HtFLlib's
     ``-ldg`` (default 0.99 there too)."""
-    lr_step_rounds: int = bounded(0, at_least=0, note="0 = unset; lr_schedule=step needs it")
+    lr_step_rounds: int = bounded(0, identity=ADDED_LATER, at_least=0, note="0 = unset; lr_schedule=step needs it")
     """step: the lr is multiplied by ``lr_decay`` every this many rounds (torch's StepLR step_size)."""
-    lr_min: float = bounded(0.0, at_least=0)
+    lr_min: float = bounded(0.0, identity=ADDED_LATER, at_least=0)
     """cosine: the lr the schedule reaches at round ``rounds`` (torch's CosineAnnealingLR eta_min)."""
 
     def check(self) -> None:
@@ -345,13 +345,13 @@ class EvalConfig:
     clients_fraction: float = bounded(1.0, above=0, at_most=1)
     """The share of the N clients tested on an evaluation round: int(N·f) of them (at least one),
     drawn from (seed, round), every one on the run's last round."""
-    new_clients: int = bounded(0, at_least=0)
+    new_clients: int = bounded(0, identity=ADDED_LATER, at_least=0)
     """M clients held out of the federation (PFLlib's ``-nnc``): the data are split among N + M
     clients and clients N..N+M−1 never train in a round nor upload. On every evaluation round each
     starts again from its initial model, receives that round's download, trains
     ``new_client_epochs`` local epochs with the algorithm's own client step and is tested: how
     well the federation's knowledge serves a newcomer (``new_client_acc`` beside ``test_acc``)."""
-    new_client_epochs: int = bounded(1, at_least=1)
+    new_client_epochs: int = bounded(1, identity=ADDED_LATER, at_least=1)
     """The local epochs an unseen client trains before its test (PFLlib's ``-ften``), at
     ``train.lr`` whatever ``train.lr_schedule`` gives the federation's clients that round."""
 
@@ -439,40 +439,41 @@ class Config:
     """One federated run."""
 
     algorithm: str = "fedproto"
-    rounds: int = bounded(100, at_least=1)
+    rounds: int = bounded(100, identity=PLUMBING, at_least=1)
     seed: int = 0
     num_clients: int = bounded(20, at_least=1, at_most=1_000_000, note="no dataset here has more samples")
     join_ratio: float = bounded(1.0, above=0, at_most=1)
-    eval_every: int = bounded(1, at_least=1)
-    checkpoint_every: int = bounded(0, at_least=0, note="0 = never")
-    checkpoint_keep: int = bounded(2, at_least=1)
+    eval_every: int = bounded(1, identity=PLUMBING, at_least=1)
+    checkpoint_every: int = bounded(0, identity=PLUMBING, at_least=0, note="0 = never")
+    checkpoint_keep: int = bounded(2, identity=PLUMBING, at_least=1)
     """How many complete checkpoints to keep (older ones are deleted after a new one is published)."""
-    on_bad_upload: Literal["skip", "fail"] = "skip"
+    on_bad_upload: Literal["skip", "fail"] = declared("skip", identity=PLUMBING)
     """skip: an invalid upload (shape, dtype, NaN/Inf, class ids) is left out of that round with a
     warning naming the client; fail: it ends the job."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    stop: StopConfig = field(default_factory=StopConfig)
+    runtime: RuntimeConfig = declared(default_factory=RuntimeConfig, identity=PLUMBING)
+    output: OutputConfig = declared(default_factory=OutputConfig, identity=PLUMBING)
+    eval: EvalConfig = declared(default_factory=EvalConfig, identity=Identity(omit_when_default=True))
+    stop: StopConfig = declared(default_factory=StopConfig, identity=PLUMBING)
     """Early stopping (``stop.patience``); off by default."""
     """Sampled evaluation for large federations (``eval.clients_fraction``); all clients by default."""
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    generator: GeneratorConfig = declared(default_factory=GeneratorConfig, identity=Identity(omit_when_default=True))
     """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""
-    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    privacy: PrivacyConfig = declared(default_factory=PrivacyConfig, identity=Identity(omit_unless="enabled"))
     """Differential privacy of what leaves a client (docs/privacy.md); off by default."""
-    participation: ParticipationConfig = field(default_factory=ParticipationConfig)
+    participation: ParticipationConfig = declared(default_factory=ParticipationConfig,
+                                                  identity=Identity(omit_when_default=True))
     """Drop-out, slow clients, deadlines and random participation on a simulated clock; off by default."""
     algo: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen algorithm as written: the form that is stored (config.yaml, the
     checkpoints) and hashed. The resolution step (``htfl_dist.resolution``) checks it against the
     algorithm's options dataclass and spells every option out."""
-    plugins: list[str] = field(default_factory=list)
+    plugins: list[str] = declared(default_factory=list, identity=PLUMBING)
     """Modules imported before any name is resolved, so that what they register (algorithms,
     architectures, model groups, datasets, generators) can be named here; a study's cells inherit
-    them from their config. Not part of the experiment's hash (``identity.PLUMBING_KEYS``)."""
+    them from their config. Not part of the experiment's hash (declared plumbing)."""
 
     def check(self) -> None:
         """PFLlib's rules draw the split from numpy's ``RandomState``, which takes a seed in
@@ -491,7 +492,7 @@ class Config:
 
     def experiment(self) -> dict[str, Any]:
         """The keys that define the experiment's maths (what a resumed run must not change)."""
-        return experiment_view(self.to_dict())
+        return experiment_view(self.to_dict(), type(self))
 
     def config_hash(self) -> str:
         """Hash of the maths-relevant config, for summaries and checkpoints: two runs with equal

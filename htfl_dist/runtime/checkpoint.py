@@ -180,9 +180,10 @@ def _changes_since(manifest: dict, config: Config) -> list[str]:
     an older version brought to today's form first (data paths were part of the experiment, and
     ``algo`` was kept as typed rather than with every option spelled out), so such checkpoints
     still resume. An empty list means the same experiment."""
-    saved = experiment_view(manifest.get("experiment", {}))
+    saved = experiment_view(manifest.get("experiment", {}), Config)
     with contextlib.suppress(HtflError):  # an algorithm or option this version lacks: the comparison names it
-        saved["algo"] = spelled_out_options(saved.get("algorithm", config.algorithm), saved.get("algo") or {})
+        spelled = spelled_out_options(saved.get("algorithm", config.algorithm), saved.get("algo") or {})
+        saved = experiment_view({**saved, "algo": spelled}, Config)
     return experiment_differences(saved, config.experiment())
 
 
