@@ -31,7 +31,7 @@ from htfl_dist.privacy.secagg_messages import (
     neighbour_graph,
     where,
 )
-from htfl_dist.privacy.secagg_shamir import SHARE_BYTES, combine
+from htfl_dist.privacy.secagg_shamir import SHARE_BYTES, combine, share_value
 
 _KEYS, _SHARES, _MASKED, _UNMASKING, _DONE = range(5)
 
@@ -139,7 +139,11 @@ class SecAggServer:
                 if owner not in owners or u not in self._holders(owner):
                     raise ProtocolError(f"{where(self.round_index, u)} sent a {kind} share of client {owner} "
                                         "it does not hold or was not asked for")
-                check_bytes(share, SHARE_BYTES, f"a {kind} share", self.round_index, u)
+                try:
+                    share_value(check_bytes(share, SHARE_BYTES, f"a {kind} share", self.round_index, u))
+                except ValueError:
+                    raise ProtocolError(f"{where(self.round_index, u)} sent a {kind} share of client {owner} "
+                                        "that is not a field element") from None
         self.unmasking[u] = message
 
     def _reconstruct(self, owner: int, kind: str) -> bytes:

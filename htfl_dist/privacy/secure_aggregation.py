@@ -143,7 +143,7 @@ class SecAggClient:
         if not isinstance(shares_received, Sequence) or len(shares_received) > len(self._neighbours):
             raise ProtocolError(f"{here} received more shares than it has neighbours ({len(self._neighbours)})")
         for share in shares_received:
-            share = check_encrypted(share, self.round_index, "?")
+            share = check_encrypted(share, self.round_index, getattr(share, "sender", "?"))
             v = share.sender
             if share.receiver != self.client_id or v not in self._neighbours or v in self._held:
                 raise ProtocolError(f"{where(self.round_index, v)}: a share misrouted or repeated to client "

@@ -302,6 +302,13 @@ def test_wrong_unmasking_share_is_detected(forged):
         stages.server.result()
 
 
+def self_mask_seed(run, u: int) -> bytes:
+    """Client u's self-mask seed, as the server reconstructs it from the unmasking shares."""
+    points = evaluation_points(run.server.advertisements)
+    shares = {points[v]: m.seed_shares[u] for v, m in run.server.unmasking.items() if u in m.seed_shares}
+    return combine(shares, run.server.config.threshold)
+
+
 def test_masks_and_keys_are_fresh_per_run():
     quantised = inputs(5)
     config = SecAggConfig(threshold=3)
@@ -312,9 +319,29 @@ def test_masks_and_keys_are_fresh_per_run():
         runs.append(run_protocol(quantised, config, dropouts_after_share=[13]))
     a, b = runs
     assert all(np.mean(a.masked[u].masked != b.masked[u].masked) > 0.99 for u in a.masked)
-    assert a.server.roster() != b.server.roster()
+    for u in quantised:
+        assert a.server.advertisements[u].masking_key != b.server.advertisements[u].masking_key
+        assert a.server.advertisements[u].encryption_key != b.server.advertisements[u].encryption_key
+    seeds = [self_mask_seed(run, u) for run in runs for u in run.survivors]
+    assert len(set(seeds)) == len(seeds)  # no self-mask seed repeats, across clients or runs
     np.testing.assert_array_equal(a.total, b.total)
     np.testing.assert_array_equal(a.total, exact_sum(quantised, a.survivors))
+
+
+def test_shares_are_bound_to_round_sender_and_receiver():
+    key = b"\x05" * 32
+    nonce, ciphertext = crypto.encrypt(key, b"share", 7, 1, 2)
+    assert crypto.decrypt(key, nonce, ciphertext, 7, 1, 2) == b"share"
+    for round_index, sender, receiver in ((8, 1, 2), (7, 2, 1), (7, 1, 3)):
+        with pytest.raises(crypto.DecryptionFailed):
+            crypto.decrypt(key, nonce, ciphertext, round_index, sender, receiver)
+    # the server reflects client 13's share for client 3 back to 13 as if 3 had sent it
+    stages = Stages(inputs(4), SecAggConfig(threshold=3))
+    to_3 = next(s for s in stages.server.shares_for(3) if s.sender == 13)
+    routed = [s for s in stages.server.shares_for(13) if s.sender != 3]
+    reflected = dataclasses.replace(to_3, sender=3, receiver=13)
+    with pytest.raises(ProtocolError, match="client 3: its share for client 13 failed authentication"):
+        stages.clients[13].masked_input(stages.quantised[13], [reflected, *routed])
 
 
 def test_messages_are_bounded_by_the_config():
@@ -324,7 +351,21 @@ def test_messages_are_bounded_by_the_config():
         stages.server.receive_masked_input(MaskedInput(3, np.zeros(65, np.uint32)))
     with pytest.raises(ProtocolError, match=r"client 3 sent a vector .*expected uint32 of 64"):
         stages.server.receive_masked_input(MaskedInput(3, np.zeros(64, np.int64)))
+    routed = stages.server.shares_for(3)
+    short = dataclasses.replace(routed[0], ciphertext=routed[0].ciphertext[:-1])
+    with pytest.raises(ProtocolError, match=f"client {routed[0].sender} sent an encrypted share of 163 bytes"):
+        stages.clients[3].masked_input(stages.quantised[3], [short])
+    with pytest.raises(ProtocolError, match="more shares than it has neighbours"):
+        stages.clients[13].masked_input(stages.quantised[13], routed + routed[:1])
+    stages = Stages(inputs(4), config)
     stages.mask()
+    request = stages.server.unmask_request()
+    reply = stages.clients[23].unmask(request.survivors, request.dropped)
+    bad = UnmaskingShares(23, {**reply.seed_shares, 3: PRIME.to_bytes(SHARE_BYTES, "big")}, {})
+    with pytest.raises(ProtocolError, match="client 23 sent a seed share of client 3 that is not a field element"):
+        stages.server.receive_unmasking(bad)
+    with pytest.raises(ProtocolError, match="client 23 sent a key share of client 3 it does not hold or was not asked"):
+        stages.server.receive_unmasking(UnmaskingShares(23, reply.seed_shares, {3: reply.seed_shares[3]}))
     with pytest.raises(ProtocolError, match="more than 4"):
         stages.clients[3].unmask(list(range(5)), [])
     server = SecAggServer(8, config)
