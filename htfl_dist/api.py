@@ -8,7 +8,9 @@ What is here, grouped as ``__all__`` lists it:
 - registration: ``register_algorithm`` (with ``ConformanceHints``), ``register_architecture``
   (``InputNeed``, ``SQUARE_IMAGES``), ``register_model_group``, ``register_head``,
   ``register_dataset`` (``DatasetSource``, ``DatasetArrays``), ``register_generator``
-  (``LatentGenerator``, ``GeneratorConfig``), and ``bounded`` for an options field's range;
+  (``LatentGenerator``, ``GeneratorConfig``), ``bounded`` for an options field's range,
+  ``declared`` with ``Identity`` / ``ADDED_LATER`` for an option added after runs existed (or
+  renamed) that must keep their hash, and ``Compat`` / ``compat_option`` for the paper | reference preset;
 - the algorithm bases: ``ServerAlgorithm``, ``ClientAlgorithm``, ``AlgorithmContext``,
   ``ClientState``, ``TrainResult``;
 - the model-part block (FedAvg over a part of the model): ``PartSharingClient``,
@@ -79,6 +81,7 @@ from htfl_dist.algorithms.parameters import (
     parameter_field,
     parameter_row,
 )
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.shared_model import SHARED_MODEL
 from htfl_dist.algorithms.training import (
@@ -90,7 +93,7 @@ from htfl_dist.algorithms.training import (
     weighted_mean,
 )
 from htfl_dist.atomic import replaced_atomically
-from htfl_dist.config.rules import bounded
+from htfl_dist.config.rules import ADDED_LATER, Identity, bounded, declared
 from htfl_dist.data.datasets import load_dataset
 from htfl_dist.data.sources.registry import DatasetArrays, DatasetSource, register_dataset
 from htfl_dist.errors import ConfigError, DataError, ProtocolError
@@ -130,19 +133,88 @@ KIT = ("CHECKS", "SMALL_RUN", "ConformanceCase", "ConformanceError", "PlayedRoun
 """The conformance kit's names, imported from ``htfl_dist.testing`` on first use."""
 
 __all__ = [  # grouped in the module docstring
-    "CHECKS", "FEATURE_EXTRACTOR", "HEAD", "SHARED_MODEL", "SMALL_RUN", "SQUARE_IMAGES", "WHOLE_MODEL",
-    "AlgorithmContext", "Average", "Batch", "ClassMeanServer", "ClassMeans", "ClientAlgorithm", "ClientState",
-    "ConfigError", "ConformanceCase", "ConformanceError", "ConformanceHints", "DataError", "DatasetArrays",
-    "DatasetSource", "Field", "GeneratorConfig", "GroupClassMeans", "InputNeed", "InputSpec", "LatentGenerator",
-    "ModelPart", "PartAveragingServer", "PartServer", "PartSharingClient", "Payload", "PayloadSpec", "PlayedRound",
-    "ProtocolError", "ServerAlgorithm", "SplitModel", "TrainResult", "average_rows", "batch_class_means",
-    "batch_cross_entropy", "bounded", "build_model", "check_class_counts", "check_class_rows", "class_means",
-    "class_prototypes", "class_row_fields", "conformance_cases", "dense_class_table", "dense_prototypes",
-    "euclidean_distances", "gradient_clipper", "launch_env", "launch_run", "linear_head", "load_dataset",
-    "load_parameter_row", "members_in_use", "parameter_count", "parameter_field", "parameter_row", "plain_cnn",
-    "play_one_round", "play_run", "register_algorithm", "register_architecture", "register_dataset",
-    "register_generator", "register_head", "register_model_group", "replaced_atomically", "run_batched_training",
-    "run_local_training", "torch_generator", "train_on_pairs", "weighted_mean",
+    "ADDED_LATER",
+    "CHECKS",
+    "FEATURE_EXTRACTOR",
+    "HEAD",
+    "SHARED_MODEL",
+    "SMALL_RUN",
+    "SQUARE_IMAGES",
+    "WHOLE_MODEL",
+    "AlgorithmContext",
+    "Average",
+    "Batch",
+    "ClassMeanServer",
+    "ClassMeans",
+    "ClientAlgorithm",
+    "ClientState",
+    "Compat",
+    "ConfigError",
+    "ConformanceCase",
+    "ConformanceError",
+    "ConformanceHints",
+    "DataError",
+    "DatasetArrays",
+    "DatasetSource",
+    "Field",
+    "GeneratorConfig",
+    "GroupClassMeans",
+    "Identity",
+    "InputNeed",
+    "InputSpec",
+    "LatentGenerator",
+    "ModelPart",
+    "PartAveragingServer",
+    "PartServer",
+    "PartSharingClient",
+    "Payload",
+    "PayloadSpec",
+    "PlayedRound",
+    "ProtocolError",
+    "ServerAlgorithm",
+    "SplitModel",
+    "TrainResult",
+    "average_rows",
+    "batch_class_means",
+    "batch_cross_entropy",
+    "bounded",
+    "build_model",
+    "check_class_counts",
+    "check_class_rows",
+    "class_means",
+    "class_prototypes",
+    "class_row_fields",
+    "compat_option",
+    "conformance_cases",
+    "declared",
+    "dense_class_table",
+    "dense_prototypes",
+    "euclidean_distances",
+    "gradient_clipper",
+    "launch_env",
+    "launch_run",
+    "linear_head",
+    "load_dataset",
+    "load_parameter_row",
+    "members_in_use",
+    "parameter_count",
+    "parameter_field",
+    "parameter_row",
+    "plain_cnn",
+    "play_one_round",
+    "play_run",
+    "register_algorithm",
+    "register_architecture",
+    "register_dataset",
+    "register_generator",
+    "register_head",
+    "register_model_group",
+    "replaced_atomically",
+    "run_batched_training",
+    "run_local_training",
+    "torch_generator",
+    "train_on_pairs",
+    "weighted_mean",
 ]
 
 if not TYPE_CHECKING:

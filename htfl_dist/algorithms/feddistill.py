@@ -26,6 +26,7 @@ from htfl_dist.algorithms.class_rows import (
     dense_class_table,
 )
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, TrainResult
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.config import bounded
@@ -37,8 +38,8 @@ MissingRows = Literal["mask", "self_target"]
 
 @dataclass
 class FedDistillOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes HtFLlib HEAD's value (distill_loss=raw, missing_rows=self_target)."""
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes HtFLlib HEAD's value (distill_loss=raw, missing_rows=self_target)."""
     distill_loss: DistillLoss | None = None
     """ℓ: softmax = −Σ softmax(ḡ)·log softmax(z) (KD at T = 1; default); raw = −Σ ḡ·log softmax(z)
     (HtFLlib HEAD: the raw averaged logits as a target); mse = ‖z − ḡ‖²/C (HtFLlib before 2024-04,
@@ -53,7 +54,7 @@ class FedDistillOptions:
     """λ (FedTGP appendix: γ = 1)."""
 
     def validate(self) -> None:
-        reference = self.compat == "htfllib"
+        reference = self.compat == "reference"
         if self.distill_loss is None:
             self.distill_loss = "raw" if reference else "softmax"
         if self.missing_rows is None:

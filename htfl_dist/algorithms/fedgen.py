@@ -13,7 +13,7 @@ BatchNorm1d(hd) → ReLU → Linear(hd, K), with ε ~ U[0,1)^nd (``noise: gaussi
   the **uploaded** heads (eval mode, frozen; w_i = n_i/Σn), Adam(lr ``server_lr``); then average
   the heads as LG-FedAvg does. Download: head + G's parameters + the prior.
 
-``persist_generator: false`` (``compat: htfllib``) reproduces HtFLlib's quirk: the trained G is
+``persist_generator: false`` (``compat: reference``) reproduces HtFLlib's quirk: the trained G is
 never saved, so clients always use the untrained initial G. Here G is then not trained at all,
 and it is not sent: server and clients build the same initial G from the run seed (stream
 ``"fedgen-generator"``), which is what "sent once at setup" amounts to, without the bytes.
@@ -51,7 +51,7 @@ GeneratorOptimizer = Literal["persistent", "per_round"]
 @dataclass
 class FedGenOptions(HeadAveragingOptions):
     """FedGen's knobs, with total.sh's values (nd = 32, hd = K, glr = 0.1, se = 100 steps).
-    ``compat: htfllib`` sets persist_generator=false (and so generator_optimizer=per_round)."""
+    ``compat: reference`` sets persist_generator=false (and so generator_optimizer=per_round)."""
 
     noise: Noise = "uniform"
     """ε ~ U[0,1)^nd (``torch.rand``: HtFLlib and the official FedGen code) | gaussian N(0, I)."""
@@ -72,7 +72,7 @@ class FedGenOptions(HeadAveragingOptions):
 
     def validate(self) -> None:
         if self.persist_generator is None:
-            self.persist_generator = self.compat != "htfllib"
+            self.persist_generator = self.compat != "reference"
         if self.generator_optimizer is None:
             self.generator_optimizer = "persistent" if self.persist_generator else "per_round"
 

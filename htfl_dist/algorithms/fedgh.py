@@ -31,7 +31,7 @@ from htfl_dist.payload import Payload, PayloadSpec
 
 @dataclass
 class FedGHOptions(HeadSharingOptions):
-    """``compat: htfllib`` changes nothing: the defaults are HtFLlib's with total.sh's flags
+    """``compat: reference`` changes nothing: the defaults are HtFLlib's with total.sh's flags
     (``-se 1``; the flag default of 100 epochs is not what the papers ran)."""
 
     server_epochs: int = bounded(1, at_least=1)

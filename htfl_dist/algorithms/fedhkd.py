@@ -50,6 +50,7 @@ from htfl_dist.algorithms.interface import (
     ServerAlgorithm,
     TrainResult,
 )
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import (
     Batch,
@@ -67,29 +68,49 @@ KNOWLEDGE_BATCH = 512
 """Samples per forward pass when the hyper-knowledge is computed (no effect on the values)."""
 
 
+REFERENCE_CLIP_GRAD_NORM = 1.1
+"""CityChan/FedHKD clips the client model's gradient at norm 1.1 in its distillation rounds."""
+
+
 @dataclass
 class FedHKDOptions:
+    compat: Compat = compat_option(added_later=True)
+    """reference: every knob left unset takes the reference code's value (CityChan/FedHKD):
+    client_loss=reference, aggregation=last, keep_absent=true, clip_grad_norm=1.1; paper:
+    paper, weighted, false, no clipping."""
     lam: float = bounded(0.05, at_least=0)
     """λ, the weight of the soft-prediction distillation term (the reference code's ``--lam``)."""
     gamma: float = bounded(0.05, at_least=0)
     """γ, the weight of the feature term (the reference code's ``--gamma``)."""
     temperature: float = bounded(0.5, above=0)
     """T of the soft predictions, in the uploads and in the distillation term (``--temp``)."""
-    client_loss: ClientLoss = "paper"
+    client_loss: ClientLoss | None = None
     """paper: λ·mean_j ‖softmax(h(H^j)/T) − Q^j‖₂ + γ·mean_b ‖f(x_b) − H^{y_b}‖₂; reference: the
     code's λ·KLDivLoss()(log softmax(h(H^j)/T), Q^j) (averaged over |A|·C entries) +
     γ·MSELoss()(f(x), H^y) (averaged over B·K, rows of classes without H^y count as 0)."""
-    aggregation: Aggregation = "weighted"
+    aggregation: Aggregation | None = None
     """weighted: the paper's count-weighted mean per class; last: the reference code's
     ``dict.update``, the last uploader of a class (in client-id order here) sets its row."""
-    keep_absent: bool = False
+    keep_absent: bool | None = None
     """Keep last round's row of a class nobody uploaded this round (the reference code's global
     dicts persist across rounds); False: such a class is absent from the download."""
     min_class_share: float = bounded(0.0, at_least=0, below=1)
     """ν: a client uploads class j only if N_i^j ≥ ν·N_i (0: every class it holds)."""
-    clip_grad_norm: float | None = bounded(None, above=0, optional=True)
+    clip_grad_norm: float | None = bounded(None, at_least=0, optional=True,
+                                           note="0: no clipping; null: the compat preset's")
     """Clip the client model's gradient to this L2 norm before each step (the reference code
-    clips at 1.1 in its distillation rounds); None: no clipping."""
+    clips at 1.1 in its distillation rounds); 0 or, under compat=paper, unset: no clipping."""
+
+    def validate(self) -> None:
+        reference = self.compat == "reference"
+        if self.client_loss is None:
+            self.client_loss = "reference" if reference else "paper"
+        if self.aggregation is None:
+            self.aggregation = "last" if reference else "weighted"
+        if self.keep_absent is None:
+            self.keep_absent = reference
+        if self.clip_grad_norm is None and reference:
+            self.clip_grad_norm = REFERENCE_CLIP_GRAD_NORM
 
 
 def soft_predictions(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -101,7 +122,7 @@ def distillation_term(options: FedHKDOptions, head_logits: torch.Tensor, targets
     """λ-less distillation of the head's output on the global features (``head_logits`` [m, C])
     towards the global soft predictions Q (``targets`` [m, C]): the mean over the m rows of the
     L2 distance (paper), or KL(Q ‖ q) summed and divided by m·C (reference, ``nn.KLDivLoss()``)."""
-    if options.client_loss == "paper":
+    if options.client_loss != "reference":  # paper (None: not resolved yet, the paper default)
         return torch.linalg.vector_norm(soft_predictions(head_logits, options.temperature) - targets, dim=1).mean()
     log_q = F.log_softmax(head_logits / options.temperature, dim=1)
     return F.kl_div(log_q, targets, reduction="sum") / head_logits.numel()
@@ -115,7 +136,7 @@ def feature_term(options: FedHKDOptions, features: torch.Tensor, labels: torch.T
     known = available[labels].unsqueeze(1)
     target = torch.where(known, table[labels], features.detach())
     difference = features - target
-    if options.client_loss == "paper":
+    if options.client_loss != "reference":  # paper (None: not resolved yet, the paper default)
         per_sample = torch.linalg.vector_norm(difference, dim=1)
     else:
         per_sample = difference.pow(2).mean(dim=1)

@@ -56,6 +56,7 @@ from htfl_dist.algorithms.interface import (
 )
 from htfl_dist.algorithms.losses import fedkd_losses
 from htfl_dist.algorithms.optimizers import companion_optimizer
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.shared_model import (
     build_shared_model,
@@ -75,8 +76,8 @@ Compress = Literal["update", "weights"]
 
 @dataclass
 class FedKDOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes HtFLlib HEAD's value (svd_rank=htfllib, compress=weights)."""
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes HtFLlib HEAD's value (svd_rank=htfllib, compress=weights)."""
     svd_rank: RankRule | None = None
     """fixed (default [I]): r = min{n ≥ 1: Σ_{j≤n} σ² ≥ T·Σσ²} on [shape[0], rest], raw when cheaper;
     htfllib ([C]): per-slice conv SVD and the off-by-one rule that can give rank 0 (zeros)."""
@@ -96,7 +97,7 @@ class FedKDOptions:
     """The mentee's architecture (ARCH or ARCH:HEAD); default client 0's group member (HtFLlib)."""
 
     def validate(self) -> None:
-        reference = self.compat == "htfllib"
+        reference = self.compat == "reference"
         if self.svd_rank is None:
             self.svd_rank = "htfllib" if reference else "fixed"
         if self.compress is None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,7 @@ from htfl_dist.algorithms.class_rows import class_means, class_row_fields
 from htfl_dist.algorithms.fedktl_server import CLIP_NORM, Bandwidth, CentroidTarget, FedKTLServer
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, TrainResult
 from htfl_dist.algorithms.optimizers import companion_optimizer
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.config import bounded
@@ -44,8 +44,8 @@ ARCCOS_EPS = 1e-7
 
 @dataclass
 class FedKTLOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes the reference code's value: the MSE target is the
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes the reference code's value: the MSE target is the
     trainable centroid table, each local step uses a mini-batch of ``train.batch_size`` pairs, and
     the uploaded prototypes are unit vectors."""
     mu: float = bounded(50.0, at_least=0)
@@ -82,7 +82,7 @@ class FedKTLOptions:
     ETF space whose cosines the classifier reads (htfllib)."""
 
     def validate(self) -> None:
-        reference = self.compat == "htfllib"
+        reference = self.compat == "reference"
         if self.unit_prototypes is None:
             self.unit_prototypes = reference
         if self.centroid_target is None:
@@ -176,7 +176,7 @@ class FedKTLClient(ClientAlgorithm):
         aux = copy.deepcopy(self.aux_init).to(client.device)  # the shared initial state, every round
         aux_optimizer = companion_optimizer(client, aux.parameters(), train)
         batches = PairBatches(images.shape[0], options.pairs_per_step or
-                              (train.batch_size if options.compat == "htfllib" else None), generator)
+                              (train.batch_size if options.compat == "reference" else None), generator)
 
         def arcface(batch: Batch) -> torch.Tensor:
             return arcface_loss(batch.logits, batch.labels, etf, options.arcface_scale, options.arcface_margin)

@@ -36,9 +36,11 @@ from htfl_dist.algorithms.interface import (
     ServerAlgorithm,
     TrainResult,
 )
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
+from htfl_dist.config.rules import Identity
 from htfl_dist.errors import ConfigError
 from htfl_dist.models.base import SplitModel
 from htfl_dist.payload import Payload, PayloadSpec
@@ -58,8 +60,8 @@ REFERENCE_WARM_UP_ROUNDS = 50
 
 @dataclass
 class FedL2GOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes HtFLlib's value (clip_norm=100, warm_up_rounds=50,
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes HtFLlib's value (clip_grad_norm=100, warm_up_rounds=50,
     quiz_from=first)."""
     guide: Guide = "feature"
     """What the guiding vectors guide: ``feature`` (FedL2G-f: f(x) towards g^y, W = K; default)
@@ -76,20 +78,21 @@ class FedL2GOptions:
     warm_up_rounds: int | None = bounded(None, at_least=0, optional=True)
     """Rounds at the start in which clients skip local training and only learn G (HtFLlib: 50,
     and it does not evaluate them; here they are evaluated like any round); default 0."""
-    clip_norm: float | None = bounded(None, at_least=0, optional=True, note="0: no clipping")
+    clip_grad_norm: float | None = bounded(None, identity=Identity(hashed_as="clip_norm"), at_least=0,
+                                           optional=True, note="0: no clipping; null: the compat preset's")
     """Clip the client model's gradient in local training and the server's aggregated G gradient
     to this norm (HtFLlib: 100); 0 = no clipping (default)."""
 
     def validate(self) -> None:
-        reference = self.compat == "htfllib"
+        reference = self.compat == "reference"
         if self.server_lr is None:
             self.server_lr = AUTHORS_SERVER_LR[self.guide]
         if self.quiz_from is None:
             self.quiz_from = "first" if reference else "random"
         if self.warm_up_rounds is None:
             self.warm_up_rounds = REFERENCE_WARM_UP_ROUNDS if reference else 0
-        if self.clip_norm is None:
-            self.clip_norm = REFERENCE_CLIP_NORM if reference else 0.0
+        if self.clip_grad_norm is None:
+            self.clip_grad_norm = REFERENCE_CLIP_NORM if reference else 0.0
 
 
 def guide_width(context: AlgorithmContext) -> int:
@@ -222,7 +225,7 @@ class FedL2GClient(ClientAlgorithm):
 
             loss_sum, seen = run_local_training(study, self.context, loss_fn, generator,
                                                 before_step=gradient_clipper(client.model.parameters(),
-                                                                             options.clip_norm))
+                                                                             options.clip_grad_norm))
         batch_size = self.context.train.batch_size
         order = torch.randperm(study.train_y.shape[0], generator=torch_generator(
             self.context.seed, "fedl2g-study", client.client_id, round_index)).to(client.device)
@@ -276,7 +279,7 @@ class FedL2GServer(ServerAlgorithm):
         if not uploads:  # every upload screened out: G stays
             return {}
         previous = self.guides
-        self.guides, sent = guide_step(previous, uploads, self.options.server_lr, self.options.clip_norm)
+        self.guides, sent = guide_step(previous, uploads, self.options.server_lr, self.options.clip_grad_norm)
         return {"guide_classes": float(sent.sum()), "guide_step_norm": float((self.guides - previous).norm())}
 
     def state_dict(self) -> dict[str, Any]:

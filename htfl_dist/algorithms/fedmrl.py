@@ -18,7 +18,7 @@ Inference is the combined model without the global header, argmax F_k^hd(R̃) (t
 "mix-large"); ``test_acc_head`` is the client's heterogeneous model alone, argmax F_k^hd(F_k^ex(x))
 (its "single-large"). |G| floats each way.
 
-HtFLlib's departures, each an option (``compat: htfllib`` sets those left unset): the uniform
+HtFLlib's departures, each an option (``compat: reference`` sets those left unset): the uniform
 mean (``avg``), a projector that is trained within a round and then thrown away, so the next
 round and evaluation use its initial weights (``projector: reset``), evaluation through the
 freshly averaged G instead of the client's own trained copy (``eval_extractor: global``), and a G
@@ -58,6 +58,7 @@ from htfl_dist.algorithms.interface import (
     TrainResult,
 )
 from htfl_dist.algorithms.optimizers import companion_optimizer
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.shared_model import (
     build_shared_model,
@@ -80,8 +81,8 @@ SmallRepresentation = Literal["fc", "pool"]
 
 @dataclass
 class FedMRLOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes HtFLlib HEAD's value (avg=uniform, projector=reset,
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes HtFLlib HEAD's value (avg=uniform, projector=reset,
     eval_extractor=global, small_rep=pool)."""
     rep_dim: int = bounded(128, at_least=1)
     """d1, the width of G's representation and of the nested prefix R̃[:d1] (1 ≤ d1 ≤ K). The paper
@@ -109,7 +110,7 @@ class FedMRLOptions:
     """G's architecture (ARCH or ARCH:HEAD); default client 0's group member (HtFLlib)."""
 
     def validate(self) -> None:
-        reference = self.compat == "htfllib"
+        reference = self.compat == "reference"
         if self.avg is None:
             self.avg = "uniform" if reference else "sample_weighted"
         if self.projector is None:

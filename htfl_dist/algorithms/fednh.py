@@ -42,6 +42,7 @@ from htfl_dist.algorithms.class_rows import (
 from htfl_dist.algorithms.fedproto import prototype_fields
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, ServerAlgorithm, TrainResult
 from htfl_dist.algorithms.optimizers import companion_optimizer
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, batch_cross_entropy, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
@@ -55,11 +56,19 @@ NORM_FLOOR = 1e-12
 """‖v‖ is floored here before a division (the reference code's clamp)."""
 
 
+REFERENCE_CLIP_GRAD_NORM = 10.0
+"""Yutong-Dai/FedNH clips every local step's gradient at norm 10 (its client's ``clip_grad_norm_``)."""
+
+
 @dataclass
 class FedNHOptions:
+    compat: Compat = compat_option(added_later=True)
+    """reference: every knob left unset takes the reference code's value (Yutong-Dai/FedNH):
+    init=orthogonal, normalise_client_means=true, normalise_aggregate=true, clip_grad_norm=10;
+    paper: spread, false, false, no clipping."""
     smoothing: float = bounded(0.9, at_least=0, at_most=1)
     """ρ: the share of the old prototype kept each round (1: the prototypes never move)."""
-    init: Init = "spread"
+    init: Init | None = None
     """spread: a uniform draw on the sphere, then ``init_steps`` projected gradient steps that
     lower the largest pairwise cosine (the paper's prototypes spread uniformly, its smallest angle
     made as large as it can be; :func:`spread_on_sphere`); orthogonal: Haar-random orthonormal
@@ -77,13 +86,25 @@ class FedNHOptions:
     """s_i's value at the start (the reference CNN's 1; its fixed-scale runs use 30)."""
     learn_scale: bool = True
     """Train s_i with the backbone, at the client's learning rate (False: s_i stays ``scale``)."""
-    normalise_client_means: bool = False
+    normalise_client_means: bool | None = None
     """Upload μ_i^c/‖μ_i^c‖ instead of μ_i^c (the reference code's)."""
-    normalise_aggregate: bool = False
+    normalise_aggregate: bool | None = None
     """Put a^c on the sphere before it is smoothed in (the reference code's)."""
-    clip_grad_norm: float | None = bounded(None, above=0, optional=True)
-    """Clip each local step's gradient (backbone and s_i together) to this norm; None: no clipping
-    (the reference code clips at 10)."""
+    clip_grad_norm: float | None = bounded(None, at_least=0, optional=True,
+                                           note="0: no clipping; null: the compat preset's")
+    """Clip each local step's gradient (backbone and s_i together) to this L2 norm (the reference
+    code clips at 10); 0 or, under compat=paper, unset: no clipping."""
+
+    def validate(self) -> None:
+        reference = self.compat == "reference"
+        if self.init is None:
+            self.init = "orthogonal" if reference else "spread"
+        if self.normalise_client_means is None:
+            self.normalise_client_means = reference
+        if self.normalise_aggregate is None:
+            self.normalise_aggregate = reference
+        if self.clip_grad_norm is None and reference:
+            self.clip_grad_norm = REFERENCE_CLIP_GRAD_NORM
 
 
 

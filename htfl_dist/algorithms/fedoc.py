@@ -32,6 +32,7 @@ from htfl_dist.algorithms.class_rows import class_prototypes, dense_prototypes
 from htfl_dist.algorithms.fedproto import PrototypeClient
 from htfl_dist.algorithms.fedtgp import TrainablePrototypeServer
 from htfl_dist.algorithms.interface import ClientAlgorithm, ClientState, TrainResult
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.config import bounded
@@ -45,8 +46,8 @@ PAPER_SERVER_BATCH = 32
 
 @dataclass
 class FedOCOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes the reference code's value (FedORGP 85ae3b6, built on
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes the reference code's value (FedORGP 85ae3b6, built on
     HtFLlib): reg_weight = 10, inter_norm = other_classes, server batch = the client batch size,
     first_round = ce_only."""
     reg_weight: float | None = bounded(None, at_least=0, optional=True)
@@ -77,7 +78,7 @@ class FedOCOptions:
     the reference code starts with no global prototypes)."""
 
     def validate(self) -> None:
-        reference = self.compat == "htfllib"
+        reference = self.compat == "reference"
         if self.first_round is None:
             self.first_round = "ce_only" if reference else "initial_prototypes"
         if self.reg_weight is None:

@@ -39,7 +39,7 @@ FILTER_EPS = 1e-8
 class FedORGPOptions(FedOCOptions):
     """FedOC's options (same defaults, the paper's), plus the two parts the authors' code adds and
     runs by default (wisheverybodyhapi/FedORGP ff4a036, ``-abc``/``-abs`` off), and which samples
-    the uploaded means cover. ``compat=htfllib`` resolves what FedOC's does (reg_weight 10, the
+    the uploaded means cover. ``compat=reference`` resolves what FedOC's does (reg_weight 10, the
     client batch on the server, CE only in round 1) and ``proto_samples=full_batches``. inter_norm
     resolves to other_classes under both: FedORGP's Eq. 4 divides by |B|·(|C| − 1), as the code."""
 
@@ -63,7 +63,7 @@ class FedORGPOptions(FedOCOptions):
         if self.inter_norm is None:
             self.inter_norm = "other_classes"
         if self.proto_samples is None:
-            self.proto_samples = "full_batches" if self.compat == "htfllib" else "all"
+            self.proto_samples = "full_batches" if self.compat == "reference" else "all"
         super().validate()
 
 

@@ -42,6 +42,7 @@ from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, Cl
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
+from htfl_dist.config.rules import Identity
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 LocalReduction = Literal["mean", "sum"]
@@ -70,9 +71,10 @@ class FedPCLOptions:
     global ones); local_own: its own classes only (the official code); global: c̄."""
     predict_score: PredictScore = "dot"
     """How z is scored against a prototype: z·c (PFLlib) or −‖z − c‖ (the official code's MSE)."""
-    grad_clip: float | None = bounded(None, above=0, optional=True)
+    clip_grad_norm: float | None = bounded(None, identity=Identity(hashed_as="grad_clip"), at_least=0,
+                                           optional=True, note="0 or null: no clipping")
     """Clip the client's gradient to this L2 norm before each step (PFLlib: 10, "prevent
-    divergency"); None: no clipping."""
+    divergency"); 0 or None: no clipping. Named ``grad_clip`` until 2026-11-29 (hashed so)."""
 
 
 
@@ -160,7 +162,7 @@ class FedPCLClient(ClientAlgorithm):
 
             loss_sum, seen = run_local_training(client, self.context, loss_fn, generator,
                                                 before_step=gradient_clipper(client.model.parameters(),
-                                                                             self.options.grad_clip))
+                                                                             self.options.clip_grad_norm))
         class_ids, protos = class_means(client, self.context.num_classes, "features", unit_rows=True)
         return TrainResult({"class_ids": class_ids, "protos": protos}, loss_sum, seen)
 

@@ -38,6 +38,7 @@ from htfl_dist.algorithms.class_rows import (
 from htfl_dist.algorithms.fedproto import FedProtoClient, FedProtoServer
 from htfl_dist.algorithms.fedtgp import class_margins, margin_contrastive_loss
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState, ServerAlgorithm, TrainResult
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch
 from htfl_dist.config import bounded
@@ -56,8 +57,8 @@ MEMORY = "fedsa_protos"
 
 @dataclass
 class FedSAOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes the reference code's value (lokinko/FedSA, built on
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes the reference code's value (lokinko/FedSA, built on
     HtFLlib): reg_distance=mse (so λ1 = 10), contrast_on=samples, margin_rule=nearest,
     proto_from=during_training, weighted=false."""
     reg_distance: RegDistance | None = None
@@ -93,7 +94,7 @@ class FedSAOptions:
     is silent); anchor: nearest Ā^c over all C classes; head: the client's own head."""
 
     def validate(self) -> None:
-        reference = self.compat == "htfllib"
+        reference = self.compat == "reference"
         if self.reg_distance is None:
             self.reg_distance = "mse" if reference else "euclid"
         if self.reg_weight is None:

@@ -23,7 +23,6 @@ initial G's, as in HtFLlib, whose server buffers never change; only parameters t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -42,6 +41,7 @@ from htfl_dist.algorithms.interface import (
 )
 from htfl_dist.algorithms.losses import MutualKD, fml_losses
 from htfl_dist.algorithms.optimizers import companion_optimizer
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.shared_model import (
     SHARED_MODEL,
@@ -55,8 +55,8 @@ from htfl_dist.payload import Payload, PayloadSpec
 
 @dataclass
 class FMLOptions:
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes HtFLlib HEAD's value (kd=htfllib; avg is uniform either way)."""
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes HtFLlib HEAD's value (kd=htfllib; avg is uniform either way)."""
     kd: MutualKD | None = None
     """dml (default [P]): KL targets are constants, KL is the batch mean; htfllib ([C]):
     nn.KLDivLoss() 'mean' (÷B·C) and targets not detached."""
@@ -72,7 +72,7 @@ class FMLOptions:
 
     def validate(self) -> None:
         if self.kd is None:
-            self.kd = "htfllib" if self.compat == "htfllib" else "dml"
+            self.kd = "htfllib" if self.compat == "reference" else "dml"
         check_member_name(self.shared_model)
 
 

@@ -17,7 +17,7 @@ from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 
 @dataclass
 class LGFedAvgOptions(HeadAveragingOptions):
-    """``compat: htfllib`` changes nothing here: HtFLlib's sample-weighted mean is the default."""
+    """``compat: reference`` changes nothing here: HtFLlib's sample-weighted mean is the default."""
 
 
 class LGFedAvgClient(PartSharingClient):

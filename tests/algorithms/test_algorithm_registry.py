@@ -250,8 +250,8 @@ def test_options_without_validate_are_parsed_and_spelled_out():
     assert spelled_out_options("FedDistill", {}) == {
         "compat": "paper", "distill_loss": "softmax", "missing_rows": "mask",
         "logits_from": "during_training", "reg_weight": 1.0}
-    assert spelled_out_options("feddistill", {"compat": "htfllib", "reg_weight": 2.0}) == {
-        "compat": "htfllib", "distill_loss": "raw", "missing_rows": "self_target",
+    assert spelled_out_options("feddistill", {"compat": "reference", "reg_weight": 2.0}) == {
+        "compat": "reference", "distill_loss": "raw", "missing_rows": "self_target",
         "logits_from": "during_training", "reg_weight": 2.0}
     with pytest.raises(ConfigError, match="config key 'algorithm' is 'nope'; registered: "):
         spelled_out_options("nope", {})

@@ -80,9 +80,9 @@ def test_self_target_rows_have_a_gradient_under_raw_only():
 
 
 def test_compat_selects_the_reference_values_and_knobs_override_it():
-    _, context = _context(compat="htfllib")
+    _, context = _context(compat="reference")
     assert (context.options.distill_loss, context.options.missing_rows) == ("raw", "self_target")
-    _, context = _context(compat="htfllib", distill_loss="mse")
+    _, context = _context(compat="reference", distill_loss="mse")
     assert (context.options.distill_loss, context.options.missing_rows) == ("mse", "self_target")
     _, context = _context()
     assert (context.options.distill_loss, context.options.missing_rows) == ("softmax", "mask")
@@ -189,9 +189,9 @@ def test_client_loss_adds_lambda_times_the_masked_softmax_distillation_term():
 
 
 def test_round_zero_is_ce_only_even_where_missing_rows_would_self_target():
-    """compat htfllib (raw, self_target): with a global table, rows without a target would add
+    """compat reference (raw, self_target): with a global table, rows without a target would add
     −Σ z·log softmax(z) ≠ 0; in round 0 (nothing downloaded) the loss is CE alone."""
-    entry, context = _context(num_classes=3, compat="htfllib")
+    entry, context = _context(num_classes=3, compat="reference")
     empty = {"class_ids": torch.empty(0, dtype=torch.int64), "logits": torch.empty(0, 3)}
     result = entry.client(context).train(_linear_client(), empty, 0, torch_generator(0, "b"))
     ce = (_lse(1, 2, 3) - 1) + (_lse(3, 4, 7) - 3) + (_lse(0, 1, 1) - 1) + (_lse(2, 2, 4) - 4)

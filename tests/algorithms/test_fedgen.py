@@ -192,14 +192,14 @@ def test_no_uploads_keep_everything():
         assert torch.equal(value, before[key]), key
 
 
-def test_compat_htfllib_and_bad_options():
+def test_compat_reference_and_bad_options():
     entry = get_algorithm("fedgen")
     paper = parse_options(entry, {})
     assert (paper.persist_generator, paper.generator_optimizer, paper.noise_dim, paper.server_lr,
             paper.server_steps, paper.noise) == (True, "persistent", 32, 0.1, 100, "uniform")
-    reference = parse_options(entry, {"compat": "htfllib"})
+    reference = parse_options(entry, {"compat": "reference"})
     assert (reference.persist_generator, reference.generator_optimizer) == (False, "per_round")
-    assert parse_options(entry, {"compat": "htfllib", "persist_generator": True}).persist_generator is True
+    assert parse_options(entry, {"compat": "reference", "persist_generator": True}).persist_generator is True
     for options, key in (({"noise": "laplace"}, "algo.noise"), ({"server_lr": -1}, "algo.server_lr"),
                          ({"server_steps": 0}, "algo.server_steps"), ({"noise_dim": 0}, "algo.noise_dim"),
                          ({"hidden_dim": 0}, "algo.hidden_dim"),

@@ -310,7 +310,7 @@ def test_server_rejects_bad_uploads(upload):
 # ------------------------------------------------------------------------------ options
 
 def test_defaults():
-    options = FedHKDOptions()
+    options = make_context("fedhkd")[1].options  # resolved: compat=paper fills the knobs left unset
     assert (options.lam, options.gamma, options.temperature) == (0.05, 0.05, 0.5)
     assert (options.client_loss, options.aggregation, options.keep_absent) == ("paper", "weighted", False)
     assert (options.min_class_share, options.clip_grad_norm) == (0.0, None)
@@ -318,8 +318,18 @@ def test_defaults():
 
 @pytest.mark.parametrize("option", [
     {"temperature": 0.0}, {"lam": -1.0}, {"gamma": -0.1}, {"min_class_share": 1.0},
-    {"clip_grad_norm": 0.0}, {"client_loss": "kl"}, {"aggregation": "median"},
+    {"clip_grad_norm": -1.0}, {"client_loss": "kl"}, {"aggregation": "median"}, {"compat": "htfllib"},
 ])
 def test_invalid_options_are_refused(option):
     with pytest.raises(ConfigError):
         make_context("fedhkd", **option)
+
+
+def test_compat_reference_sets_the_knobs_left_unset_to_the_reference_codes():
+    """CityChan/FedHKD: KL/MSE loss, the last uploader's rows, rows kept across rounds, clipping at 1.1;
+    a knob set by hand wins over the preset."""
+    options = make_context("fedhkd", compat="reference")[1].options
+    assert (options.client_loss, options.aggregation, options.keep_absent, options.clip_grad_norm) == \
+        ("reference", "last", True, 1.1)
+    mixed = make_context("fedhkd", compat="reference", aggregation="weighted", clip_grad_norm=0.0)[1].options
+    assert (mixed.client_loss, mixed.aggregation, mixed.clip_grad_norm) == ("reference", "weighted", 0.0)

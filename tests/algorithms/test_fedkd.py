@@ -204,9 +204,9 @@ def test_options_defaults_and_compat():
     options = parse_options(get_algorithm("fedkd"), {})
     assert (options.svd_rank, options.compress, options.t_start, options.t_end, options.global_rounds,
             options.mentee_lr, options.wh_lr) == ("fixed", "update", 0.95, 0.98, 2000, 0.01, None)
-    reference = parse_options(get_algorithm("fedkd"), {"compat": "htfllib"})
+    reference = parse_options(get_algorithm("fedkd"), {"compat": "reference"})
     assert (reference.svd_rank, reference.compress) == ("htfllib", "weights")
-    mixed = parse_options(get_algorithm("fedkd"), {"compat": "htfllib", "compress": "update"})
+    mixed = parse_options(get_algorithm("fedkd"), {"compat": "reference", "compress": "update"})
     assert (mixed.svd_rank, mixed.compress) == ("htfllib", "update")
 
 
@@ -394,7 +394,7 @@ def test_real_run(single_run):
 
 @pytest.mark.integration
 def test_real_run_htfllib(single_run):
-    rows = launch_smoke(single_run, "fedkd", "algo.compat=htfllib", *SMALL_MENTEE)
+    rows = launch_smoke(single_run, "fedkd", "algo.compat=reference", *SMALL_MENTEE)
     assert rows[0]["ranks_down"][0] > 0  # the conv weight travels as per-slice factors
 
 

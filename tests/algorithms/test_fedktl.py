@@ -327,10 +327,10 @@ def test_server_mmd_falls_over_the_server_epochs():
     assert after < 0.5 * before, (before, after)
 
 
-@pytest.mark.parametrize("options", [{"use_mmd": False}, {"use_mmd": False, "compat": "htfllib"}])
+@pytest.mark.parametrize("options", [{"use_mmd": False}, {"use_mmd": False, "compat": "reference"}])
 def test_same_class_latents_contract_under_the_mse_term(options):
     server = _server(server_epochs=50, **options)
-    assert server.options.centroid_target == ("table" if options.get("compat") == "htfllib" else "in_graph")
+    assert server.options.centroid_target == ("table" if options.get("compat") == "reference" else "in_graph")
     uploads = _uploads()
     protos, labels = _pairs(uploads)
     before = float(in_graph_mse(_eval_queries(server, protos), labels, C))
@@ -472,8 +472,8 @@ def test_prediction_is_the_argmax_of_cosines_to_the_etf_columns():
     assert algorithm.predict(_tiny_client(), {}, torch.zeros(3, 8), outputs).tolist() == [2, 0, 1]
 
 
-@pytest.mark.parametrize("options,size", [({}, None), ({"compat": "htfllib"}, 4), ({"pairs_per_step": 2}, 2),
-                                          ({"compat": "htfllib", "pairs_per_step": 2}, 2)])
+@pytest.mark.parametrize("options,size", [({}, None), ({"compat": "reference"}, 4), ({"pairs_per_step": 2}, 2),
+                                          ({"compat": "reference", "pairs_per_step": 2}, 2)])
 def test_pairs_per_step(monkeypatch, options, size):
     sizes = []
 
@@ -604,10 +604,10 @@ def test_paper_defaults_and_htfllib_values():
     assert (o.server_lr, o.server_epochs, o.server_batch_size) == (0.01, 100, 100)
     assert (o.mmd_bandwidth, o.centroid_target, o.pairs_per_step) == ("fixed", "in_graph", None)
     assert o.unit_prototypes is False  # the paper's P_i^c = E g_i(x)
-    o = parse_options(ENTRY, {"compat": "htfllib"})
+    o = parse_options(ENTRY, {"compat": "reference"})
     assert (o.centroid_target, o.pairs_per_step) == ("table", None)  # None + htfllib: train.batch_size
     assert o.unit_prototypes is True  # the code's normalised mean of normalised outputs
-    o = parse_options(ENTRY, {"compat": "htfllib", "centroid_target": "in_graph", "unit_prototypes": False})
+    o = parse_options(ENTRY, {"compat": "reference", "centroid_target": "in_graph", "unit_prototypes": False})
     assert (o.centroid_target, o.unit_prototypes) == ("in_graph", False)  # an explicit knob wins
 
 
@@ -828,7 +828,7 @@ def test_mu_zero_does_not_even_run_the_pairs_through_the_model():
 def test_htfllib_pair_batches_come_from_the_round_generator_not_the_global_rng():
     """pairs_per_step = 2 of C = 3 pairs: which two a step uses is drawn from the round's generator;
     reseeding torch's global RNG in between changes nothing."""
-    context = _client_context(lr=0.05, compat="htfllib", pairs_per_step=2)
+    context = _client_context(lr=0.05, compat="reference", pairs_per_step=2)
 
     def run(global_seed):
         client = _tiny_client(lr=0.05)
@@ -866,7 +866,7 @@ def test_client_steps_h_prime_with_sgd_and_clips_both_to_norm_100(monkeypatch):
         assert float(torch.stack([p.grad.norm() for p in group]).norm()) == pytest.approx(100.0, rel=1e-5)
 
 
-@pytest.mark.parametrize("options", [{}, {"unit_prototypes": False}, {"compat": "htfllib", "unit_prototypes": False}])
+@pytest.mark.parametrize("options", [{}, {"unit_prototypes": False}, {"compat": "reference", "unit_prototypes": False}])
 def test_plain_mean_prototypes_when_unit_prototypes_is_off(options):
     """unit_prototypes = false (the paper's default): P_i^c is the plain mean of g_i(x) (lr = 0:
     the model never moves)."""
@@ -966,7 +966,7 @@ def test_a_trailing_single_prototype_batch_is_skipped():
     assert math.isfinite(result["server_loss"])
 
 
-@pytest.mark.parametrize("compat", ["paper", "htfllib"])
+@pytest.mark.parametrize("compat", ["paper", "reference"])
 def test_server_mse_at_the_first_step(compat):
     """One epoch, one batch of all 12 prototypes, no MMD, λ = 2: server_loss is the loss of that one
     step, at F's initial state in train mode. htfllib (table): 2·mean over pairs of ‖F(P) − T[y]‖²/H
@@ -980,7 +980,7 @@ def test_server_mse_at_the_first_step(compat):
         table = torch.stack([evaluated[labels == c].mean(0) for c in range(C)])
         transformer.train()
         queries = transformer(protos)
-    if compat == "htfllib":
+    if compat == "reference":
         expected = 2.0 * float((queries - table[labels]).pow(2).mean())
     else:
         expected = 2.0 * float(in_graph_mse(queries, labels, C))
@@ -988,7 +988,7 @@ def test_server_mse_at_the_first_step(compat):
     assert result["server_loss"] == pytest.approx(expected, rel=1e-5)
 
 
-@pytest.mark.parametrize("compat", ["paper", "htfllib"])
+@pytest.mark.parametrize("compat", ["paper", "reference"])
 def test_adam_trains_f_and_only_in_table_mode_the_centroid_table(monkeypatch, compat):
     """htfllib: Adam (lr η_S) also trains a [C, H] table that starts at the eval-mode means of the
     present classes and at the kept centroids of the others; paper: F only."""
@@ -1030,7 +1030,7 @@ def test_server_clips_f_and_the_table_to_norm_100_each(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(fedktl_server_module, "train_on_pairs", spy)
-    server = _server(compat="htfllib", server_epochs=1)
+    server = _server(compat="reference", server_epochs=1)
     server.update(_uploads(), 0, torch_generator(0, "server", 0))
     ((args, kwargs),) = calls
     assert kwargs["skip_single"] is True
@@ -1070,10 +1070,10 @@ def test_each_server_batch_is_matched_with_as_many_latents_at_the_right_bandwidt
 def test_server_state_round_trips_into_a_differently_initialised_server():
     """F (with its BatchNorm statistics), the centroids and the pairs come back; the next round is
     then the same as on the original server."""
-    server = _server(compat="htfllib", server_epochs=3)
+    server = _server(compat="reference", server_epochs=3)
     server.update(_uploads(classes=((0, 1), (1, 2))), 0, torch_generator(0, "server", 0))
     torch.manual_seed(1)  # another initial F and other N(0, 1) centroids
-    fresh = FedKTLServer(_server_context(compat="htfllib", server_epochs=3), generator=_tiny_generator())
+    fresh = FedKTLServer(_server_context(compat="reference", server_epochs=3), generator=_tiny_generator())
     assert not torch.equal(fresh.centroids, server.centroids)
     fresh.load_state_dict(copy.deepcopy(server.state_dict()))
     for key in ("class_ids", "images", "latents"):

@@ -168,7 +168,7 @@ def test_server_steps_the_guides_by_the_mean_gradient_per_class():
 
 
 def test_server_clips_the_whole_gradient_table():
-    entry, context = _context(num_classes=2, feature_dim=2, server_lr=1.0, clip_norm=1.0)
+    entry, context = _context(num_classes=2, feature_dim=2, server_lr=1.0, clip_grad_norm=1.0)
     server = entry.server(context)
     server.guides = torch.zeros(2, 2)
     uploads = {0: {"class_ids": torch.tensor([0, 1]), "grads": torch.tensor([[3.0, 0.0], [0.0, 4.0]])}}
@@ -240,9 +240,9 @@ def test_warm_up_rounds_only_learn_the_guides():
     assert not all(torch.equal(p, q) for p, q in zip(client.model.parameters(), weights, strict=True))
 
 
-def test_clip_norm_bounds_each_local_step():
+def test_clip_grad_norm_bounds_each_local_step():
     """One local step (a quiz set of 6, a study set of 2 = one batch): the model moves by
-    lr·clip_norm when its gradient is larger than clip_norm, and by more without clipping."""
+    lr·clip_grad_norm when its gradient is larger than clip_grad_norm, and by more without clipping."""
     def step_norm(**options):
         entry, context = _context(batch_size=6, **options)
         client = _client(samples=8)
@@ -250,7 +250,7 @@ def test_clip_norm_bounds_each_local_step():
         entry.client(context).train(client, entry.server(context).download(), 0, torch_generator(0, "b", 0, 0))
         return float((torch.cat([p.detach().flatten() for p in client.model.parameters()]) - before).norm())
 
-    assert step_norm(clip_norm=1e-3) == pytest.approx(0.5 * 1e-3, rel=1e-3)
+    assert step_norm(clip_grad_norm=1e-3) == pytest.approx(0.5 * 1e-3, rel=1e-3)
     assert step_norm() > 1e-2
 
 
@@ -284,14 +284,15 @@ def test_a_client_without_room_for_its_quiz_set_is_a_config_error():
 def test_compat_selects_the_reference_values_and_knobs_override_it():
     _, context = _context()
     options = context.options
-    assert (options.guide, options.server_lr, options.quiz_from, options.warm_up_rounds, options.clip_norm) == \
+    assert (options.guide, options.server_lr, options.quiz_from, options.warm_up_rounds, options.clip_grad_norm) == \
         ("feature", 100.0, "random", 0, 0.0)
-    _, context = _context(compat="htfllib", guide="logit")
+    _, context = _context(compat="reference", guide="logit")
     options = context.options
-    assert (options.server_lr, options.quiz_from, options.warm_up_rounds, options.clip_norm) == \
+    assert (options.server_lr, options.quiz_from, options.warm_up_rounds, options.clip_grad_norm) == \
         (0.1, "first", 50, 100.0)
-    _, context = _context(compat="htfllib", warm_up_rounds=0, server_lr=2.0)
-    assert (context.options.warm_up_rounds, context.options.server_lr, context.options.clip_norm) == (0, 2.0, 100.0)
+    _, context = _context(compat="reference", warm_up_rounds=0, server_lr=2.0)
+    options = context.options
+    assert (options.warm_up_rounds, options.server_lr, options.clip_grad_norm) == (0, 2.0, 100.0)
 
 
 @pytest.mark.parametrize("options,match", [
@@ -300,7 +301,7 @@ def test_compat_selects_the_reference_values_and_knobs_override_it():
     ({"quiz_batches": 0}, "algo.quiz_batches"),
     ({"study_batches": 0}, "algo.study_batches"),
     ({"warm_up_rounds": -1}, "algo.warm_up_rounds"),
-    ({"clip_norm": -1}, "algo.clip_norm"),
+    ({"clip_grad_norm": -1}, "algo.clip_grad_norm"),
     ({"quiz_from": "last"}, "algo.quiz_from"),
 ])
 def test_bad_options_are_one_line_errors(options, match):
@@ -323,7 +324,7 @@ def test_logit_guide_resumes_from_a_checkpoint_exactly(tmp_path, cache_dir):
     """The logit guide with HtFLlib's options and one warm-up round, 3 rounds checkpointed every
     round; round 1's checkpoint (G after one server step, the clients' untouched models) resumed
     in a new run gives rounds 2-3 exactly: nothing a client needs lives outside its checkpoint."""
-    overrides = ["algorithm=fedl2g", "algo.guide=logit", "algo.compat=htfllib", "algo.warm_up_rounds=1", "rounds=3"]
+    overrides = ["algorithm=fedl2g", "algo.guide=logit", "algo.compat=reference", "algo.warm_up_rounds=1", "rounds=3"]
 
     def args(out, *more):
         return ["--config", str(SMOKE), "--out", str(out), f"data.cache_dir={cache_dir}", *overrides, *more]

@@ -37,10 +37,10 @@ def test_defaults_are_the_papers_and_compat_switches_the_reference_group():
     assert (paper.avg, paper.projector, paper.eval_extractor, paper.small_rep) == \
         ("sample_weighted", "persistent", "local", "fc")
     assert (paper.rep_dim, paper.global_weight, paper.local_weight, paper.shared_model) == (128, 1.0, 1.0, None)
-    reference = parse_options(entry, {"compat": "htfllib"})
+    reference = parse_options(entry, {"compat": "reference"})
     assert (reference.avg, reference.projector, reference.eval_extractor, reference.small_rep) == \
         ("uniform", "reset", "global", "pool")
-    mixed = parse_options(entry, {"compat": "htfllib", "projector": "persistent", "avg": "sample_weighted"})
+    mixed = parse_options(entry, {"compat": "reference", "projector": "persistent", "avg": "sample_weighted"})
     assert (mixed.avg, mixed.projector, mixed.eval_extractor) == ("sample_weighted", "persistent", "global")
 
 
@@ -197,7 +197,7 @@ def test_sample_weighted_mean_by_hand():
 
 
 def test_uniform_mean_by_hand_under_htfllib():
-    server, _ = _server(compat="htfllib")
+    server, _ = _server(compat="reference")
     width = server.row.shape[1]
     uploads = {0: {"small_model": torch.full((1, width), 1.0)}, 1: {"small_model": torch.full((1, width), 4.0)}}
     server.update(uploads, 0, torch_generator(0, "server", 0))
@@ -257,7 +257,7 @@ def test_paper_client_trains_f_g_and_p_keeps_p_and_its_own_g():
 
 
 def test_reset_projector_trains_a_copy_and_keeps_the_initial_one():
-    _, _, algorithm, client, knowledge = _trained(compat="htfllib")
+    _, _, algorithm, client, knowledge = _trained(compat="reference")
     initial = params.parameter_row(client.modules["projector"])
     result = _train(algorithm, client, knowledge)
     assert torch.equal(params.parameter_row(client.modules["projector"]), initial)

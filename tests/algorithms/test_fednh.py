@@ -290,7 +290,7 @@ def test_defaults_are_the_papers():
     ({"init_momentum": 1.0}, r"^config key 'algo.init_momentum' must be in \[0, 1\), got 1.0$"),
     ({"scale": 0.0}, r"^config key 'algo.scale' must be > 0, got 0.0$"),
     ({"init_steps": -1}, r"^config key 'algo.init_steps' must be >= 0, got -1$"),
-    ({"clip_grad_norm": 0.0}, r"^config key 'algo.clip_grad_norm' must be > 0"),
+    ({"clip_grad_norm": -1.0}, r"^config key 'algo.clip_grad_norm' must be >= 0"),
     ({"init": "etf"}, r"algo.init"),
 ])
 def test_option_errors_are_one_line(options, message):
@@ -308,3 +308,23 @@ def test_real_run(single_run):
     for row in rows:
         assert 1.0 <= row["bytes_up"] / row["bytes_theory_up"] <= 1.05, row
         assert 0 < row["global_classes"] <= 10 and row["proto_max_cos"] < 0.5
+
+
+def test_compat_reference_sets_the_knobs_left_unset_to_the_reference_codes():
+    """Yutong-Dai/FedNH: orthogonal start, both normalisations, clipping at 10; a knob set by hand wins."""
+    options = parse_options(get_algorithm("fednh"), {"compat": "reference"})
+    assert (options.init, options.normalise_client_means, options.normalise_aggregate, options.clip_grad_norm) == \
+        ("orthogonal", True, True, 10.0)
+    mixed = parse_options(get_algorithm("fednh"),
+                          {"compat": "reference", "init": "spread", "normalise_aggregate": False})
+    assert (mixed.init, mixed.normalise_client_means, mixed.normalise_aggregate) == ("spread", True, False)
+
+
+def test_the_preset_added_later_keeps_the_hash_of_runs_made_before_it():
+    """compat arrived after FedNH runs existed: at paper it is left out of the hash; at reference it counts."""
+    from htfl_dist.resolution import resolved_config
+    before = resolved_config(None, ["algorithm=fednh"])
+    assert "compat" not in before.experiment()["algo"]
+    reference = resolved_config(None, ["algorithm=fednh", "algo.compat=reference"])
+    assert reference.experiment()["algo"]["compat"] == "htfllib"  # hashed under the value's first spelling
+    assert reference.config_hash() != before.config_hash()

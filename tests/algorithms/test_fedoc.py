@@ -89,7 +89,7 @@ def _linear_client() -> ClientState:
                        torch.device("cpu"))
 
 
-@pytest.mark.parametrize("options,weight", [({}, 100.0), ({"compat": "htfllib"}, 10.0), ({"reg_weight": 3.0}, 3.0)])
+@pytest.mark.parametrize("options,weight", [({}, 100.0), ({"compat": "reference"}, 10.0), ({"reg_weight": 3.0}, 3.0)])
 def test_client_loss_is_ce_plus_lambda_c_times_one_minus_cos(options, weight):
     entry, context = _context(**options)
     client = _linear_client()
@@ -145,12 +145,12 @@ def test_paper_defaults_and_the_htfllib_values():
     assert (o.reg_weight, o.intra_weight, o.inter_weight, o.inter_norm) == (100.0, 1.0, 10.0, "all_classes")
     assert (o.server_batch_size, o.server_epochs, o.server_lr, o.hidden_dim) == (32, 1, 0.01, None)
     assert o.first_round == "initial_prototypes"  # Algorithm 1 sends P̂ in round 1 too
-    _, context = _context(compat="htfllib")
+    _, context = _context(compat="reference")
     o = context.options
     assert (o.reg_weight, o.intra_weight, o.inter_weight, o.inter_norm) == (10.0, 1.0, 10.0, "other_classes")
     assert (o.server_batch_size, o.server_epochs, o.server_lr) == (None, 1, 0.01)  # None: the client batch
     assert o.first_round == "ce_only"
-    _, context = _context(compat="htfllib", reg_weight=100.0, inter_norm="all_classes", server_batch_size=8,
+    _, context = _context(compat="reference", reg_weight=100.0, inter_norm="all_classes", server_batch_size=8,
                           first_round="initial_prototypes")
     o = context.options
     assert (o.reg_weight, o.inter_norm, o.server_batch_size, o.first_round) == (
@@ -194,7 +194,7 @@ def _uploads(num_classes=5, clients=6, dim=16, seed=1):
     return uploads
 
 
-@pytest.mark.parametrize("options,epochs,batch", [({}, 1, 32), ({"compat": "htfllib"}, 1, 10),
+@pytest.mark.parametrize("options,epochs,batch", [({}, 1, 32), ({"compat": "reference"}, 1, 10),
                                                   ({"server_epochs": 3, "server_batch_size": 4}, 3, 4)])
 def test_server_trains_one_epoch_of_oc_with_the_configured_batch(monkeypatch, options, epochs, batch):
     seen = {}

@@ -284,11 +284,11 @@ def test_paper_defaults_and_the_htfllib_values():
     assert (o.reg_weight, o.intra_weight, o.inter_weight, o.inter_norm) == (100.0, 1.0, 10.0, "other_classes")
     assert (o.server_batch_size, o.server_epochs, o.server_lr, o.first_round) == (32, 1, 0.01, "initial_prototypes")
     assert (o.outlier_filter, o.filter_alpha, o.loss_weights, o.proto_samples) == ("adaptive", 0.5, "sigmoid", "all")
-    o = _context(compat="htfllib")[1].options
+    o = _context(compat="reference")[1].options
     assert (o.reg_weight, o.inter_norm, o.server_batch_size, o.first_round) == (10.0, "other_classes", None, "ce_only")
     assert (o.outlier_filter, o.filter_alpha, o.loss_weights, o.proto_samples) == (
         "adaptive", 0.5, "sigmoid", "full_batches")
-    o = _context(compat="htfllib", inter_norm="all_classes", proto_samples="all")[1].options
+    o = _context(compat="reference", inter_norm="all_classes", proto_samples="all")[1].options
     assert (o.inter_norm, o.proto_samples) == ("all_classes", "all")  # knobs win
 
 

@@ -136,11 +136,11 @@ def test_one_step_by_hand():
 
 
 def test_gradient_clipping_bounds_the_step():
-    """``grad_clip`` = 1e-3 at lr 1: W moves by exactly 1e-3 (the raw gradient is far larger)."""
+    """``clip_grad_norm`` = 1e-3 at lr 1: W moves by exactly 1e-3 (the raw gradient is far larger)."""
     knowledge = _knowledge(KNOWLEDGE)
     moved = {}
     for clip in (None, 1e-3):
-        entry, context = _context(tau=1.0, lr=1.0, grad_clip=clip)
+        entry, context = _context(tau=1.0, lr=1.0, clip_grad_norm=clip)
         client = _linear_client([[1.0, 0.0]], [0], lr=1.0)
         entry.client(context).train(client, knowledge, 1, torch_generator(0, "t"))
         moved[clip] = float((client.model.feature_extractor.weight.detach() - torch.eye(2)).norm())
@@ -236,12 +236,12 @@ def test_prediction_without_prototypes_is_no_class():
 def test_defaults():
     options = _context()[1].options
     assert (options.tau, options.global_term, options.local_reduction, options.local_from, options.predict_with,
-            options.predict_score, options.grad_clip) == (0.07, True, "mean", "all", "local", "dot", None)
+            options.predict_score, options.clip_grad_norm) == (0.07, True, "mean", "all", "local", "dot", None)
 
 
 @pytest.mark.parametrize("options,message", [
     ({"tau": 0.0}, r"^config key 'algo.tau' must be > 0, got 0.0$"),
-    ({"grad_clip": 0.0}, r"^config key 'algo.grad_clip' must be > 0"),
+    ({"clip_grad_norm": -1.0}, r"^config key 'algo.clip_grad_norm' must be >= 0"),
     ({"predict_with": "nearest"}, r"algo.predict_with"),
     ({"local_reduction": "max"}, r"algo.local_reduction"),
 ])

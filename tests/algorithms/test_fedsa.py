@@ -49,12 +49,12 @@ def test_defaults_follow_the_paper_and_compat_selects_the_code():
     assert (o.reg_distance, o.reg_weight, o.mcl_weight, o.cc_weight) == ("euclid", 0.1, 1.0, 1.0)
     assert (o.contrast_on, o.margin_rule, o.proto_from, o.weighted) == ("prototypes", "pairwise", "post_update", True)
     assert (o.ema_decay, o.anchor_projection, o.inference) == (0.9999, "mlp", "proto_last")
-    _, code = _context(compat="htfllib")
+    _, code = _context(compat="reference")
     o = code.options
     assert (o.reg_distance, o.reg_weight, o.mcl_weight, o.cc_weight) == ("mse", 10.0, 1.0, 1.0)
     assert (o.contrast_on, o.margin_rule, o.proto_from, o.weighted) == ("samples", "nearest", "during_training", False)
     assert (o.ema_decay, o.inference) == (0.9999, "proto_last")
-    _, mixed = _context(compat="htfllib", reg_distance="euclid", weighted=True)  # a knob set by hand wins
+    _, mixed = _context(compat="reference", reg_distance="euclid", weighted=True)  # a knob set by hand wins
     assert (mixed.options.reg_distance, mixed.options.reg_weight, mixed.options.weighted) == ("euclid", 0.1, True)
 
 
@@ -172,7 +172,7 @@ def _knowledge(anchors: torch.Tensor) -> dict:
             "proto_present": torch.zeros(count, dtype=torch.bool)}
 
 
-@pytest.mark.parametrize("compat", ["paper", "htfllib"])
+@pytest.mark.parametrize("compat", ["paper", "reference"])
 def test_client_objective_by_hand(compat):
     """One sample at the origin, label 0; C = 2 anchors A0 = (3, 0), A1 = (0, 4) (so d_global = 5
     under both rules); zero head, lr = 0, so the model never moves and the loss is
@@ -285,7 +285,7 @@ def test_server_ema_with_the_paper_alpha_on_the_weighted_mean():
 
 
 def test_server_diagnostics_by_hand():
-    server = _server(compat="htfllib", margin_rule="pairwise", ema_decay=0.5)
+    server = _server(compat="reference", margin_rule="pairwise", ema_decay=0.5)
     uploads = {
         0: {"class_ids": torch.tensor([0, 1]), "protos": torch.tensor([[0.0, 0.0], [6.0, 0.0]])},
         1: {"class_ids": torch.tensor([2]), "protos": torch.tensor([[0.0, 8.0]])},
@@ -305,7 +305,7 @@ def test_server_diagnostics_by_hand():
 def test_partial_participation_server_learns_from_the_uploads_only():
     """The server sees only the round's participants: classes nobody uploaded keep their anchor
     and have no P̄; a round with no upload keeps everything."""
-    server = _server(compat="htfllib", ema_decay=0.5)
+    server = _server(compat="reference", ema_decay=0.5)
     got = server.update({4: {"class_ids": torch.tensor([2]), "protos": torch.tensor([[0.0, 8.0]])}}, 0,
                         torch_generator(0, "s"))
     down = server.download()
@@ -349,7 +349,7 @@ def test_inference_rules():
 
 # --------------------------------------------------------------------------- real runs
 
-RUN = ("algorithm=fedsa", "algo.compat=htfllib", "join_ratio=0.5", "rounds=2")
+RUN = ("algorithm=fedsa", "algo.compat=reference", "join_ratio=0.5", "rounds=2")
 """The reference code's options (the conformance tests run the paper's), 3 of 6 clients a round."""
 
 
@@ -517,7 +517,7 @@ def test_download_fields_by_hand():
 def test_server_refuses_a_bad_upload_naming_the_client():
     from htfl_dist.errors import ProtocolError
 
-    server = _server(compat="htfllib")
+    server = _server(compat="reference")
     server.validate_upload(7, {"class_ids": torch.tensor([1]), "protos": torch.ones(1, 2)})
     with pytest.raises(ProtocolError, match="client 7"):
         server.validate_upload(7, {"class_ids": torch.tensor([5]), "protos": torch.ones(1, 2)})

@@ -24,8 +24,8 @@ def test_defaults_are_the_tuned_values_and_compat_switches_kd():
     options = parse_options(get_algorithm("fml"), {})
     assert (options.alpha, options.beta, options.kd, options.avg, options.shared_model) == \
         (0.5, 0.5, "dml", "uniform", None)
-    assert parse_options(get_algorithm("fml"), {"compat": "htfllib"}).kd == "htfllib"
-    assert parse_options(get_algorithm("fml"), {"compat": "htfllib", "kd": "dml"}).kd == "dml"
+    assert parse_options(get_algorithm("fml"), {"compat": "reference"}).kd == "htfllib"
+    assert parse_options(get_algorithm("fml"), {"compat": "reference", "kd": "dml"}).kd == "dml"
 
 
 @pytest.mark.parametrize("options,key", [

@@ -434,7 +434,7 @@ def _ktl_context(**options):
                                    image_size=28, latent_dim=6, model_group="HtCNN8", num_clients=2)
 
 
-@pytest.mark.parametrize("options", [{}, {"compat": "htfllib"}])
+@pytest.mark.parametrize("options", [{}, {"compat": "reference"}])
 def test_fedktl_trains_privately_with_its_transfer_loss_as_a_public_term(options, monkeypatch):
     """FedKTL's own client and server over three rounds with a ledger: ArcFace goes through DP-SGD,
     the transfer loss on the downloaded pairs (from round 2 on) through the public term, and
@@ -718,7 +718,7 @@ def test_fedsa_without_counts_on_the_wire_is_accepted():
     ("fedproto", {"algo": {"weighted": True}}, "class counts"),
     ("fedproto", {"train": {"client_batching": "vmap"}}, "client_batching=vmap"),
     ("fedsa", {}, "class counts"),  # the paper's weighted mean
-    ("fedsa", {"algo": {"compat": "htfllib"}}, "algo.proto_from=during_training"),
+    ("fedsa", {"algo": {"compat": "reference"}}, "algo.proto_from=during_training"),
     ("fedl2g", {}, "uploads what privacy.* does not noise"),
 ])
 def test_uncovered_runs_are_refused_with_one_line(algorithm, extra, message):

@@ -118,7 +118,7 @@ def test_algo_options_is_the_algorithms_dataclass_with_compat_resolved_and_algo_
 def test_algo_options_follows_algo_and_algorithm_when_they_are_replaced():
     config = load_config(SMOKE, ["algorithm=fedoc"])
     assert isinstance(algorithm_options(config), FedOCOptions) and algorithm_options(config).reg_weight == 100.0
-    config.algo = {"compat": "htfllib"}
+    config.algo = {"compat": "reference"}
     assert algorithm_options(config).reg_weight == 10.0
     config.algorithm, config.algo = "fedktl", {}
     assert isinstance(algorithm_options(config), FedKTLOptions)

@@ -30,6 +30,7 @@ from htfl_dist.algorithms.interface import (
     ServerAlgorithm,
     TrainResult,
 )
+from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.training import Batch, run_local_training
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.models import architecture_for_client, build_model
@@ -166,8 +167,8 @@ def part_upload(part: ModelPart, module: nn.Module, client: ClientState, average
 class HeadSharingOptions:
     """Options every head-sharing method has."""
 
-    compat: Literal["paper", "htfllib"] = "paper"
-    """htfllib: every knob left unset takes HtFLlib HEAD's value (each variant lists which)."""
+    compat: Compat = compat_option()
+    """reference: every knob left unset takes HtFLlib HEAD's value (each variant lists which)."""
 
 
 @dataclass
@@ -176,7 +177,7 @@ class HeadAveragingOptions(HeadSharingOptions):
 
     head_avg: Average = "sample_weighted"
     """How the server averages the uploaded heads: sample_weighted = Σ_i (n_i/Σn)·h_i (HtFLlib,
-    default and ``compat: htfllib``); uniform = the plain mean over the uploaders (official
+    default and ``compat: reference``); uniform = the plain mean over the uploaders (official
     LG-FedAvg ``main_lg.py``)."""
 
 
