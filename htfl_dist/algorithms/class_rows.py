@@ -235,8 +235,6 @@ class ClassMeanServer(ServerAlgorithm):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: a mean of nothing would erase every class
-            return {}
         means = ClassMeans(self.context.num_classes, self.row_width(self.context), dtype=torch.float64)
         for client_id in sorted(uploads):  # fixed order: the float64 sums do not depend on ranks
             upload = uploads[client_id]

@@ -214,8 +214,6 @@ class FedGenServer(PartAveragingServer):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep the head and G
-            return {}
         diagnostics = {}
         if self.options.persist_generator:  # before averaging: G learns from the uploaded heads
             diagnostics["generator_loss"] = self.train_generator(uploads, generator)

@@ -81,8 +81,6 @@ class FedGHServer(PartServer):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep H
-            return {}
         rows, labels = self._pairs(uploads)
         if rows.shape[0] == 0:
             return {}

@@ -272,8 +272,6 @@ class FedHKDServer(ServerAlgorithm):
         return feature_means.present(), feature_means.dense(), soft_means.dense()
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep the table
-            return {}
         previous = self.download()
         present, features, soft = self.aggregate(uploads)
         if self.options.keep_absent and previous["class_ids"].numel():

@@ -251,8 +251,6 @@ class FedKDServer(ServerAlgorithm):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep the last download
-            return {}
         rule = self.options.svd_rank
         client_ids = sorted(uploads)  # fixed order: the float64 sums do not depend on ranks
         sums = [torch.zeros(shape, dtype=torch.float64) for shape in self.shapes]

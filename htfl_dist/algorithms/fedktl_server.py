@@ -138,8 +138,6 @@ class FedKTLServer(ServerAlgorithm):
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: the last pairs stay
-            return {}
         protos = torch.cat([uploads[cid]["protos"] for cid in sorted(uploads)]).to(self.device)
         labels = torch.cat([uploads[cid]["class_ids"] for cid in sorted(uploads)]).to(self.device)
         if protos.shape[0] == 0:

@@ -276,8 +276,6 @@ class FedL2GServer(ServerAlgorithm):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: G stays
-            return {}
         previous = self.guides
         self.guides, sent = guide_step(previous, uploads, self.options.server_lr, self.options.clip_grad_norm)
         return {"guide_classes": float(sent.sum()), "guide_step_norm": float((self.guides - previous).norm())}

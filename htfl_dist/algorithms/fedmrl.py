@@ -47,7 +47,6 @@ from htfl_dist.algorithms.blocks.model_part import (
     Average,
     DownloadedCopy,
     ModelPart,
-    PartAveragingServer,
     part_upload,
     part_upload_fields,
 )
@@ -61,6 +60,7 @@ from htfl_dist.algorithms.optimizers import companion_optimizer
 from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.shared_model import (
+    SharedModelServer,
     build_shared_model,
     check_member_name,
     check_shared_model,
@@ -290,13 +290,10 @@ class FedMRLClient(ClientAlgorithm):
         return client.model.head(fuse(small.features(inputs), features, projector)).argmax(dim=1)
 
 
-class FedMRLServer(PartAveragingServer):
-    """G = Σ_{k∈U} w_k·G_k over parameters, w_k = n_k/Σn (sample_weighted) or 1/|U| (uniform);
-    starts as the seeded initial G every client also builds."""
+class FedMRLServer(SharedModelServer):
+    """FML's server over the small model: G = Σ_{k∈U} w_k·G_k, w_k = n_k/Σn or 1/|U|."""
 
     part = SMALL_MODEL
-    average_option = "avg"
-    counts_on_wire = False
 
 
 register_algorithm("fedmrl", server=FedMRLServer, client=FedMRLClient, options=FedMRLOptions,

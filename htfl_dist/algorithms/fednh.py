@@ -287,8 +287,6 @@ class FedNHServer(ServerAlgorithm):
         return aggregate, means.present()
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep P as it is
-            return {}
         previous = self.download()
         aggregate, present = self.aggregate(uploads)
         self.prototypes = smooth_prototypes(self.prototypes, aggregate, present, self.options.smoothing)

@@ -316,8 +316,6 @@ class FedPACServer(ServerAlgorithm):
             raise ProtocolError(f"client {client_id} sent {upload[HEAD.name].shape[0]} head rows, expected 1")
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep the prototypes and the heads
-            return {}
         order = sorted(uploads)
         self.aggregate_prototypes([uploads[i] for i in order])
         weights = self.head_weights([uploads[i] for i in order])

@@ -209,8 +209,6 @@ class FedPCLServer(ClassMeanServer):
         self.local_set: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:
-            return {}
         metrics = super().update(uploads, round_index, generator)
         for client_id in sorted(uploads):
             self.local_set[client_id] = (uploads[client_id]["class_ids"].clone(), uploads[client_id]["protos"].float())

@@ -324,8 +324,6 @@ class FedSAServer(ServerAlgorithm):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep Ā and P̄
-            return {}
         before = self.anchors
         diagnostics = self.prototypes.update(uploads, round_index, generator)
         table = self.prototypes.download()

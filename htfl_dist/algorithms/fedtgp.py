@@ -188,8 +188,6 @@ class TrainablePrototypeServer(ServerAlgorithm):
         return True
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict:
-        if not uploads:  # every upload screened out: nothing to train on, keep P̂ as it is
-            return {}
         pairs, labels = self._pairs(uploads)
         if pairs.shape[0] == 0:
             return {}

@@ -29,7 +29,6 @@ import torch
 from htfl_dist.algorithms.blocks.model_part import (
     Average,
     DownloadedCopy,
-    PartAveragingServer,
     part_upload,
     part_upload_fields,
 )
@@ -45,6 +44,7 @@ from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.shared_model import (
     SHARED_MODEL,
+    SharedModelServer,
     check_member_name,
     clip_gradients,
 )
@@ -115,16 +115,7 @@ class FMLClient(ClientAlgorithm):
         return self.shared_floats
 
 
-class FMLServer(PartAveragingServer):
-    """G = Σ_{i∈U} w_i·G_i over parameters, w_i = 1/|U| (uniform) or n_i/Σn (sample_weighted);
-    starts as the seeded initial G every client also builds."""
-
-    part = SHARED_MODEL
-    average_option = "avg"
-    counts_on_wire = False
-
-
-register_algorithm("fml", server=FMLServer, client=FMLClient, options=FMLOptions,
+register_algorithm("fml", server=SharedModelServer, client=FMLClient, options=FMLOptions,
                    summary="mutual learning of local models with an averaged shared model (Shen et al. 2020)",
                    shares_parameters=True,
                    conformance=ConformanceHints(ranks_covered_by="fedmrl"))  # the same downloaded-copy block

@@ -277,8 +277,6 @@ class FPLServer(ServerAlgorithm):
         check_class_rows(client_id, upload["class_ids"], upload["protos"], self.context.num_classes)
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep what was sent last
-            return {}
         previous = self.download()
         per_class: dict[int, list[torch.Tensor]] = {}
         for client_id in sorted(uploads):  # client-id order: the same clusters on any world size

@@ -263,7 +263,9 @@ class ServerAlgorithm:
                generator: torch.Generator) -> dict[str, Any]:
         """Consume the uploads (keyed and ordered by client id); return diagnostics (numbers
         or lists of numbers, logged in metrics.jsonl). ``generator`` is the server's random
-        stream for this round, derived from (seed, round) by the runtime."""
+        stream for this round, derived from (seed, round) by the runtime. Never called with no
+        uploads when the algorithm declares some: a round whose uploads were all screened out
+        skips the server step in the loop, and the knowledge stays as it was."""
         return {}
 
     def state_dict(self) -> dict[str, Any]:

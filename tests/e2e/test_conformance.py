@@ -98,10 +98,6 @@ def test_bytes_sent_are_the_papers_count_and_the_framing(played, single_run):
     testing.check_bytes_against_theory(played, rows)
 
 
-def test_a_round_without_uploads_keeps_the_knowledge(played):
-    testing.check_empty_round_keeps_knowledge(played)  # last: it updates the played server
-
-
 @pytest.mark.launch
 @pytest.mark.parametrize("algorithm", LAUNCHED)
 def test_two_rounds_in_one_process_equal_two_rounds_on_three_ranks(algorithm, tmp_path, cache_dir, single_run):

@@ -153,11 +153,19 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
     federation = _federation(monkeypatch, tmp_path)
     assert [field.name for field in federation.session.upload_spec] == ["class_ids", "protos"]
     forge_uploads(federation)
+
+    def no_server_step(*args):
+        raise AssertionError("the server step ran on a round whose uploads were all screened out")
+
+    monkeypatch.setattr(federation.session.rank0_server, "update", no_server_step)  # the loop keeps the round
+    before = federation.session.rank0_server.download()
     with pytest.raises(NothingAggregated):  # its only round aggregated nothing: said after the rows
         federation.run()
     participants = sample_participants(0, 0, NUM_CLIENTS, 0.5)
     (row,) = read_metrics(tmp_path)
     assert row["skipped_clients"] == participants and row.get("server_skipped") is True
+    for key, tensor in federation.session.rank0_server.download().items():
+        assert torch.equal(tensor, before[key]), key
     assert f"left out rank 0 (clients [0, 1, 2, 3])'s clients {participants}" in capsys.readouterr().err
     strict = _federation(monkeypatch, tmp_path / "strict", "on_bad_upload=fail")
     forge_uploads(strict)

@@ -302,8 +302,6 @@ class PartAveragingServer(PartServer):
 
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
-        if not uploads:  # every upload screened out: keep the global part
-            return {}
         rows = [uploads[client_id][self.part.name].float().cpu() for client_id in sorted(uploads)]
         weights = self.sample_weights(uploads) if self.average() == "sample_weighted" else None
         previous = self.row
