@@ -36,7 +36,7 @@ folder the user passes, a placeholder, not a folder of this machine.)"""
 
 ALLOWED = (
     # The default Fashion-MNIST root: Debian's dataset-fashion-mnist package installs the IDX files
-    # there (htfl_dist.config.schema.DEFAULT_FMNIST_ROOT, launch/setup_env.sh, README).
+    # there (htfl_dist.config.data_section.DEFAULT_FMNIST_ROOT, launch/setup_env.sh, README).
     "/usr/share/datasets/fashion-mnist",
     # Interpreters and tools at their fixed system places: shebangs (#!/usr/bin/env), the GPU
     # scripts' and the Slurm tests' look-ups of system binaries.
