@@ -20,9 +20,10 @@ from htfl_dist.privacy.secagg_crypto import KEY_BYTES, NONCE_BYTES, TAG_BYTES
 from htfl_dist.privacy.secagg_quant import MODULUS_BITS
 from htfl_dist.privacy.secagg_shamir import SHARE_BYTES
 
-SHARE_PLAINTEXT_BYTES = 16 + 2 * SHARE_BYTES
-"""An encrypted share's plaintext: sender and receiver ids (8 bytes each), then the shares of the
-self-mask seed and of the masking private key."""
+SHARE_PLAINTEXT_BYTES = 2 * SHARE_BYTES
+"""An encrypted share's plaintext: the shares of the self-mask seed and of the masking private key.
+The sender, receiver and round are not repeated inside: the AEAD authenticates them as associated
+data (secagg_crypto.encrypt), so a share decrypts only where and when it was addressed."""
 SHARE_CIPHERTEXT_BYTES = SHARE_PLAINTEXT_BYTES + TAG_BYTES
 MAX_CLIENT_ID = 2 ** 63 - 1
 

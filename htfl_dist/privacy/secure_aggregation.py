@@ -26,7 +26,6 @@ generator, never from the experiment seed; two runs of one config mask different
 from __future__ import annotations
 
 import secrets
-import struct
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -34,7 +33,6 @@ import numpy as np
 from htfl_dist.errors import ProtocolError
 from htfl_dist.privacy import secagg_crypto as crypto
 from htfl_dist.privacy.secagg_messages import (
-    SHARE_PLAINTEXT_BYTES,
     EncryptedShare,
     KeyAdvertisement,
     MaskedInput,
@@ -111,7 +109,7 @@ class SecAggClient:
         self._held[self.client_id] = (seed_shares[points[self.client_id]], key_shares[points[self.client_id]])
         out = []
         for v in self._neighbours:
-            plaintext = struct.pack(">qq", self.client_id, v) + seed_shares[points[v]] + key_shares[points[v]]
+            plaintext = seed_shares[points[v]] + key_shares[points[v]]
             key = self._agree("encrypt", ads[v].encryption_key, v)
             nonce, ciphertext = crypto.encrypt(key, plaintext, self.round_index, self.client_id, v)
             out.append(EncryptedShare(self.client_id, v, nonce, ciphertext))
@@ -154,9 +152,7 @@ class SecAggClient:
             except crypto.DecryptionFailed:
                 raise ProtocolError(f"{where(self.round_index, v)}: its share for client {self.client_id} "
                                     "failed authentication") from None
-            if len(plain) != SHARE_PLAINTEXT_BYTES or struct.unpack(">qq", plain[:16]) != (v, self.client_id):
-                raise ProtocolError(f"{where(self.round_index, v)}: its share names the wrong clients")
-            self._held[v] = (plain[16:16 + SHARE_BYTES], plain[16 + SHARE_BYTES:])
+            self._held[v] = (plain[:SHARE_BYTES], plain[SHARE_BYTES:])  # its length was checked encrypted
         if len(self._held) < config.threshold:
             raise SecAggAbort(f"{here}: only {len(self._held) - 1} neighbours shared their keys; fewer than "
                               f"threshold {config.threshold} holders could not unmask it")

@@ -353,7 +353,8 @@ def test_messages_are_bounded_by_the_config():
         stages.server.receive_masked_input(MaskedInput(3, np.zeros(64, np.int64)))
     routed = stages.server.shares_for(3)
     short = dataclasses.replace(routed[0], ciphertext=routed[0].ciphertext[:-1])
-    with pytest.raises(ProtocolError, match=f"client {routed[0].sender} sent an encrypted share of 163 bytes"):
+    sender = routed[0].sender  # two 66-byte shares and a 16-byte tag: 148 bytes
+    with pytest.raises(ProtocolError, match=f"client {sender} sent an encrypted share of 147 bytes, expected 148"):
         stages.clients[3].masked_input(stages.quantised[3], [short])
     with pytest.raises(ProtocolError, match="more shares than it has neighbours"):
         stages.clients[13].masked_input(stages.quantised[13], routed + routed[:1])
