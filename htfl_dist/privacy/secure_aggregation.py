@@ -2,11 +2,14 @@
 one of them (issue 48 item 3). SecAgg+ (Bell et al., CCS 2020) over SecAgg (Bonawitz et al.,
 CCS 2017), as plain objects and messages; the wire exchange is another module's job.
 
-Threat model: an honest-but-curious server and up to t − 1 colluding clients per neighbourhood,
-with clients dropping out at any stage. One active deviation is refused: a request to unmask a
-client both ways (its self-mask seed and its masking key), which would reveal its input. Not
-implemented: Bonawitz's signatures and consistency-check round against a server that lies about
-who dropped to different clients.
+Threat model: an honest-but-curious server, alone or with colluding clients that number fewer
+than t among the share holders of every honest client, and clients dropping out at any stage. One
+active deviation is refused: a request to unmask a client both ways (its self-mask seed and its
+masking key), which would reveal its input. Not implemented: Bonawitz's signatures and
+consistency-check round against a server that lies about who dropped to different clients. The
+ring is a public function of the ids and the round (as Flower's, which rings the sorted ids), not
+Bell et al.'s random graph drawn after corruption: whoever picks the colluders knowing the schedule
+can surround a victim, so the guarantee is per neighbourhood, not Bell et al.'s probabilistic one.
 
 The four stages (t: threshold; N(u): u's neighbours on the round's ring, secagg_messages.py):
 0. advertise: each client draws two X25519 key pairs (c for encryption, s for masking) and a 32-byte
@@ -22,6 +25,8 @@ The four stages (t: threshold; N(u): u's neighbours on the round's ring, secagg_
 
 Everything secret (keys, seeds, Shamir coefficients, rounding coins) comes from the OS's secure
 generator, never from the experiment seed; two runs of one config mask differently and sum alike.
+The primitives come from PyCA's ``cryptography`` (audited, constant-time X25519 and AEAD over
+OpenSSL), not hand-written code that would leak keys through timing (secagg_crypto.py).
 """
 from __future__ import annotations
 
