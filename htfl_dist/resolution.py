@@ -104,9 +104,10 @@ def check_registered_names(config: Config) -> None:
 
 def resolve(config: Config, imports: Sequence[str] = ()) -> Config:
     """``config`` resolved in place (and returned): plugins loaded, every registry-named key
-    checked, ``algo`` validated and spelled out (config.yaml shows the values used, and writing a
+    checked, ``algo`` and ``data.options`` validated and spelled out (config.yaml shows the values used, and writing a
     default explicitly does not make a different experiment)."""
     from htfl_dist.algorithms import spelled_out_options
+    from htfl_dist.data.sources import spelled_out_dataset_options
 
     loaded = load_plugins([*imports, *config.plugins])
     try:
@@ -117,6 +118,7 @@ def resolve(config: Config, imports: Sequence[str] = ()) -> Config:
         # a plugin that was imported but registered nothing of that name: say which were loaded
         raise ConfigError(f"{exc}; plugins loaded: {', '.join(loaded)}") from None
     config.algo = spelled_out_options(config.algorithm, config.algo)
+    config.data.options = spelled_out_dataset_options(config.data.dataset, config.data.options)
     return config
 
 

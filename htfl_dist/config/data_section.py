@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from htfl_dist.config.rules import ADDED_LATER, PLUMBING, bounded, declared
 from htfl_dist.errors import ConfigError
@@ -107,6 +107,12 @@ class DataConfig:
     domain's samples are split among its own clients by ``partition`` (dirichlet, pathological,
     exdir), and every client's test split comes from its domain. Empty (default): ``dataset``
     as one pool (for a suite, every domain mixed). docs/datasets.md, "Domain shift"."""
+
+    options: dict[str, Any] = declared(default_factory=dict, identity=ADDED_LATER)
+    """The dataset's own options, for a source registered with an options dataclass
+    (``DatasetSource.options``; a plugin's, e.g. a sequence length or a feature subset): checked
+    against it and spelled out by the resolution step, hashed like ``algo.*``, and part of the
+    partition cache's key. Empty for a dataset without options (every built-in one)."""
 
     def check(self) -> None:
         if self.partition == "pfllib" and not self.pfllib_dir:

@@ -121,11 +121,11 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
         annotation = hints[key]
         if isinstance(annotation, type) and dataclasses.is_dataclass(annotation):
             kwargs[key] = build_section(annotation, value or {}, f"{dotted}.")
-        elif key == "algo":
+        elif typing.get_origin(annotation) is dict:  # a registered thing's options (algo, data.options, ...)
             if value is None:
                 value = {}
             if not isinstance(value, dict):
-                raise ConfigError("config key 'algo' must be a mapping of algorithm options")
+                raise ConfigError(f"config key '{dotted}' must be a mapping of options, got {shown(value)}")
             kwargs[key] = dict(value)
         elif key in getattr(cls, "LIST_KEYS", ()) and isinstance(value, list):
             kwargs[key] = _comma_joined(value, dotted)

@@ -53,6 +53,8 @@ def partition_key(data: DataConfig, num_clients: int, seed: int, root: str | Non
         key["beta"] = float(data.beta)
     if data.balance:  # only when set: the keys of unbalanced splits stay as they were
         key["balance"] = True
+    if data.options:  # a dataset's own options (spelled out); only when it has some: other keys unchanged
+        key["options"] = data.options
     if data.partition_rules == "legacy":  # the key as before the option existed: caches stay valid
         if data.partition == "dirichlet":
             key["min_samples_per_client"] = legacy_min_samples(data)

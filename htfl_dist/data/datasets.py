@@ -12,12 +12,15 @@ made from all samples.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from htfl_dist.config import DataConfig
 
 from .sources import (
     DatasetArrays,
     DatasetSource,
     dataset_names,
+    dataset_options,
     dataset_source,
     register_dataset,
     stat_fingerprint,
@@ -85,10 +88,13 @@ def dataset_fingerprint(name: str, root: str | None) -> list[list]:
     return source.fingerprint(root)
 
 
-def load_dataset(name: str, root: str | None) -> DatasetArrays:
-    """Load all labelled samples of ``name`` from ``root`` (fmnist default: the OS package dir).
+def load_dataset(name: str, root: str | None, options: dict[str, Any] | None = None) -> DatasetArrays:
+    """Load all labelled samples of ``name`` from ``root`` (fmnist default: the OS package dir),
+    with its ``data.options`` where the source declares options.
 
     FMNIST / CIFAR: train + test; Tiny-ImageNet: train + val; Flowers102: train + val + test.
     """
     source = dataset_source(name)
-    return source.load(source.resolve_root(root))
+    declared = dataset_options(source, options or {})
+    root = source.resolve_root(root)
+    return source.load(root) if declared is None else source.load(root, declared)

@@ -53,6 +53,7 @@ from .pfllib import (
     read_pfllib_config,
     read_pfllib_file,
 )
+from .sources import check_arrays
 from .sources.domains import check_domains, domain_of_client, domain_suite, load_domains
 
 Report = Callable[[str], None]
@@ -107,7 +108,8 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Re
 
     report(f"data: no partition cache for this config yet; reading {data.dataset} "
            f"from {root or 'its default location'}")
-    arrays = load_dataset(data.dataset, root)
+    arrays = load_dataset(data.dataset, root, data.options)
+    x_format = check_arrays(arrays, data.vocab_size or MAX_VOCAB_SIZE)
     report(f"data: {arrays.labels.shape[0]} samples, {arrays.num_classes} classes; partitioning "
            f"({data.partition}, {data.partition_rules} rules) into {num_clients} clients")
     splits = _build_indices(data, arrays.labels, arrays.num_classes, num_clients, seed, batch_size)
@@ -117,17 +119,20 @@ def _prepare_generated(data: DataConfig, num_clients: int, seed: int, report: Re
         train, test = splits[cid]
         return images[train], labels[train], images[test], labels[test]
 
+    square = images.ndim == 4 and images.shape[2] == images.shape[3]
     attrs = {
         "format_version": FORMAT_VERSION,
         "dataset": data.dataset,
         "partition": data.partition,
         "num_classes": int(arrays.num_classes),
-        "in_channels": int(images.shape[1]),
-        "image_size": int(images.shape[2]),
+        "in_channels": int(images.shape[1]) if square else 0,
+        "image_size": int(images.shape[2]) if square else 0,
         "num_clients": int(num_clients),
-        "x_format": "uint8",
+        "x_format": x_format,
         "key_json": key_json,
     }
+    if x_format == "tokens":
+        attrs["vocab_size"] = data.vocab_size or int(images[:, :-1].max(initial=0)) + 1
     report(f"data: writing the partition cache {path}")
     write_cache(path, attrs, num_clients, arrays.num_classes, client_arrays)
     return read_partition_info(path)

@@ -17,17 +17,23 @@ from . import domainnet  # noqa: F401
 from .registry import (
     DatasetArrays,
     DatasetSource,
+    check_arrays,
     dataset_names,
+    dataset_options,
     dataset_source,
     register_dataset,
+    spelled_out_dataset_options,
     stat_fingerprint,
 )
 
 __all__ = [
     "DatasetArrays",
     "DatasetSource",
+    "check_arrays",
     "dataset_names",
+    "dataset_options",
     "dataset_source",
     "register_dataset",
+    "spelled_out_dataset_options",
     "stat_fingerprint",
 ]
