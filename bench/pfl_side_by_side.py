@@ -5,7 +5,9 @@ sides paired in one invocation on one machine, one thread each:
 - ``pfl2``  the same with 2 worker processes (torchrun, gloo: pfl splits each cohort by worker);
 - ``bare``  a plain PyTorch loop doing exactly our run's SGD steps (bench/pfl_bare.py): the floor;
 - ``ours``  ``python -m htfl_dist.main`` in one process, the workload as a plugin (bench/pfl_workload.py);
-- ``ours2`` ours with 2 training workers: torchrun, 3 ranks (rank 0 server, 2 client ranks).
+- ``ours2`` ours with 2 training workers: torchrun, 3 ranks (rank 0 server, 2 client ranks);
+- ``ours2h`` ours with 2 training workers in 2 processes: torchrun, 2 ranks, rank 0 serving and
+  training (``runtime.server_hosts_clients=true``), as pfl2's two workers.
 
 Workload (pfl's benchmarks/image_classification/configs/baseline.yaml, apple/pfl-research
 c9d1f32f6e84): 1,000 clients, 50 sampled a round, 50 samples each, local batch 10, one local
@@ -42,7 +44,7 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-SIDES = ("pfl", "pfl2", "bare", "ours", "ours2")
+SIDES = ("pfl", "pfl2", "bare", "ours", "ours2", "ours2h")
 PFL_VENV_ENV = "HTFL_PFL_VENV"
 DEFAULT_PFL_VENV = Path.home() / ".cache" / "htfl_dist" / "pfl-venv"
 """bench/pfl_setup.sh's default."""
@@ -294,15 +296,19 @@ def main(argv: list[str] | None = None) -> int:
                 command += ["--dump", str(dump)]
         else:
             out = work / "runs" / side
-            launcher = [] if side == "ours" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3"]
-            transport = [] if side == "ours" else ["runtime.backend=gloo"]
+            ranks = {"ours": 1, "ours2": 3, "ours2h": 2}[side]
+            launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone",
+                                              f"--nproc_per_node={ranks}"]
+            transport = [] if ranks == 1 else ["runtime.backend=gloo"]
+            if side == "ours2h":
+                transport.append("runtime.server_hosts_clients=true")
             command = [python, *launcher, "-m", "htfl_dist.main", "--config", str(config_path), "--out", str(out),
                        "--resume", "never", *transport, *args.ours_set]
             if out.exists():
                 shutil.rmtree(out)
         measured = run_side(side, command, env, work)
         if measured["returncode"] == 0:
-            if side in ("ours", "ours2"):
+            if side in ("ours", "ours2", "ours2h"):
                 rows = [json.loads(line) for line in (work / "runs" / side / "metrics.jsonl").read_text().splitlines()
                         if line.strip()]
                 if len(rows) != total_rounds:
@@ -355,7 +361,8 @@ def summarise(args: argparse.Namespace, config: dict[str, Any], results: dict[st
               f"{r['peak_rss_bytes'] / 2**30:13.2f}")
     ratios: dict[str, Any] = {}
     pairs = (("ours/pfl", "ours", "pfl"), ("ours/bare", "ours", "bare"), ("ours2/pfl2", "ours2", "pfl2"),
-             ("ours2/bare", "ours2", "bare"), ("pfl/bare", "pfl", "bare"))
+             ("ours2/bare", "ours2", "bare"), ("ours2h/pfl2", "ours2h", "pfl2"),
+             ("ours2h/bare", "ours2h", "bare"), ("pfl/bare", "pfl", "bare"))
     for label, mine, theirs in pairs:
         a, b = results.get(mine, {}), results.get(theirs, {})
         if a.get("returncode") == 0 and b.get("returncode") == 0:

@@ -167,6 +167,12 @@ class RuntimeConfig:
     """balanced: clients onto client ranks by estimated work (``placement_work``), largest first,
     each to the least loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes
     the results."""
+    server_hosts_clients: bool = False
+    """Rank 0 also hosts and trains clients (placed as any client rank) besides serving, so W
+    processes give W training ranks instead of W − 1. For a few ranks sharing a few cores (two
+    processes on a 2-core machine train where three took turns) and for servers whose step is
+    small next to a round's training. Never changes the results (placement never does). Off: rank
+    0 only serves (at W > 1), the better choice when the server's step is heavy (FedTGP, FedKTL)."""
     rebalance: Literal["round", "off"] = "round"
     """round: each round, participants move from the busiest client rank to the idlest while that
     shortens the round (``placement.round_trainers``: the largest that fits first), their state

@@ -18,7 +18,7 @@ import torch
 
 from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, max_message_bytes
-from htfl_dist.runtime.placement import Placement, client_ranks
+from htfl_dist.runtime.placement import Placement
 from htfl_dist.runtime.screening import (
     LeftOut,
     check_rank_entries,
@@ -160,7 +160,8 @@ class Exchange:
             assert download is not None, "rank 0 passes the server's download"
             message = encode(spec, {BROADCAST_ENTRY: download})
         received = self.transport.broadcast(message)
-        traffic.down += received.nbytes * len(client_ranks(self.transport.world_size))
+        receivers = sum(rank != 0 for rank in self.placement.client_ranks)  # rank 0 hands its own clients the copy
+        traffic.down += received.nbytes * receivers
         return decode(spec, received, self.device)[BROADCAST_ENTRY]
 
     def gather_uploads(self, spec, uploads: dict[int, Payload], participants: list[int], round_number: int,

@@ -25,12 +25,13 @@ if TYPE_CHECKING:
     from htfl_dist.data import PartitionInfo
 
 
-def check_world_size(world_size: int, num_clients: int) -> None:
-    client_ranks = world_size - 1
-    if client_ranks > num_clients:
+def check_world_size(world_size: int, num_clients: int, server_hosts: bool = False) -> None:
+    training = len(client_ranks(world_size, server_hosts))
+    if training > num_clients:
+        most = num_clients if server_hosts else num_clients + 1
         raise HtflError(
-            f"{world_size} ranks give {client_ranks} client ranks but there are only {num_clients} "
-            f"logical clients; start at most {num_clients + 1} ranks or raise num_clients"
+            f"{world_size} ranks give {training} client ranks but there are only {num_clients} "
+            f"logical clients; start at most {most} ranks or raise num_clients"
         )
 
 
@@ -55,29 +56,36 @@ class Placement:
     unseen: tuple[int, ...] = ()
     """``unseen[j]``: the rank hosting unseen client N + j (``eval.new_clients``), which only ever
     fine-tunes and tests on evaluation rounds."""
+    server_hosts: bool = False
+    """Rank 0 is a client rank too (``runtime.server_hosts_clients``); always so at world size 1."""
+
+    @property
+    def client_ranks(self) -> list[int]:
+        """The ranks that host clients, ascending."""
+        return client_ranks(self.world_size, self.server_hosts)
 
     @classmethod
-    def round_robin(cls, world_size: int, num_clients: int) -> Placement:
-        """Client i on rank 1 + i mod (W − 1)."""
-        if world_size == 1:
-            return cls(1, (0,) * num_clients)
-        return cls(world_size, tuple(1 + cid % (world_size - 1) for cid in range(num_clients)))
+    def round_robin(cls, world_size: int, num_clients: int, server_hosts: bool = False) -> Placement:
+        """Client i on the (i mod R)-th client rank (R client ranks: 1..W−1, or 0..W−1 when the
+        server hosts clients)."""
+        ranks = client_ranks(world_size, server_hosts)
+        return cls(world_size, tuple(ranks[cid % len(ranks)] for cid in range(num_clients)),
+                   server_hosts=server_hosts)
 
     @classmethod
-    def balanced(cls, world_size: int, work: Sequence[float]) -> Placement:
+    def balanced(cls, world_size: int, work: Sequence[float], server_hosts: bool = False) -> Placement:
         """Longest processing time first: clients by decreasing work (ties: lower id first), each
         onto the client rank with the least work so far (ties: lower rank). Under Dirichlet client
         sizes differ ~100×, and round-robin leaves the rank with the big clients alone at the end
         of every round."""
-        if world_size == 1:
-            return cls(1, (0,) * len(work), tuple(work))
-        loads = [0.0] * (world_size - 1)
+        hosts = client_ranks(world_size, server_hosts)
+        loads = [0.0] * len(hosts)
         ranks = [0] * len(work)
         for cid in sorted(range(len(work)), key=lambda c: (-work[c], c)):
             slot = min(range(len(loads)), key=lambda r: (loads[r], r))
-            ranks[cid] = slot + 1
+            ranks[cid] = hosts[slot]
             loads[slot] += work[cid]
-        return cls(world_size, tuple(ranks), tuple(work))
+        return cls(world_size, tuple(ranks), tuple(work), server_hosts=server_hosts)
 
     def rank_of(self, client_id: int) -> int:
         return self.ranks[client_id]
@@ -85,8 +93,8 @@ class Placement:
     def with_unseen(self, count: int) -> Placement:
         """The same placement plus ``count`` unseen clients, ids N..N+count−1, spread over the
         client ranks in turn (rank 0 at world size 1)."""
-        ranks = (0,) * count if self.world_size == 1 else tuple(1 + j % (self.world_size - 1) for j in range(count))
-        return dataclasses.replace(self, unseen=ranks)
+        hosts = self.client_ranks
+        return dataclasses.replace(self, unseen=tuple(hosts[j % len(hosts)] for j in range(count)))
 
     def unseen_of(self, rank: int) -> list[int]:
         """The unseen clients ``rank`` hosts, ascending (read every evaluated round: computed once)."""
@@ -130,14 +138,15 @@ class Placement:
         if self.world_size == 1:
             return f"placement: rank 0 is the server and hosts all {len(self.ranks)} clients"
         parts = []
-        for rank in client_ranks(self.world_size)[:ranks_shown]:
+        for rank in self.client_ranks[:ranks_shown]:
             hosted = self.clients_of(rank)
             shown = ",".join(str(cid) for cid in hosted[:6]) + (",..." if len(hosted) > 6 else "")
             share = self.work_share(rank)
             parts.append(f"rank {rank}: {len(hosted)} ({shown})" + (f" {share:.0%}" if share is not None else ""))
-        rest = self.world_size - 1 - ranks_shown
+        rest = len(self.client_ranks) - ranks_shown
         more = f"; {rest} more ranks" if rest > 0 else ""
-        return (f"placement: rank 0 is the server; clients per rank (share of {self.work_unit}): "
+        server = "rank 0 is the server and hosts clients" if self.server_hosts else "rank 0 is the server"
+        return (f"placement: {server}; clients per rank (share of {self.work_unit}): "
                 f"{'; '.join(parts)}{more}")
 
 
@@ -150,10 +159,10 @@ def round_trainers(participants: Sequence[int], home: Placement) -> dict[int, in
     ``home.work`` (what placed the clients at start-up; 1 per client when unknown). A pure
     function of the participants and the placement: every rank computes the same answer."""
     trainers = {cid: home.rank_of(cid) for cid in participants}
-    if home.world_size <= 2 or not participants:
+    ranks = home.client_ranks
+    if len(ranks) < 2 or not participants:
         return trainers
     work = [float(w) for w in home.work] if home.work else [1.0] * len(home.ranks)
-    ranks = client_ranks(home.world_size)
     loads = dict.fromkeys(ranks, 0.0)
     for cid, rank in trainers.items():
         loads[rank] += work[cid]
@@ -170,12 +179,14 @@ def round_trainers(participants: Sequence[int], home: Placement) -> dict[int, in
         loads[idlest] += work[moved]
 
 
-def plan_placement(policy: str, world_size: int, work: Sequence[float], work_unit: str = "samples") -> Placement:
-    """``runtime.placement``: balanced (by ``work``) or round_robin."""
+def plan_placement(policy: str, world_size: int, work: Sequence[float], work_unit: str = "samples",
+                   server_hosts: bool = False) -> Placement:
+    """``runtime.placement``: balanced (by ``work``) or round_robin; ``server_hosts``: rank 0
+    is a client rank too (``runtime.server_hosts_clients``)."""
     if policy == "round_robin":
-        placement = Placement(world_size, Placement.round_robin(world_size, len(work)).ranks, tuple(work))
+        placement = dataclasses.replace(Placement.round_robin(world_size, len(work), server_hosts), work=tuple(work))
     else:
-        placement = Placement.balanced(world_size, work)
+        placement = Placement.balanced(world_size, work, server_hosts)
     return dataclasses.replace(placement, work_unit=work_unit)
 
 
@@ -225,8 +236,10 @@ def idle_shares(compute_seconds: Sequence[float]) -> list[float]:
     return [round((slowest - own) / slowest, 4) for own in compute_seconds]
 
 
-def client_ranks(world_size: int) -> list[int]:
-    return [0] if world_size == 1 else list(range(1, world_size))
+def client_ranks(world_size: int, server_hosts: bool = False) -> list[int]:
+    """The ranks hosting clients: every rank when rank 0 hosts clients (always at world size 1),
+    else 1..W−1."""
+    return list(range(world_size)) if world_size == 1 or server_hosts else list(range(1, world_size))
 
 
 def sample_participants(seed: int, round_index: int, num_clients: int, join_ratio: float,

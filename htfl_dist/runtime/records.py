@@ -24,7 +24,7 @@ from htfl_dist.metrics.sinks import MetricsSink, open_sinks
 from htfl_dist.metrics.writer import MetricsLog, format_progress, progress, write_atomic, write_json
 from htfl_dist.privacy.startup import epsilon_columns, privacy_summary
 from htfl_dist.runtime.exchange import RoundReports, RoundTraffic
-from htfl_dist.runtime.placement import idle_shares
+from htfl_dist.runtime.placement import client_ranks, idle_shares
 
 
 @dataclass
@@ -249,7 +249,8 @@ class RoundRecords:
             row = metrics_row(outcome, seconds, max(rank_seconds), self._skipped_since_row)
             if unseen:
                 row.update(pooled_columns(unseen, "new_client"))
-            row["rank_idle_share"] = idle_shares(rank_seconds[1:] if self.world_size > 1 else rank_seconds)
+            training = client_ranks(self.world_size, self.config.runtime.server_hosts_clients)
+            row["rank_idle_share"] = idle_shares([rank_seconds[rank] for rank in training])
             if self._setup_bytes_up:
                 row["bytes_setup_up"], self._setup_bytes_up = self._setup_bytes_up, 0
             self.metrics.append(row)

@@ -112,7 +112,7 @@ def _world_size_fits(config: Config, world_size: int | None) -> None:
     from htfl_dist.runtime.placement import check_world_size
 
     if world_size is not None:
-        check_world_size(world_size, config.num_clients)
+        check_world_size(world_size, config.num_clients, config.runtime.server_hosts_clients)
 
 
 def _backend_usable(config: Config, world_size: int | None) -> None:

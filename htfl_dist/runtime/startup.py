@@ -166,8 +166,8 @@ def place_clients(config: Config, partition: Any, transport: Transport, device: 
     step_seconds = timed_step_costs(config, partition, transport, device) \
         if config.runtime.placement_work == "timed" else None
     work, unit = estimated_client_work(config, partition, step_seconds)
-    return plan_placement(config.runtime.placement, transport.world_size, work, unit).with_unseen(
-        config.eval.new_clients)
+    return plan_placement(config.runtime.placement, transport.world_size, work, unit,
+                          config.runtime.server_hosts_clients).with_unseen(config.eval.new_clients)
 
 
 def build_server(entry: AlgorithmEntry, context: AlgorithmContext, config: Config,

@@ -25,6 +25,7 @@ def reference(tmp_path_factory, cache_dir):
 @pytest.mark.parametrize("launcher,nproc,overrides", [
     ("torchrun", 4, ("runtime.placement_work=flops",)),  # 3 client ranks, placed by cost: the same numbers
     ("mpirun", 3, ()),
+    ("torchrun", 2, ("runtime.server_hosts_clients=true",)),  # rank 0 serves and trains: the same numbers
 ])
 def test_world_size_invariance(reference, launcher, nproc, overrides, tmp_path, cache_dir):
     _, expected = reference

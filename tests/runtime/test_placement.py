@@ -325,3 +325,25 @@ def test_idle_shares_by_hand():
     assert idle_shares([2.0, 1.0, 1.5]) == [0.0, 0.5, 0.25]
     assert idle_shares([1.0, 3.0]) == [0.6667, 0.0]  # rounded to 4 places, as metrics.jsonl holds them
     assert idle_shares([0.0, 0.0]) == [0.0, 0.0] and idle_shares([]) == []
+
+
+def test_a_server_that_hosts_clients_is_a_client_rank_too():
+    """runtime.server_hosts_clients: W ranks are W client ranks. Balanced over ranks 0 and 1 with
+    WORK (by hand, as above but onto r0/r1): c1 100 → r0; c3 60 → r1; c4 50 → r1 (110); c7 40 →
+    r0 (140); c10 30 → r1 (140); c8 9 → r0 (149); c2 7 → r1 (147); c0 5 → r1 (152); c5 3 → r0
+    (152); c9 2 → r0 (154); c6 1 → r1 (153): the 3-rank split above, moved down one rank."""
+    placement = Placement.balanced(2, WORK, server_hosts=True)
+    assert placement.clients_of(0) == [1, 5, 7, 8, 9] and placement.clients_of(1) == [0, 2, 3, 4, 6, 10]
+    assert Placement.round_robin(2, 5, server_hosts=True).ranks == (0, 1, 0, 1, 0)
+    assert plan_placement("round_robin", 3, [1.0] * 4, server_hosts=True).ranks == (0, 1, 2, 0)
+    assert Placement.round_robin(2, 4, server_hosts=True).with_unseen(3).unseen == (0, 1, 0)
+    assert "rank 0 is the server and hosts clients; clients per rank" in placement.describe()
+    assert placement.describe_rank(0) == "rank 0 (clients [1, 5, 7, 8, 9])"
+    # two client ranks: a round rebalances between them (not with one client rank)
+    home = Placement(2, (0, 0, 0, 1), (4.0, 3.0, 3.0, 1.0), server_hosts=True)
+    assert round_trainers([0, 1, 2, 3], home) == {0: 1, 1: 0, 2: 0, 3: 1}
+    # as many ranks as clients, not one more
+    check_world_size(4, 4, server_hosts=True)
+    with pytest.raises(HtflError, match="4 ranks give 4 client ranks but there are only 3 logical clients; "
+                                        "start at most 3 ranks"):
+        check_world_size(4, 3, server_hosts=True)
