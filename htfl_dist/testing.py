@@ -68,11 +68,12 @@ from htfl_dist.runtime.session import Session, checked_config
 from htfl_dist.runtime.startup import build_server
 from htfl_dist.runtime.transport import LocalTransport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, Encoded, decode, encode
+from htfl_dist.seeding import torch_generator
 
 __all__ = [
     "CHECKS", "SMALL_RUN", "ConformanceCase", "ConformanceError", "ConformanceHints", "PlayedRound",
     "check_bytes_against_theory", "check_declared_payloads", "check_parameters_travel_as_registered",
-    "check_registration", "check_state_round_trip",
+    "check_registration", "check_state_round_trip", "check_sums_reproduce_update",
     "check_world_size_invariance", "conformance_cases", "framing_bytes", "launch_env", "launch_run", "play_one_round",
     "play_run", "run_overrides",
 ]
@@ -234,6 +235,51 @@ def check_state_round_trip(played: PlayedRound) -> None:
                      f"{name}: client {client_id}'s module {module_name!r} does not round-trip")
 
 
+def summed_contributions(played: PlayedRound) -> tuple[dict[str, torch.Tensor], int] | None:
+    """The two checked clients' contributions summed (float64), each checked against the
+    server's ``summed_fields``; None for a server that reads each upload."""
+    name, session = played.algorithm, played.session
+    fields = session.entry.server.summed_fields(session.context) if session.entry.sums_only else None
+    if fields is None:
+        return None
+    uploads = decode(session.upload_spec, played.message)
+    sums = {key: torch.zeros(shape, dtype=torch.float64) for key, shape in fields.items()}
+    for client_id in sorted(uploads):
+        addend = session.entry.server.contribution(session.context, uploads[client_id])
+        require(set(addend) == set(fields), f"{name}: client {client_id}'s contribution has {sorted(addend)}, "
+                                            f"summed_fields declares {sorted(fields)}")
+        for key, tensor in addend.items():
+            require(tuple(tensor.shape) == fields[key] and tensor.is_floating_point(),
+                    f"{name}: contribution {key!r} is {tensor.dtype} {tuple(tensor.shape)}, declared {fields[key]}")
+            sums[key] += tensor.double()
+    return sums, len(uploads)
+
+
+def check_sums_reproduce_update(played: PlayedRound) -> None:
+    """A server that declares ``summed_fields`` gives, from the sum of the two clients'
+    contributions, the download ``update`` gives from their uploads (within float32 rounding):
+    what secure aggregation and pre-summed uploads rely on. Nothing to check for other servers."""
+    name, session = played.algorithm, played.session
+    summed = summed_contributions(played)
+    if summed is None:
+        return
+    sums, uploaders = summed
+    state = _weights_only(_server(session).state_dict())
+    by_uploads = build_server(session.entry, session.context, session.config, {})
+    by_sums = build_server(session.entry, session.context, session.config, {})
+    by_uploads.load_state_dict(state)
+    by_sums.load_state_dict(state)
+    seed = session.config.seed
+    by_uploads.update(decode(session.upload_spec, played.message), 1, torch_generator(seed, "server", 1))
+    by_sums.update_from_sums(sums, uploaders, 1, torch_generator(seed, "server", 1))
+    expected, got = by_uploads.download(), by_sums.download()
+    require(set(expected) == set(got), f"{name}: update_from_sums downloads {sorted(got)}, update {sorted(expected)}")
+    for key, tensor in expected.items():
+        close = tensor.shape == got[key].shape and torch.allclose(got[key].double(), tensor.double(),
+                                                                  rtol=1e-5, atol=1e-6)
+        require(close, f"{name}: update_from_sums gives another {key!r} than update on the same uploads")
+
+
 # --------------------------------------------------------------------------- bytes against theory
 
 
@@ -283,8 +329,8 @@ def check_bytes_against_theory(played: PlayedRound, rows: Sequence[Mapping[str, 
 # --------------------------------------------------------------------------- the cases of a suite
 
 
-CHECKS = ("registration", "declared_payloads", "parameters_travel", "state_round_trip", "bytes_against_theory",
-          "three_ranks")
+CHECKS = ("registration", "declared_payloads", "parameters_travel", "state_round_trip", "sums_reproduce_update",
+          "bytes_against_theory", "three_ranks")
 """Every case of one algorithm, in the order they run. (A round whose uploads are all screened out
 is not a server's case: the loop skips the server step and keeps the knowledge as it was.)"""
 
@@ -295,6 +341,7 @@ _ROUND_CHECKS = {
     "declared_payloads": check_declared_payloads,
     "parameters_travel": check_parameters_travel_as_registered,
     "state_round_trip": check_state_round_trip,
+    "sums_reproduce_update": check_sums_reproduce_update,
 }
 
 def _fresh(workdir: Path, what: str) -> Path:

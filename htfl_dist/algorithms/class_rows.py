@@ -229,8 +229,11 @@ class ClassMeanServer(ServerAlgorithm):
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         check_class_rows(client_id, upload["class_ids"], upload[self.key], self.context.num_classes)
 
-    def row_weights(self, upload: Payload) -> torch.Tensor | None:
-        """Per-row weights of an upload (None: every uploader of a class weighs the same)."""
+    @classmethod
+    def row_weights(cls, context: AlgorithmContext, upload: Payload) -> torch.Tensor | None:
+        """Per-row weights of an upload (None: every uploader of a class weighs the same); a
+        function of the upload and the options alone, so a client's rank can weigh its own
+        contribution (``contribution``)."""
         return None
 
     def update(self, uploads: dict[int, Payload], round_index: int,
@@ -238,7 +241,7 @@ class ClassMeanServer(ServerAlgorithm):
         means = ClassMeans(self.context.num_classes, self.row_width(self.context), dtype=torch.float64)
         for client_id in sorted(uploads):  # fixed order: the float64 sums do not depend on ranks
             upload = uploads[client_id]
-            means.add(upload[self.key], upload["class_ids"], self.row_weights(upload))
+            means.add(upload[self.key], upload["class_ids"], self.row_weights(self.context, upload))
         previous = self.download()
         self.class_ids, rows = means.rows()
         self.rows = rows.float()
@@ -247,6 +250,30 @@ class ClassMeanServer(ServerAlgorithm):
     def diagnostics(self, uploads: dict[int, Payload], previous: Payload) -> dict[str, Any]:
         """Extra numbers for the metrics row, given the uploads and the table before this update."""
         return {}
+
+    @classmethod
+    def summed_fields(cls, context: AlgorithmContext) -> dict[str, tuple[int, ...]] | None:
+        """Σ_i w_i·row_i^c per class [C, D] and Σ_i w_i per class [C]: each mean is their ratio."""
+        return {"row_sums": (context.num_classes, cls.row_width(context)), "weights": (context.num_classes,)}
+
+    @classmethod
+    def contribution(cls, context: AlgorithmContext, upload: Payload) -> dict[str, torch.Tensor]:
+        ids, rows = upload["class_ids"].long().cpu(), upload[cls.key].double().cpu()
+        weights = cls.row_weights(context, upload)
+        weights = torch.ones(ids.numel(), dtype=torch.float64) if weights is None else weights.double().cpu()
+        row_sums = torch.zeros(context.num_classes, cls.row_width(context), dtype=torch.float64)
+        totals = torch.zeros(context.num_classes, dtype=torch.float64)
+        row_sums.index_add_(0, ids, rows * weights[:, None])
+        totals.index_add_(0, ids, weights)
+        return {"row_sums": row_sums, "weights": totals}
+
+    def update_from_sums(self, sums: dict[str, torch.Tensor], uploaders: int, round_index: int,
+                         generator: torch.Generator) -> dict[str, Any]:
+        weights = sums["weights"].double()
+        present = weights > 0
+        self.class_ids = torch.nonzero(present).flatten()
+        self.rows = (sums["row_sums"].double()[present] / weights[present, None]).float()
+        return {"global_classes": float(self.class_ids.numel())}
 
     def state_dict(self) -> dict[str, Any]:
         return {"class_ids": self.class_ids, self.key: self.rows}

@@ -202,8 +202,9 @@ class FedProtoServer(ClassMeanServer):
     def row_width(cls, context: AlgorithmContext) -> int:
         return context.feature_dim
 
-    def row_weights(self, upload: Payload) -> torch.Tensor | None:
-        return upload["counts"] if self.options.weighted else None
+    @classmethod
+    def row_weights(cls, context: AlgorithmContext, upload: Payload) -> torch.Tensor | None:
+        return upload["counts"] if context.options.weighted else None
 
     def validate_upload(self, client_id: int, upload: Payload) -> None:
         super().validate_upload(client_id, upload)

@@ -268,6 +268,31 @@ class ServerAlgorithm:
         skips the server step in the loop, and the knowledge stays as it was."""
         return {}
 
+    # -- a server that needs only the sum of the uploads (secure aggregation, pre-summed uploads)
+
+    @classmethod
+    def summed_fields(cls, context: AlgorithmContext) -> dict[str, tuple[int, ...]] | None:
+        """The dense tensors whose sum over the round's uploaders is all ``update_from_sums``
+        needs (name -> shape), or None: the server reads each client's upload. A server that
+        declares them can run under ``privacy.secure_aggregation`` (the server learns only the
+        sum) and has its uploads summed where they are made. The registry trusts it only where
+        ``update_from_sums`` is defined as low in the class tree as ``update`` (``sums_only``)."""
+        return None
+
+    @classmethod
+    def contribution(cls, context: AlgorithmContext, upload: Payload) -> dict[str, torch.Tensor]:
+        """One client's addend: a dense float tensor per ``summed_fields`` entry, computed where
+        the upload is made (on the client's rank). Σ over the uploaders, in any order, is what
+        ``update_from_sums`` consumes."""
+        raise NotImplementedError(f"{cls.__qualname__} declares no summed fields")
+
+    def update_from_sums(self, sums: dict[str, torch.Tensor], uploaders: int, round_index: int,
+                         generator: torch.Generator) -> dict[str, Any]:
+        """``update`` from the sum of the uploaders' contributions alone (``uploaders`` of them):
+        the same knowledge as ``update`` on those uploads, within float rounding. Diagnostics that
+        need a client's own rows are not available here."""
+        raise NotImplementedError(f"{type(self).__qualname__} declares no summed fields")
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -85,6 +85,12 @@ class AlgorithmEntry:
     conformance: ConformanceHints = ConformanceHints()
     """What the conformance checks need beyond the classes (``htfl_dist.testing``)."""
 
+    @property
+    def sums_only(self) -> bool:
+        """The server needs only the sum of the round's contributions (:func:`sums_only`): it can
+        run under secure aggregation, and its uploads can be summed where they are made."""
+        return sums_only(self.server)
+
 
 _REGISTRY: Registry[AlgorithmEntry] = Registry("algorithm", "algorithm", order=name_key, plumbing=(__name__,))
 
@@ -107,6 +113,15 @@ def has_batched_path(client: type[ClientAlgorithm]) -> bool:
     batching them would train the parent's loss, so they have no batched path."""
     group = defined_by(client, "train_group")
     return group is not ClientAlgorithm and issubclass(group, defined_by(client, "train"))
+
+
+def sums_only(server: type[ServerAlgorithm]) -> bool:
+    """Whether ``server`` needs only the sum of the round's contributions: it declares
+    ``summed_fields`` and its ``update_from_sums`` is written at or below the class its ``update``
+    comes from. A subclass that rewrites ``update`` (FedPCL's, FedGen's) but inherits the parent's
+    sums would aggregate the parent's way under secure aggregation, so it is not sums-only."""
+    declares = defined_by(server, "summed_fields") is not ServerAlgorithm
+    return declares and issubclass(defined_by(server, "update_from_sums"), defined_by(server, "update"))
 
 
 def _checked_flag(name: str, flag: str, declared: bool | None, derived: bool, reason: str) -> bool:

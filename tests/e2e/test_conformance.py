@@ -91,6 +91,10 @@ def test_state_round_trips_through_weights_only_load(played):
     testing.check_state_round_trip(played)
 
 
+def test_a_sums_only_server_updates_alike_from_the_sum(played):
+    testing.check_sums_reproduce_update(played)
+
+
 def test_bytes_sent_are_the_papers_count_and_the_framing(played, single_run):
     """Against the session's shared one-process run of the algorithm (``single_run``): the same
     run the algorithm's own tests and the launch below compare with."""

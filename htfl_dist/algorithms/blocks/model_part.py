@@ -300,6 +300,24 @@ class PartAveragingServer(PartServer):
         """n_i of the uploaders, in client-id order."""
         return [float(uploads[client_id]["num_samples"][0]) for client_id in sorted(uploads)]
 
+    @classmethod
+    def summed_fields(cls, context: AlgorithmContext) -> dict[str, tuple[int, ...]] | None:
+        """Σ_i w_i·part_i [1, P] and Σ_i w_i [1]: the mean is their ratio."""
+        return {cls.part.name: (1, cls.part.floats(context)), "weight": (1,)}
+
+    @classmethod
+    def contribution(cls, context: AlgorithmContext, upload: Payload) -> dict[str, torch.Tensor]:
+        weighted = getattr(context.options, cls.average_option) == "sample_weighted"
+        weight = float(upload["num_samples"][0]) if weighted else 1.0
+        return {cls.part.name: upload[cls.part.name].double().cpu() * weight,
+                "weight": torch.tensor([weight], dtype=torch.float64)}
+
+    def update_from_sums(self, sums: dict[str, torch.Tensor], uploaders: int, round_index: int,
+                         generator: torch.Generator) -> dict[str, Any]:
+        previous = self.row
+        self.set_row((sums[self.part.name].double() / sums["weight"].double()).float())
+        return {f"{self.part.name}_uploads": uploaders, f"{self.part.name}_change": float((self.row - previous).norm())}
+
     def update(self, uploads: dict[int, Payload], round_index: int,
                generator: torch.Generator) -> dict[str, Any]:
         rows = [uploads[client_id][self.part.name].float().cpu() for client_id in sorted(uploads)]
