@@ -12,7 +12,8 @@ setup(
     # tensorboard: optional event files (output.tensorboard); the tests read them back.
     # opacus: privacy.* (docs/privacy.md) takes its accountants (RDP, PRV), noise calibration and
     # per-sample clipping-and-noise optimizer from it rather than from code of our own;
-    # cryptography: the secret noise's ChaCha20 stream (htfl_dist/privacy/noise.py)
+    # cryptography: the secret noise's ChaCha20 stream (htfl_dist/privacy/noise.py) and secure aggregation's
+    # X25519, HKDF and ChaCha20-Poly1305 (htfl_dist/privacy/secagg_crypto.py): audited constant-time primitives
     # ruff, mypy, types-PyYAML: .ci/run's `ruff check .` and `mypy` (mypy.ini), pinned to a minor
     # release so that a new release's rules do not fail CI unannounced; types-PyYAML: yaml's types.
     # setuptools: the tests and .ci/run pip-install the example plugin without build isolation

@@ -64,7 +64,7 @@ def section_view(section: type, values: dict[str, Any]) -> dict[str, Any]:
             value = section_view(type(default), value)
             if rule.omit_when_default and value == section_view(type(default), _as_dict(default)):
                 continue
-            if rule.omit_unless and not value.get(rule.omit_unless, False):
+            if rule.omit_unless and not any(value.get(key, False) for key in rule.omit_unless):
                 continue
         if rule.location and value is not None:
             value = True

@@ -36,6 +36,24 @@ class PrivacyConfig:
     accountant: Literal["rdp", "prv"] = "rdp"
     """Opacus's accountant composing every release: rdp (Rényi DP, an upper bound) or prv
     (privacy random variables, a tighter numerical estimate)."""
+    secure_aggregation: bool = False
+    """The server learns only the sum of the round's uploads (SecAgg+, htfl_dist/privacy/
+    secure_aggregation.py): each client's contribution is clipped to ±``secagg_clip``, quantised
+    to ``secagg_levels`` steps and masked with pairwise and self masks that cancel in the sum, so
+    rank 0 never sees one client's rows. Only for algorithms whose server needs nothing but that
+    sum (``registry.sums_only``); independent of ``enabled`` (DP), and combinable with it."""
+    secagg_neighbours: int | None = bounded(None, at_least=2, optional=True, note="or null: every pair")
+    """k: each client masks with its k ring neighbours (SecAgg+, even k); null: with every other
+    participant (the original SecAgg)."""
+    secagg_threshold: float = bounded(0.5, above=0, below=1)
+    """t as a share of a client's share holders (its neighbours and itself): t = ⌊f·holders⌋ + 1,
+    a strict majority at 0.5, which Bonawitz et al. need against a server that deviates."""
+    secagg_clip: float = bounded(8.0, above=0)
+    """Every entry of a contribution is clipped to [−c, c] before it is quantised (Flower's SecAgg+
+    ``clipping_range``, 8); entries clipped are counted per round (``secagg_clipped``)."""
+    secagg_levels: int = bounded(1 << 22, at_least=2, at_most=(1 << 32) // 1023 - 1)
+    """Quantisation steps over [−c, c] (Flower's SecAgg+ default 2^22): at most 1023 participants a
+    round keep the sum below 2^32."""
     noise: Literal["secure", "seeded"] = "secure"
     """Where every Gaussian draw of the mechanisms comes from. secure: the operating system's
     cryptographically secure source, which no other party (the server included) can reproduce;

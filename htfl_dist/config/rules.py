@@ -75,8 +75,8 @@ class Identity:
     """(value, value in the hash) pairs for a value renamed, for the same reason."""
     omit_when_default: bool = False
     """A section left out of the hash when its view equals its default's (it changes nothing)."""
-    omit_unless: str | None = None
-    """A section left out of the hash unless this boolean key of it is true (off, it changes nothing)."""
+    omit_unless: tuple[str, ...] = ()
+    """A section left out of the hash unless one of these boolean keys of it is true (off, it changes nothing)."""
 
 
 PLUMBING = Identity(plumbing=True)

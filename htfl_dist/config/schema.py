@@ -323,7 +323,7 @@ class Config:
     """Sampled evaluation for large federations (``eval.clients_fraction``); all clients by default."""
     generator: GeneratorConfig = declared(default_factory=GeneratorConfig, identity=Identity(omit_when_default=True))
     """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""
-    privacy: PrivacyConfig = declared(default_factory=PrivacyConfig, identity=Identity(omit_unless="enabled"))
+    privacy: PrivacyConfig = declared(default_factory=PrivacyConfig, identity=Identity(omit_unless=("enabled", "secure_aggregation")))
     """Differential privacy of what leaves a client (docs/privacy.md); off by default."""
     participation: ParticipationConfig = declared(default_factory=ParticipationConfig,
                                                   identity=Identity(omit_when_default=True))

@@ -25,6 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from htfl_dist.config import Config
 from htfl_dist.errors import TrainingDiverged
 from htfl_dist.payload import Payload
@@ -166,11 +168,16 @@ class Federation:
         trainers = self.training.trainers(participants)
         share = self.training.train(trainers, knowledge, round_index)
         outcome.client_seconds = time.perf_counter() - began
-        left_out = LeftOut(round_index + 1)  # rank 0: who this round leaves out and why, said in one line
-        gathered, outcome.skipped = session.exchange.gather_uploads(
-            session.upload_spec, share.uploads, participants, round_index + 1, outcome.traffic, left_out, trainers)
-        if gathered is not None:  # rank 0
-            self.aggregate(outcome, gathered, left_out)
+        if session.secure_sums is not None:  # rank 0 learns only the sum
+            summed = session.secure_sums.gather(share.uploads, participants, trainers, round_index, outcome.traffic)
+            if summed is not None:
+                self.aggregate_sums(outcome, *summed)
+        else:
+            left_out = LeftOut(round_index + 1)  # rank 0: who this round leaves out and why, said in one line
+            gathered, outcome.skipped = session.exchange.gather_uploads(
+                session.upload_spec, share.uploads, participants, round_index + 1, outcome.traffic, left_out, trainers)
+            if gathered is not None:  # rank 0
+                self.aggregate(outcome, gathered, left_out)
         knowledge, eval_rows = self._evaluate(outcome)
         self._report(outcome, share, eval_rows, trainers)
         return outcome, knowledge
@@ -194,6 +201,18 @@ class Federation:
         outcome.server_seconds = time.perf_counter() - began
         for observer in self.observers:
             observer.aggregated(outcome, gathered)
+
+    def aggregate_sums(self, outcome: RoundOutcome, sums: dict[str, torch.Tensor], uploaders: int,
+                       clipped: int) -> None:
+        """Rank 0 under secure aggregation: the server step from the round's sum alone (no upload
+        to screen or to hand the observers: none reached rank 0)."""
+        began = time.perf_counter()
+        generator = torch_generator(self.config.seed, "server", outcome.round_index)
+        outcome.diagnostics = {**self.session.rank0_server.update_from_sums(sums, uploaders, outcome.round_index,
+                                                                            generator), "secagg_clipped": clipped}
+        outcome.server_seconds = time.perf_counter() - began
+        for observer in self.observers:
+            observer.aggregated(outcome, {})
 
     def _evaluate(self, outcome: RoundOutcome) -> tuple[Payload | None, dict[int, list[float]]]:
         """On evaluation rounds: the new knowledge goes down and the round's tested clients of this

@@ -34,6 +34,7 @@ from htfl_dist.runtime.exchange import Exchange
 from htfl_dist.runtime.lending import Lending
 from htfl_dist.runtime.liveness import Liveness, describe_plain
 from htfl_dist.runtime.preemption import preemption_flag
+from htfl_dist.runtime.secure_exchange import SecureSums
 from htfl_dist.runtime.startup import (
     ClientFactory,
     build_server,
@@ -108,6 +109,12 @@ def _privacy_possible(config: Config, world_size: int | None) -> None:
         privacy_plan(config)
 
 
+def _secure_aggregation_possible(config: Config, world_size: int | None) -> None:
+    from htfl_dist.runtime.secure_exchange import check_secure_aggregation
+
+    check_secure_aggregation(config)
+
+
 def _world_size_fits(config: Config, world_size: int | None) -> None:
     from htfl_dist.runtime.placement import check_world_size
 
@@ -133,6 +140,7 @@ START_CHECKS: tuple[Callable[[Config, int | None], None], ...] = (
     _participation_readable,
     _pretrained_files_present,
     _privacy_possible,
+    _secure_aggregation_possible,
     _world_size_fits,
     _backend_usable,
 )
@@ -200,6 +208,8 @@ class Session:
         self.factory = ClientFactory(config, self.partition, self.device, self.client_algorithm, self.privacy_plan)
         self.clients = client_store(config, self.factory, self.client_ids, self.device, self.rank)
         self.lending = Lending(transport, self.clients, self.placement.describe_rank, self.factory.forget_split)
+        self.secure_sums = SecureSums(transport, self.entry, self.context, config.privacy,
+                                      self.placement.describe_rank) if config.privacy.secure_aggregation else None
         self.preemption = preemption_flag(config.runtime.preempt_grace_s)
         self._watch_peers()
         self.watchdog.disarm()
