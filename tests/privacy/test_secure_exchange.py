@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMOKE, run_smoke
+from conftest import SMOKE, read_metrics, run_program, run_smoke
 from htfl_dist.errors import ConfigError
 from htfl_dist.privacy import secagg_quant
 from htfl_dist.privacy import secure_aggregation as secagg
@@ -32,10 +32,13 @@ def server_view(monkeypatch):
     contribution as the client computed it (what the server must not learn)."""
     seen: dict[int, np.ndarray] = {}
     truth: dict[int, np.ndarray] = {}
+    history: list[np.ndarray] = []  # every masked vector of client 0, round after round
     receive, masked_input = SecAggServer.receive_masked_input, secagg.SecAggClient.masked_input
 
     def spy_receive(self, message):
         seen[message.client_id] = message.masked.copy()
+        if message.client_id == 0:
+            history.append(message.masked.copy())
         return receive(self, message)
 
     def spy_input(self, x_quantised, shares):
@@ -44,7 +47,16 @@ def server_view(monkeypatch):
 
     monkeypatch.setattr(SecAggServer, "receive_masked_input", spy_receive)
     monkeypatch.setattr(secagg.SecAggClient, "masked_input", spy_input)
-    return seen, truth
+    return seen, truth, history
+
+
+def _uniformity_p_value(vectors: list[np.ndarray]) -> float:
+    """χ² test of the top byte of every word of one client's masked vectors against uniform on
+    256 values (a masked word is uniform on 2^32; an unmasked quantised word lies below 2^23)."""
+    from scipy.stats import chisquare
+
+    top = np.concatenate([(vector >> np.uint32(24)).astype(np.int64) for vector in vectors])
+    return float(chisquare(np.bincount(top, minlength=256)).pvalue)
 
 
 def _leaked_entries(seen: dict[int, np.ndarray], truth: dict[int, np.ndarray]) -> float:
@@ -62,9 +74,10 @@ def test_the_server_sees_masked_vectors_and_steps_from_the_sum(tmp_path, cache_d
     monkeypatch.setattr(ClassMeanServer, "update", no_per_client_step)
     monkeypatch.setattr(ClassMeanServer, "validate_upload", no_per_client_step)
     rows = _play(tmp_path, cache_dir, *SECURE)
-    seen, truth = server_view
+    seen, truth, history = server_view
     assert sorted(seen) == sorted(truth) == list(range(6))  # every participant, every round (the last kept)
     assert _leaked_entries(seen, truth) < 0.01  # uniform masks: ~2^-32 of the entries match by chance
+    assert len(history) == 2 and _uniformity_p_value(history) > 1e-3  # 2 rounds of ~5,000 words: uniform
     assert [row["secagg_clipped"] for row in rows] == [0, 0]
     monkeypatch.undo()
     plain = _play(tmp_path, cache_dir, name="plain")
@@ -86,8 +99,9 @@ def test_the_check_catches_a_build_without_masks(tmp_path, cache_dir, server_vie
 
     monkeypatch.setattr(secagg.SecAggClient, "masked_input", unmasked)
     _play(tmp_path, cache_dir, *SECURE, "rounds=1")
-    seen, truth = server_view
+    seen, truth, history = server_view
     assert _leaked_entries(seen, truth) == 1.0
+    assert _uniformity_p_value(history) < 1e-12  # the statistical test refuses it too
 
 
 def test_contributions_are_quantised_from_the_clients_own_randomness(monkeypatch):
@@ -149,3 +163,18 @@ def test_three_ranks_sum_securely_as_one_process_does(tmp_path, cache_dir):
     for launched, alone in zip(rows, single, strict=True):
         assert launched["test_acc"] == pytest.approx(alone["test_acc"], abs=0.01)
         assert launched["secagg_clipped"] == 0
+
+
+@pytest.mark.integration
+def test_a_secure_run_checkpoints_and_resumes(tmp_path, cache_dir):
+    """Killed after round 2's checkpoint (here: a 2-round run), resumed to 3 rounds: round 3 runs
+    its own secure sum from the restored server (keys and masks are per round: nothing to restore)."""
+    args = ["--config", str(SMOKE), "--out", str(tmp_path), f"data.cache_dir={cache_dir}", *SECURE,
+            "checkpoint_every=1"]
+    first = run_program([*args, "rounds=2"])
+    assert first.returncode == 0, first.stderr
+    again = run_program([*args, "rounds=3", "--resume", "auto"])
+    assert again.returncode == 0, again.stderr
+    rows = read_metrics(tmp_path)
+    assert [row["round"] for row in rows] == [1, 2, 3] and rows[-1]["secagg_clipped"] == 0
+    assert rows[-1]["test_acc"] > 0.3
