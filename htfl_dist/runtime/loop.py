@@ -21,11 +21,10 @@ Per round t (0-based; metrics call it round t+1), on every rank:
 """
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
-
-import torch
 
 from htfl_dist.config import Config
 from htfl_dist.errors import TrainingDiverged
@@ -169,9 +168,7 @@ class Federation:
         share = self.training.train(trainers, knowledge, round_index)
         outcome.client_seconds = time.perf_counter() - began
         if session.secure_sums is not None:  # rank 0 learns only the sum
-            summed = session.secure_sums.gather(share.uploads, participants, trainers, round_index, outcome.traffic)
-            if summed is not None:
-                self.aggregate_sums(outcome, *summed)
+            aggregate_securely(self, outcome, share.uploads, trainers)
         else:
             left_out = LeftOut(round_index + 1)  # rank 0: who this round leaves out and why, said in one line
             gathered, outcome.skipped = session.exchange.gather_uploads(
@@ -201,18 +198,6 @@ class Federation:
         outcome.server_seconds = time.perf_counter() - began
         for observer in self.observers:
             observer.aggregated(outcome, gathered)
-
-    def aggregate_sums(self, outcome: RoundOutcome, sums: dict[str, torch.Tensor], uploaders: int,
-                       clipped: int) -> None:
-        """Rank 0 under secure aggregation: the server step from the round's sum alone (no upload
-        to screen or to hand the observers: none reached rank 0)."""
-        began = time.perf_counter()
-        generator = torch_generator(self.config.seed, "server", outcome.round_index)
-        outcome.diagnostics = {**self.session.rank0_server.update_from_sums(sums, uploaders, outcome.round_index,
-                                                                            generator), "secagg_clipped": clipped}
-        outcome.server_seconds = time.perf_counter() - began
-        for observer in self.observers:
-            observer.aggregated(outcome, {})
 
     def _evaluate(self, outcome: RoundOutcome) -> tuple[Payload | None, dict[int, list[float]]]:
         """On evaluation rounds: the new knowledge goes down and the round's tested clients of this
@@ -267,3 +252,37 @@ class Federation:
         if decision & STOP or (every and completed % every == 0 and not decision & DIVERGING):
             resumption.save(self.session, self.records, self.observers, completed)
         return decision
+
+
+def aggregate_securely(federation: Federation, outcome: RoundOutcome, uploads: dict[int, Payload],
+                       trainers: Mapping[int, int]) -> None:
+    """The gather and aggregate phases under ``privacy.secure_aggregation`` (every rank): the
+    round's secure sum, the observers deciding which masked inputs arrive (as they decide which
+    uploads do), then on rank 0 the server step from the sum alone, skipped (the knowledge kept)
+    when too few arrived. No upload reaches rank 0, so there is none to screen or hand on."""
+    session, observers = federation.session, federation.observers
+
+    def arrivals(masked: dict[int, Payload]) -> dict[int, Payload]:
+        for observer in observers:
+            masked = observer.arrivals(outcome, masked)
+        return masked
+
+    assert session.secure_sums is not None
+    result = session.secure_sums.gather(uploads, outcome.participants, trainers, outcome.round_index,
+                                        outcome.traffic, arrivals)
+    if result is None:  # not rank 0
+        return
+    began = time.perf_counter()
+    if result.sums is not None and not outcome.too_few:
+        generator = torch_generator(federation.config.seed, "server", outcome.round_index)
+        outcome.diagnostics = session.rank0_server.update_from_sums(result.sums, result.uploaders,
+                                                                    outcome.round_index, generator)
+    else:
+        outcome.diagnostics = {"server_skipped": True}
+        if result.sums is None:
+            print(f"htfl_dist: warning: round {outcome.round_index + 1}: secure aggregation unmasks nothing: fewer "
+                  f"masked inputs arrived than its threshold t={result.threshold}", file=sys.stderr, flush=True)
+    outcome.diagnostics["secagg_clipped"] = result.clipped
+    outcome.server_seconds = time.perf_counter() - began
+    for observer in observers:
+        observer.aggregated(outcome, {})

@@ -18,7 +18,6 @@ protocol objects; nothing here draws from the experiment's seed.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from htfl_dist.privacy.secagg_messages import (
     EncryptedShare,
     KeyAdvertisement,
     MaskedInput,
+    SecAggAbort,
     SecAggConfig,
     UnmaskingShares,
 )
@@ -60,16 +60,15 @@ def check_secure_aggregation(config: Config) -> None:
     if not config.privacy.secure_aggregation:
         return
     from htfl_dist.algorithms import get_algorithm
-    from htfl_dist.config import ParticipationConfig
     from htfl_dist.runtime.clock import join_count
 
     if not get_algorithm(config.algorithm).sums_only:
         raise ConfigError(f"privacy.secure_aggregation: {config.algorithm}'s server reads each client's upload, not "
                           f"only their sum (it is not registry.sums_only); the sums-only algorithms are "
                           f"{', '.join(sums_only_algorithms())}")
-    if dataclasses.replace(config.participation, random_join=False) != ParticipationConfig():
-        raise ConfigError("privacy.secure_aggregation runs without the simulated participation (participation.*): "
-                          "its drop-outs and deadlines act on single uploads at rank 0, which never sees one")
+    if config.participation.late == "next_round":
+        raise ConfigError("privacy.secure_aggregation cannot carry a late upload into the next round "
+                          "(participation.late=next_round): a masked input belongs to its round's masks; use late=drop")
     smallest = join_count(config.seed, 0, config.num_clients, config.join_ratio, False)
     if smallest < 3:
         raise ConfigError(f"privacy.secure_aggregation needs at least 3 participants a round (the sum of two tells "
@@ -157,6 +156,22 @@ def _ids(values: Sequence[int]) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64)
 
 
+Arrivals = Callable[[dict[int, Payload]], dict[int, Payload]]
+"""Rank 0: of the masked inputs received (``{client: {"masked": ...}}``), those that arrive."""
+
+
+@dataclass(frozen=True)
+class SecureRound:
+    """What rank 0 learns from a round: the summed fields (None when fewer than the threshold
+    arrived: the round aggregates nothing), over how many clients, and the entries clipped."""
+
+    sums: dict[str, torch.Tensor] | None
+    uploaders: int
+    clipped: int
+    threshold: int = 0
+    """t of the round (said when too few arrived)."""
+
+
 class SecureSums:
     """One rank's side of the secure sums of a run (``Session.secure_sums`` when on)."""
 
@@ -170,11 +185,14 @@ class SecureSums:
         self.describe_rank = describe_rank
 
     def gather(self, uploads: dict[int, Payload], participants: list[int], trainers: Mapping[int, int],
-               round_index: int, traffic: RoundTraffic) -> tuple[dict[str, torch.Tensor], int, int] | None:
-        """The round's sum: on rank 0 (the summed fields, the uploaders, the entries clipped),
-        None elsewhere. ``uploads``: this rank's trained participants' uploads."""
+               round_index: int, traffic: RoundTraffic, arrivals: Arrivals | None = None) -> SecureRound | None:
+        """The round's sum on rank 0 (None on the other ranks). ``uploads``: this rank's trained
+        participants' uploads. ``arrivals`` (rank 0): of the masked inputs received, those that
+        reach the server this round (the simulated participation's drop-outs and deadlines); the
+        others count as dropped, and the protocol removes their pairwise masks without learning
+        their inputs. Fewer than the threshold left: no sum (``SecureRound.sums`` None)."""
         config = protocol_config(self.privacy, len(participants))
-        round_ = _Round(self, config, round_index, traffic, participants, trainers)
+        round_ = _Round(self, config, round_index, traffic, participants, trainers, arrivals)
         clipped, vectors = 0, {}
         for cid in sorted(uploads):
             flat = self.layout.flatten(self.entry.server.contribution(self.context, uploads[cid]))
@@ -185,10 +203,12 @@ class SecureSums:
         mine = round_.share(roster)
         survivors, dropped = round_.mask(vectors, mine)
         total = round_.unmask(survivors, dropped)
-        if total is None:
+        if self.transport.rank != 0:
             return None
+        if total is None:
+            return SecureRound(None, 0, clipped, config.threshold)
         summed = dequantize_sum(total, len(survivors), config.clipping_range, config.levels)
-        return self.layout.split(summed), len(survivors), clipped
+        return SecureRound(self.layout.split(summed), len(survivors), clipped, config.threshold)
 
     def _up(self, spec: PayloadSpec, entries: dict[int, Payload], expected: Mapping[int, list[int]],
             traffic: RoundTraffic) -> dict[int, Payload]:
@@ -228,8 +248,8 @@ class _Round:
     """One secure sum's four stages on one rank (rank 0 also plays the protocol's server)."""
 
     def __init__(self, sums: SecureSums, config: SecAggConfig, round_index: int, traffic: RoundTraffic,
-                 participants: list[int], trainers: Mapping[int, int]) -> None:
-        self.sums, self.traffic = sums, traffic
+                 participants: list[int], trainers: Mapping[int, int], arrivals: Arrivals | None) -> None:
+        self.sums, self.traffic, self.arrivals = sums, traffic, arrivals
         self.specs = _specs(sums.layout.length, len(participants))
         self.expected = {rank: sorted(cid for cid in participants if trainers[cid] == rank)
                          for rank in range(sums.transport.world_size)}
@@ -290,20 +310,30 @@ class _Round:
                                        for cid, m in masked.items()})
         entry = None
         if self.server is not None:
-            for cid, payload in received.items():
+            if self.arrivals is not None:
+                received = self.arrivals(received)
+            for cid, payload in sorted(received.items()):
                 self.server.receive_masked_input(MaskedInput(cid, payload["masked"][0].numpy().view(np.uint32).copy()))
-            request = self.server.unmask_request()
-            entry = {"survivors": _ids(request.survivors), "dropped": _ids(request.dropped)}
+            try:
+                request = self.server.unmask_request()
+                entry = {"survivors": _ids(request.survivors), "dropped": _ids(request.dropped)}
+            except SecAggAbort:  # too few arrived: every rank learns it from the empty request
+                entry = {"survivors": _ids([]), "dropped": _ids([])}
         down = self._down("request", entry)
         return down["survivors"].tolist(), down["dropped"].tolist()
 
     def unmask(self, survivors: list[int], dropped: list[int]) -> np.ndarray | None:
-        """Stage 3: the shares that unmask up; rank 0 returns the sum mod 2^32."""
-        answers = {cid: client.unmask(survivors, dropped) for cid, client in self.clients.items()}
+        """Stage 3: the shares that unmask up; rank 0 returns the sum mod 2^32 (None: the round
+        aborted). A client counted as dropped (its masked input arrived late) answers nothing: the
+        others' shares of its masking key remove its pairwise masks, its self mask stays secret."""
+        answers = {cid: client.unmask(survivors, dropped) if cid in survivors else UnmaskingShares(cid)
+                   for cid, client in self.clients.items()}
         received = self._up("unmask", {cid: _unmask_payload(answer) for cid, answer in answers.items()})
-        if self.server is None:
+        if self.server is None or not survivors:
             return None
         for cid, payload in received.items():
+            if cid not in survivors:
+                continue
             seeds = zip(payload["seed_owners"].tolist(), payload["seed_shares"], strict=True)
             keys = zip(payload["key_owners"].tolist(), payload["key_shares"], strict=True)
             self.server.receive_unmasking(UnmaskingShares(cid, {int(o): r.numpy().tobytes() for o, r in seeds},

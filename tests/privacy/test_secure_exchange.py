@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import SMOKE, read_metrics, run_program, run_smoke
-from htfl_dist.errors import ConfigError
+from htfl_dist.errors import ConfigError, NothingAggregated
 from htfl_dist.privacy import secagg_quant
 from htfl_dist.privacy import secure_aggregation as secagg
 from htfl_dist.privacy.secagg_server import SecAggServer
@@ -118,7 +118,8 @@ def test_contributions_are_quantised_from_the_clients_own_randomness(monkeypatch
 @pytest.mark.parametrize(("overrides", "message"), [
     (("algorithm=fedtgp",), r"^privacy.secure_aggregation: fedtgp's server reads each client's upload, not only "
                             r"their sum .*; the sums-only algorithms are feddistill, fedmrl, fedproto, fml, lgfedavg"),
-    (("participation.drop_rate=0.2",), r"^privacy.secure_aggregation runs without the simulated participation"),
+    (("participation.late=next_round", "participation.deadline_s=5", "participation.clock=true"),
+     r"^privacy.secure_aggregation cannot carry a late upload into the next "),
     (("num_clients=2",), r"^privacy.secure_aggregation needs at least 3 participants a round .* gives 2$"),
     (("join_ratio=0.3",), r"gives 1$"),
 ])
@@ -178,3 +179,31 @@ def test_a_secure_run_checkpoints_and_resumes(tmp_path, cache_dir):
     rows = read_metrics(tmp_path)
     assert [row["round"] for row in rows] == [1, 2, 3] and rows[-1]["secagg_clipped"] == 0
     assert rows[-1]["test_acc"] > 0.3
+
+
+@pytest.mark.integration
+def test_clients_that_drop_after_masking_are_unmasked_without_their_inputs(tmp_path, cache_dir):
+    """participation.drop_rate: the masked inputs that do not arrive count as dropped; the others'
+    shares of their masking keys remove their pairwise masks (their self masks stay secret), and
+    the sum over those that arrived equals a plain run's with the same (seeded) drop-outs. With
+    the threshold at t = 2 of 6 holders, the 3 of 6 that arrive suffice."""
+    dropping = ("participation.drop_rate=0.34", "rounds=3")
+    rows = _play(tmp_path, cache_dir, *SECURE, *dropping, "privacy.secagg_threshold=0.3")
+    plain = _play(tmp_path, cache_dir, *dropping, name="plain")
+    dropped = [len(row["dropped_clients"]) if isinstance(row["dropped_clients"], list) else row["dropped_clients"]
+               for row in rows]
+    assert [row["dropped_clients"] for row in rows] == [row["dropped_clients"] for row in plain] and sum(dropped) > 0
+    for secure_row, plain_row in zip(rows, plain, strict=True):
+        assert "server_skipped" not in secure_row
+        assert secure_row["test_acc"] == pytest.approx(plain_row["test_acc"], abs=0.01)
+
+
+@pytest.mark.integration
+def test_fewer_arrivals_than_the_threshold_release_nothing(tmp_path, cache_dir, capsys):
+    """t = 4 of 6 holders (a strict majority) and 3 arrive: no sum is unmasked, the server keeps its
+    knowledge and the round says so; the run goes on."""
+    with pytest.raises(NothingAggregated):  # no round of the run aggregated: said, non-zero exit
+        _play(tmp_path, cache_dir, *SECURE, "participation.drop_rate=0.34", "rounds=2")
+    assert all(row.get("server_skipped") is True for row in read_metrics(tmp_path / "run"))
+    said = capsys.readouterr().err
+    assert "round 1: secure aggregation unmasks nothing: fewer masked inputs arrived than its threshold t=4" in said
