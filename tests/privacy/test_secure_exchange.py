@@ -207,3 +207,22 @@ def test_fewer_arrivals_than_the_threshold_release_nothing(tmp_path, cache_dir, 
     assert all(row.get("server_skipped") is True for row in read_metrics(tmp_path / "run"))
     said = capsys.readouterr().err
     assert "round 1: secure aggregation unmasks nothing: fewer masked inputs arrived than its threshold t=4" in said
+
+
+@pytest.mark.integration
+def test_the_overhead_bench_runs_at_a_tiny_size(tmp_path, cache_dir):
+    """bench/secagg_overhead.py's three modes on the smoke federation: same accuracy (within the
+    quantisation), more bytes up for the secure ones (keys, shares, the dense sums)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    out = tmp_path / "secagg.json"
+    subprocess.run([sys.executable, str(REPO / "bench" / "secagg_overhead.py"), "--federations", "6:1.0",
+                    "--rounds", "1", "--subsample", "0.02", "--neighbours", "2", "--cache-dir", str(cache_dir),
+                    "--out", str(out)], check=True, capture_output=True, timeout=600)
+    rows = {row["mode"]: row for row in json.loads(out.read_text())}
+    assert sorted(rows) == ["plain", "secagg", "secagg+ k=2"]
+    assert all(abs(row["acc_difference"]) <= 0.01 and row["clipped"] == 0 for row in rows.values())
+    assert rows["secagg"]["bytes_up"] > rows["plain"]["bytes_up"]
