@@ -9,10 +9,18 @@ def test_static_takes_first_ceil_p_w():
     assert kept_width(6, 0.25) == 2  # ceil(1.5)
 
 
-def test_rolling_starts_at_round_mod_width_and_wraps():
+def test_rolling_forward_starts_at_round_mod_width_and_wraps():
+    assert slice_indices(4, 0.5, "rolling", round_index=0, direction=1).tolist() == [0, 1]
+    assert slice_indices(4, 0.5, "rolling", round_index=3, direction=1).tolist() == [3, 0]
+    assert slice_indices(4, 0.5, "rolling", round_index=5, direction=1).tolist() == [1, 2]
+
+
+def test_rolling_default_is_fedrolex_official_direction():
+    # FedRolex resnet_server.py: first k of torch.roll(arange(W), t): round 1 on W=4 is [3, 0, 1, 2] -> [3, 0]
+    assert slice_indices(4, 0.5, "rolling", round_index=1).tolist() == [3, 0]
+    assert slice_indices(4, 0.5, "rolling", round_index=3).tolist() == [1, 2]
+    assert slice_indices(5, 0.4, "rolling", round_index=7).tolist() == [3, 4]  # (-7) mod 5 = 3
     assert slice_indices(4, 0.5, "rolling", round_index=0).tolist() == [0, 1]
-    assert slice_indices(4, 0.5, "rolling", round_index=3).tolist() == [3, 0]
-    assert slice_indices(4, 0.5, "rolling", round_index=5).tolist() == [1, 2]
 
 
 def test_random_is_seeded_and_sized():
@@ -37,7 +45,7 @@ def test_aggregate_three_clients_by_hand():
 
 def test_entries_held_by_nobody_keep_their_value():
     g = {"w": torch.arange(4.0)}
-    h = slice_indices(4, 0.5, "rolling", round_index=1)  # [1, 2]
+    h = slice_indices(4, 0.5, "rolling", round_index=1, direction=1)  # [1, 2]
     out = aggregate(g, [({"w": torch.tensor([10.0, 20.0])}, {"w": [h]})])
     assert out["w"].tolist() == [0.0, 10.0, 20.0, 3.0]
     assert slice_tensor(out["w"], [h]).tolist() == [10.0, 20.0]

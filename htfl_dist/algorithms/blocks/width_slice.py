@@ -23,19 +23,28 @@ def kept_width(width: int, rate: float) -> int:
     return max(1, min(width, math.ceil(rate * width)))
 
 
+ROLL_DIRECTION = -1
+"""FedRolex's window start moves to (-t) mod W at round t: its server takes the first k entries of
+``torch.roll(torch.arange(W), t % W)``, whose first entry is (-t) mod W (AIoT-MLSys-Lab/FedRolex,
+``resnet_server.py``, ``ResnetServerRoll.split_model``, commit 813510997e1802eb756d53baa4229c90ce5ac008)."""
+
+
 def slice_indices(width: int, rate: float, mode: str, round_index: int = 0,
-                  seed: int = 0, client: int = 0) -> torch.Tensor:
+                  seed: int = 0, client: int = 0, direction: int = ROLL_DIRECTION) -> torch.Tensor:
     """Indices a client keeps in a layer of ``width`` channels.
 
     static: the first k (HeteroFL); rolling: k consecutive indices starting at
-    (round mod width), wrapping (FedRolex); random: a sorted random k-subset
+    (direction * round mod width), wrapping (FedRolex; ``direction`` -1 is its official code's,
+    +1 the paper's Fig. 2 read left to right); random: a sorted random k-subset
     drawn from a generator seeded by (seed, client, round).
     """
     k = kept_width(width, rate)
     if mode == "static":
         return torch.arange(k)
     if mode == "rolling":
-        start = round_index % width
+        if direction not in (-1, 1):
+            raise ValueError(f"rolling direction must be -1 or +1, got {direction!r}")
+        start = (direction * round_index) % width
         return (torch.arange(k) + start) % width
     if mode == "random":
         gen = torch_generator(seed, "width-slice", client, round_index)  # both sides derive it
