@@ -52,6 +52,11 @@ class ModelConfig:
     pretrained_part: Literal["features", "whole"] = declared("features", identity=ADDED_LATER)
     """What ``pretrained`` replaces: the feature extractor (the head stays as ``init`` drew it, its
     class count being the data's), or the whole model (feature_extractor.* and head.*)."""
+    options: dict[str, Any] = declared(default_factory=dict, identity=ADDED_LATER)
+    """The architectures' own options, for members registered with an options dataclass
+    (``register_architecture(..., options=)``; a plugin's, e.g. a hidden width): checked against
+    the group's members and spelled out by the resolution step, hashed like ``algo.*``, and handed
+    to every ``build_model``. Empty where no member declares options (every built-in one)."""
 
     LIST_KEYS = ("group",)  # not a field: keys that also accept a YAML list of strings
 
@@ -167,6 +172,12 @@ class RuntimeConfig:
     """balanced: clients onto client ranks by estimated work (``placement_work``), largest first,
     each to the least loaded rank; round_robin: client i on rank 1 + i mod (W − 1). Never changes
     the results."""
+    presum_uploads: bool = False
+    """Each client rank sums its participants' contributions (exact fixed point, so any world size
+    gives the same sum) and rank 0 receives one message per rank, for servers that need only the
+    sum (``registry.sums_only``: FedProto, FedDistill, LG-FedAvg, FML, FedMRL; htfl_dist/runtime/
+    presum.py). Off: every upload travels to rank 0, which screens each one; on, the numbers equal
+    the per-client path's up to float rounding, and the simulated participation is refused."""
     server_hosts_clients: bool = False
     """Rank 0 also hosts and trains clients (placed as any client rank) besides serving, so W
     processes give W training ranks instead of W − 1. For a few ranks sharing a few cores (two
@@ -323,7 +334,8 @@ class Config:
     """Sampled evaluation for large federations (``eval.clients_fraction``); all clients by default."""
     generator: GeneratorConfig = declared(default_factory=GeneratorConfig, identity=Identity(omit_when_default=True))
     """The server's pre-trained generator (FedKTL; htfl_dist/generators)."""
-    privacy: PrivacyConfig = declared(default_factory=PrivacyConfig, identity=Identity(omit_unless=("enabled", "secure_aggregation")))
+    privacy: PrivacyConfig = declared(default_factory=PrivacyConfig,
+                                      identity=Identity(omit_unless=("enabled", "secure_aggregation")))
     """Differential privacy of what leaves a client (docs/privacy.md); off by default."""
     participation: ParticipationConfig = declared(default_factory=ParticipationConfig,
                                                   identity=Identity(omit_when_default=True))

@@ -167,8 +167,8 @@ class Federation:
         trainers = self.training.trainers(participants)
         share = self.training.train(trainers, knowledge, round_index)
         outcome.client_seconds = time.perf_counter() - began
-        if session.secure_sums is not None:  # rank 0 learns only the sum
-            aggregate_securely(self, outcome, share.uploads, trainers)
+        if session.summing is not None:  # rank 0 receives only the sum
+            aggregate_sums(self, outcome, share.uploads, trainers)
         else:
             left_out = LeftOut(round_index + 1)  # rank 0: who this round leaves out and why, said in one line
             gathered, outcome.skipped = session.exchange.gather_uploads(
@@ -254,12 +254,13 @@ class Federation:
         return decision
 
 
-def aggregate_securely(federation: Federation, outcome: RoundOutcome, uploads: dict[int, Payload],
-                       trainers: Mapping[int, int]) -> None:
-    """The gather and aggregate phases under ``privacy.secure_aggregation`` (every rank): the
-    round's secure sum, the observers deciding which masked inputs arrive (as they decide which
-    uploads do), then on rank 0 the server step from the sum alone, skipped (the knowledge kept)
-    when too few arrived. No upload reaches rank 0, so there is none to screen or hand on."""
+def aggregate_sums(federation: Federation, outcome: RoundOutcome, uploads: dict[int, Payload],
+                   trainers: Mapping[int, int]) -> None:
+    """The gather and aggregate phases when the uploads reach rank 0 as a sum (every rank):
+    ``privacy.secure_aggregation`` (the observers deciding which masked inputs arrive, as they
+    decide which uploads do) or ``runtime.presum_uploads``; then on rank 0 the server step from the
+    sum alone, skipped (the knowledge kept) when nothing may be released. No single upload reaches
+    rank 0, so there is none to screen or hand on."""
     session, observers = federation.session, federation.observers
 
     def arrivals(masked: dict[int, Payload]) -> dict[int, Payload]:
@@ -267,8 +268,8 @@ def aggregate_securely(federation: Federation, outcome: RoundOutcome, uploads: d
             masked = observer.arrivals(outcome, masked)
         return masked
 
-    assert session.secure_sums is not None
-    result = session.secure_sums.gather(uploads, outcome.participants, trainers, outcome.round_index,
+    assert session.summing is not None
+    result = session.summing.gather(uploads, outcome.participants, trainers, outcome.round_index,
                                         outcome.traffic, arrivals)
     if result is None:  # not rank 0
         return
@@ -282,7 +283,8 @@ def aggregate_securely(federation: Federation, outcome: RoundOutcome, uploads: d
         if result.sums is None:
             print(f"htfl_dist: warning: round {outcome.round_index + 1}: secure aggregation unmasks nothing: fewer "
                   f"masked inputs arrived than its threshold t={result.threshold}", file=sys.stderr, flush=True)
-    outcome.diagnostics["secagg_clipped"] = result.clipped
+    if result.clipped is not None:
+        outcome.diagnostics["secagg_clipped"] = result.clipped
     outcome.server_seconds = time.perf_counter() - began
     for observer in observers:
         observer.aggregated(outcome, {})

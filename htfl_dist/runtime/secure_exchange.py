@@ -44,6 +44,7 @@ from htfl_dist.privacy.secagg_server import SecAggServer
 from htfl_dist.privacy.secagg_shamir import SHARE_BYTES
 from htfl_dist.privacy.secure_aggregation import SecAggClient
 from htfl_dist.runtime.exchange import RoundTraffic, message_bounds
+from htfl_dist.runtime.presum import SummedRound
 from htfl_dist.runtime.screening import unpack_rank_message
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
@@ -160,18 +161,6 @@ Arrivals = Callable[[dict[int, Payload]], dict[int, Payload]]
 """Rank 0: of the masked inputs received (``{client: {"masked": ...}}``), those that arrive."""
 
 
-@dataclass(frozen=True)
-class SecureRound:
-    """What rank 0 learns from a round: the summed fields (None when fewer than the threshold
-    arrived: the round aggregates nothing), over how many clients, and the entries clipped."""
-
-    sums: dict[str, torch.Tensor] | None
-    uploaders: int
-    clipped: int
-    threshold: int = 0
-    """t of the round (said when too few arrived)."""
-
-
 class SecureSums:
     """One rank's side of the secure sums of a run (``Session.secure_sums`` when on)."""
 
@@ -185,12 +174,12 @@ class SecureSums:
         self.describe_rank = describe_rank
 
     def gather(self, uploads: dict[int, Payload], participants: list[int], trainers: Mapping[int, int],
-               round_index: int, traffic: RoundTraffic, arrivals: Arrivals | None = None) -> SecureRound | None:
+               round_index: int, traffic: RoundTraffic, arrivals: Arrivals | None = None) -> SummedRound | None:
         """The round's sum on rank 0 (None on the other ranks). ``uploads``: this rank's trained
         participants' uploads. ``arrivals`` (rank 0): of the masked inputs received, those that
         reach the server this round (the simulated participation's drop-outs and deadlines); the
         others count as dropped, and the protocol removes their pairwise masks without learning
-        their inputs. Fewer than the threshold left: no sum (``SecureRound.sums`` None)."""
+        their inputs. Fewer than the threshold left: no sum (``SummedRound.sums`` None)."""
         config = protocol_config(self.privacy, len(participants))
         round_ = _Round(self, config, round_index, traffic, participants, trainers, arrivals)
         clipped, vectors = 0, {}
@@ -206,9 +195,9 @@ class SecureSums:
         if self.transport.rank != 0:
             return None
         if total is None:
-            return SecureRound(None, 0, clipped, config.threshold)
+            return SummedRound(None, 0, clipped, config.threshold)
         summed = dequantize_sum(total, len(survivors), config.clipping_range, config.levels)
-        return SecureRound(self.layout.split(summed), len(survivors), clipped, config.threshold)
+        return SummedRound(self.layout.split(summed), len(survivors), clipped, config.threshold)
 
     def _up(self, spec: PayloadSpec, entries: dict[int, Payload], expected: Mapping[int, list[int]],
             traffic: RoundTraffic) -> dict[int, Payload]:

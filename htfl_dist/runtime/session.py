@@ -34,6 +34,7 @@ from htfl_dist.runtime.exchange import Exchange
 from htfl_dist.runtime.lending import Lending
 from htfl_dist.runtime.liveness import Liveness, describe_plain
 from htfl_dist.runtime.preemption import preemption_flag
+from htfl_dist.runtime.presum import PresummedUploads
 from htfl_dist.runtime.secure_exchange import SecureSums
 from htfl_dist.runtime.startup import (
     ClientFactory,
@@ -109,10 +110,14 @@ def _privacy_possible(config: Config, world_size: int | None) -> None:
         privacy_plan(config)
 
 
-def _secure_aggregation_possible(config: Config, world_size: int | None) -> None:
+def _summing_possible(config: Config, world_size: int | None) -> None:
+    """``privacy.secure_aggregation`` and ``runtime.presum_uploads``: a sums-only server, and what
+    each cannot run with."""
+    from htfl_dist.runtime.presum import check_presum
     from htfl_dist.runtime.secure_exchange import check_secure_aggregation
 
     check_secure_aggregation(config)
+    check_presum(config)
 
 
 def _world_size_fits(config: Config, world_size: int | None) -> None:
@@ -134,13 +139,23 @@ def _backend_usable(config: Config, world_size: int | None) -> None:
                           f"(or auto)")
 
 
+def summing(config: Config, transport: Transport, entry: Any, context: Any, describe_rank: Callable[[int], str]
+            ) -> SecureSums | PresummedUploads | None:
+    """How the round's uploads reach rank 0 as a sum (None: each upload travels)."""
+    if config.privacy.secure_aggregation:
+        return SecureSums(transport, entry, context, config.privacy, describe_rank)
+    if config.runtime.presum_uploads:
+        return PresummedUploads(transport, entry, context, describe_rank)
+    return None
+
+
 START_CHECKS: tuple[Callable[[Config, int | None], None], ...] = (
     _model_group_known,
     _outputs_available,
     _participation_readable,
     _pretrained_files_present,
     _privacy_possible,
-    _secure_aggregation_possible,
+    _summing_possible,
     _world_size_fits,
     _backend_usable,
 )
@@ -208,8 +223,7 @@ class Session:
         self.factory = ClientFactory(config, self.partition, self.device, self.client_algorithm, self.privacy_plan)
         self.clients = client_store(config, self.factory, self.client_ids, self.device, self.rank)
         self.lending = Lending(transport, self.clients, self.placement.describe_rank, self.factory.forget_split)
-        self.secure_sums = SecureSums(transport, self.entry, self.context, config.privacy,
-                                      self.placement.describe_rank) if config.privacy.secure_aggregation else None
+        self.summing = summing(config, transport, self.entry, self.context, self.placement.describe_rank)
         self.preemption = preemption_flag(config.runtime.preempt_grace_s)
         self._watch_peers()
         self.watchdog.disarm()
@@ -246,7 +260,7 @@ class Session:
             seed=config.seed, train=config.train, options=options, device=self.device,
             num_clients=config.num_clients, model_group=config.model.group, model_init=config.model.init,
             in_channels=info.in_channels, image_size=info.image_size,
-            latent_dim=latent_dim, input_spec=info.inputs(),
+            latent_dim=latent_dim, input_spec=info.inputs(), model_options=config.model.options,
         )
 
     @property

@@ -1,0 +1,78 @@
+"""Uploads summed where they are made (``runtime.presum_uploads``): the fixed point worked by
+hand, sums that do not depend on how the clients are split over ranks (bit for bit), the refusals,
+and real runs: one process against the per-client path, three ranks against one process."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import SMOKE, run_smoke
+from htfl_dist.errors import ConfigError
+from htfl_dist.runtime.presum import fraction_bits, from_fixed, largest_exponent, to_fixed
+from htfl_dist.runtime.session import checked_config
+from htfl_dist.runtime.simulate import simulate
+
+PRESUM = ("runtime.presum_uploads=true",)
+
+
+def test_fixed_point_by_hand():
+    """e = 1 (|x| ≤ 2), k = 4 bits below it: a unit of 2^(1−4) = 1/8; 0.75 → 6, −1.3 → −10.4 → −10,
+    0.0625 → 0.5 → 0 (ties to even), 0.1875 → 1.5 → 2."""
+    values = torch.tensor([0.75, -1.3, 0.0625, 0.1875], dtype=torch.float64)
+    assert largest_exponent(values) == 1
+    assert to_fixed(values, 1, 4).tolist() == [6, -10, 0, 2]
+    assert from_fixed(torch.tensor([6, -10]), 1, 4).tolist() == [0.75, -1.25]
+    assert largest_exponent(torch.zeros(3)) == -1074 and largest_exponent(torch.tensor([1.0])) == 1
+    assert fraction_bits(1000) == 52 and fraction_bits(2) == 61 and fraction_bits(6) == 59
+
+
+def test_the_sum_is_the_same_however_the_clients_are_split():
+    """Fixed-point sums of 50 contributions spanning 12 orders of magnitude: any order, any split
+    into per-rank partial sums, the same bits; within 2^-k of the largest entry of the float sum."""
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randn(1000, generator=generator, dtype=torch.float64) * 10.0 ** torch.randint(-6, 6, (1,)).item()
+            for _ in range(50)]
+    exponent, bits = max(largest_exponent(row) for row in rows), fraction_bits(50)
+    fixed = [to_fixed(row, exponent, bits) for row in rows]
+    in_order = from_fixed(torch.stack(fixed).sum(dim=0), exponent, bits)
+    split = [sum(fixed[i] for i in part) for part in (range(0, 50, 3), range(1, 50, 3), range(2, 50, 3))]
+    reversed_ranks = from_fixed(split[2] + split[0] + split[1], exponent, bits)
+    assert torch.equal(in_order, reversed_ranks)
+    exact = torch.stack(rows).sum(dim=0)
+    assert float((in_order - exact).abs().max()) <= 50 * math.ldexp(1.0, exponent - bits)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (("algorithm=fedtgp",), r"^runtime.presum_uploads: fedtgp's server reads each client's upload"),
+    (("participation.drop_rate=0.2",), r"^runtime.presum_uploads runs without the simulated participation"),
+    (("privacy.secure_aggregation=true",), r"^runtime.presum_uploads and privacy.secure_aggregation both sum"),
+])
+def test_what_presumming_cannot_run_with_is_refused_in_one_line(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        checked_config(str(SMOKE), [*PRESUM, *overrides])
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("algorithm", ["fedproto", "fml"])
+def test_one_process_presummed_equals_the_per_client_path(algorithm, tmp_path, cache_dir):
+    overrides = [f"data.cache_dir={cache_dir}", "rounds=2", f"algorithm={algorithm}"]
+    summed = simulate(SMOKE, [*overrides, *PRESUM], out=tmp_path / "summed")
+    plain = simulate(SMOKE, overrides, out=tmp_path / "plain")
+    for a, b in zip(summed, plain, strict=True):
+        assert a["test_acc"] == pytest.approx(b["test_acc"], abs=0.005)
+        assert a["train_loss"] == pytest.approx(b["train_loss"], rel=1e-5)
+
+
+@pytest.mark.launch
+def test_three_ranks_presummed_equal_one_process_bit_for_bit(tmp_path, cache_dir):
+    """FML (a shared model): each of two client ranks sends one fixed-point sum; the rows equal one
+    process's exactly, and fewer bytes go up than the six models do."""
+    overrides = ("algorithm=fml", "rounds=2")
+    single = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *overrides, *PRESUM], out=tmp_path / "single")
+    plain = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *overrides], out=tmp_path / "plain")
+    rows = run_smoke("torchrun", 3, tmp_path / "ranks", cache_dir, *overrides, *PRESUM)
+    for key in ("test_acc", "test_acc_head", "train_loss"):
+        assert [row[key] for row in rows] == [row[key] for row in single]
+    assert all(row["bytes_up"] < alone["bytes_up"] for row, alone in zip(rows, plain, strict=True))
