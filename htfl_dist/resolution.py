@@ -12,7 +12,8 @@ the in-process driver), so none of those imports the command-line module. The or
 4. every registry-named key (``algorithm``, ``data.dataset``, ``model.group``,
    ``generator.name``) checked against its registry under the one name rule of
    ``htfl_dist.registry`` (any case finds a name) and refused the same way
-   (``config.rules.unknown_name``), and the algorithm's options checked and spelled out. The
+   (``config.rules.unknown_name``), and the options of the algorithm, the dataset and the model
+   group's architectures (``algo``, ``data.options``, ``model.options``) checked and spelled out. The
    values are kept as written: the config hash is of what the user wrote.
 
 A plugin that cannot be imported, or whose registrations clash with what is registered, is one
@@ -104,10 +105,11 @@ def check_registered_names(config: Config) -> None:
 
 def resolve(config: Config, imports: Sequence[str] = ()) -> Config:
     """``config`` resolved in place (and returned): plugins loaded, every registry-named key
-    checked, ``algo`` and ``data.options`` validated and spelled out (config.yaml shows the values used, and writing a
-    default explicitly does not make a different experiment)."""
+    checked, ``algo``, ``data.options`` and ``model.options`` validated and spelled out (config.yaml shows the values
+    used, and writing a default explicitly does not make a different experiment)."""
     from htfl_dist.algorithms import spelled_out_options
     from htfl_dist.data.sources import spelled_out_dataset_options
+    from htfl_dist.models import spelled_out_model_options
 
     loaded = load_plugins([*imports, *config.plugins])
     try:
@@ -119,6 +121,7 @@ def resolve(config: Config, imports: Sequence[str] = ()) -> Config:
         raise ConfigError(f"{exc}; plugins loaded: {', '.join(loaded)}") from None
     config.algo = spelled_out_options(config.algorithm, config.algo)
     config.data.options = spelled_out_dataset_options(config.data.dataset, config.data.options)
+    config.model.options = spelled_out_model_options(config.model.group, config.model.options)
     return config
 
 

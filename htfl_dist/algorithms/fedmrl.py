@@ -180,7 +180,7 @@ class SmallModelPart(ModelPart):
                 torch.manual_seed(context.seed)
                 model = build_model(shared_member(context), num_classes=context.num_classes,
                                     feature_dim=small_context.feature_dim, in_channels=context.in_channels,
-                                    image_size=context.image_size)
+                                    image_size=context.image_size, options=context.model_options)
             else:
                 model = build_shared_model(small_context)
                 seed_global_torch(context.seed, "fedmrl-small-head")

@@ -52,6 +52,9 @@ class AlgorithmContext:
     """H, the latent width of the server's generator (FedKTL); 0 where the algorithm uses none."""
     input_spec: InputSpec | None = None
     """The data's input kind and shape; unset: square pictures of ``in_channels`` x ``image_size``."""
+    model_options: dict[str, Any] = field(default_factory=dict)
+    """``model.options``, spelled out: pass it as ``build_model(..., options=context.model_options)``
+    so a model an algorithm builds has the shape the clients' have (empty: every default)."""
 
     @property
     def inputs(self) -> InputSpec:

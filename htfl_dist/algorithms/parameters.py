@@ -83,6 +83,6 @@ def initial_model_of(context: AlgorithmContext, client_id: int) -> SplitModel:
     with torch.random.fork_rng(devices=[]):
         model = initial_client_model(context.model_group, client_id, context.seed,
                                      num_classes=context.num_classes, feature_dim=context.feature_dim,
-                                     inputs=context.inputs,
+                                     inputs=context.inputs, options=context.model_options,
                                      init=context.model_init)
     return model.to(context.device)

@@ -61,7 +61,7 @@ def shared_member(context: AlgorithmContext) -> str:
 
 def _build(context: AlgorithmContext, member: str) -> SplitModel:
     return build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                       inputs=context.inputs)
+                       inputs=context.inputs, options=context.model_options)
 
 
 def build_shared_model(context: AlgorithmContext) -> SplitModel:

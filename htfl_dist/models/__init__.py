@@ -12,6 +12,8 @@ Public interface (the runtime relies on exactly this):
   ``ARCH:HEAD`` is a homogeneous group of one.
 * :func:`model_groups`, :func:`architectures`, :func:`register_architecture`,
   :func:`split_architecture`.
+* :func:`spelled_out_model_options` — ``model.options`` checked against the group's members
+  (architectures registered with an options dataclass) and written out in full.
 * Heads: :func:`heads`, :func:`build_head`, :func:`register_head`, :data:`HEAD_GROUPS`
   (FedTGP's HtC4 = ``fc``, ``fc512``, ``fc256``, ``fc128``; the two-FC heads have a ReLU between
   their layers, our resolution).
@@ -43,6 +45,7 @@ from .base import SplitModel
 from .head_split import FeaturePool, adapt_input_channels, split_classifier
 from .heads import HEAD_GROUPS, build_head, heads, register_head
 from .inputs import InputSpec, split_tokens
+from .options import spelled_out_model_options
 from .pretrained import load_pretrained, pretrained_change, pretrained_identity
 from .registry import (
     HTFLLIB_IMAGE_GROUPS,
@@ -84,6 +87,7 @@ __all__ = [
     "register_head",
     "register_model_group",
     "resolve_group",
+    "spelled_out_model_options",
     "split_architecture",
     "split_classifier",
     "split_tokens",

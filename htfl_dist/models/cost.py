@@ -14,9 +14,9 @@ receive its figures.
 """
 from __future__ import annotations
 
-import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,22 +25,32 @@ from torch.utils.flop_counter import FlopCounterMode
 from .inputs import InputSpec
 from .registry import build_model
 
+_FLOPS: dict[tuple[Any, ...], float] = {}
+"""Counted forward FLOPs by (member, classes, K, inputs, model options as text): every rank asks
+once per member at start-up and again for unseen clients and participation, never differently."""
 
-@functools.cache
+
 def forward_flops_per_sample(member: str, *, num_classes: int, feature_dim: int, in_channels: int = 3,
-                             image_size: int = 32, inputs: InputSpec | None = None) -> float:
+                             image_size: int = 32, inputs: InputSpec | None = None,
+                             options: Mapping[str, Any] | None = None) -> float:
     """Floating-point operations of one sample's forward pass through ``member`` (ARCH or
-    ARCH:HEAD) for ``inputs`` (default: square pictures), counted in eval mode (BatchNorm needs no
-    batch statistics) on the meta device (text models on the CPU: packing sequences reads lengths)."""
+    ARCH:HEAD) for ``inputs`` (default: square pictures) and ``options`` (``model.options``, as
+    in ``build_model``), counted in eval mode (BatchNorm needs no batch statistics) on the meta
+    device (text models on the CPU: packing sequences reads lengths). Cached; the options enter
+    the key as text, since their values (lists among them) need not be hashable."""
     inputs = inputs or InputSpec.image(in_channels, image_size)
-    device = "cpu" if inputs.kind == "text" else "meta"
-    with torch.random.fork_rng(devices=[]), torch.device(device):
-        model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, inputs=inputs)
-        sample = inputs.example(1, device)
-    model.eval()
-    with FlopCounterMode(display=False) as counter:
-        model(sample)
-    return float(counter.get_total_flops())
+    key = (member, num_classes, feature_dim, inputs, repr(sorted((options or {}).items())))
+    if key not in _FLOPS:
+        device = "cpu" if inputs.kind == "text" else "meta"
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, inputs=inputs,
+                                options=options)
+            sample = inputs.example(1, device)
+        model.eval()
+        with FlopCounterMode(display=False) as counter:
+            model(sample)
+        _FLOPS[key] = float(counter.get_total_flops())
+    return _FLOPS[key]
 
 
 TIMED_WARMUP_STEPS = 1
@@ -54,14 +64,16 @@ while HtFE8's ResNet-152 (1.3 s a step on a CPU) would hold start-up for 29 s.""
 
 def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int, batch_size: int,
                        device: torch.device, in_channels: int = 3, image_size: int = 32,
-                       inputs: InputSpec | None = None) -> dict[str, float]:
+                       inputs: InputSpec | None = None, options: Mapping[str, Any] | None = None
+                       ) -> dict[str, float]:
     """Seconds of one plain-SGD cross-entropy step of each member at ``batch_size`` (at least 2,
     for BatchNorm) on ``device``, on random data of the config's shape: the fastest of up to
     ``TIMED_PASSES`` steps after warm-up (see ``TIMED_BUDGET_S``). The passes go over the members
     in turn, so a burst of background load hits them alike, and the fastest step is the one least
     disturbed by it (a median of 5 steps in a row swung from 18 to 28 ms for htcnn5 on a 2-core
     VM; this, 15.9 to 16.5). Torch's global RNG is restored afterwards, so timing never changes
-    what a run computes. ``inputs`` as in ``build_model`` (default: square pictures)."""
+    what a run computes. ``inputs`` and ``options`` as in ``build_model`` (default: square pictures,
+    every option at its default)."""
     batch_size = max(batch_size, 2)
     inputs = inputs or InputSpec.image(in_channels, image_size)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -71,7 +83,7 @@ def timed_step_seconds(members: list[str], *, num_classes: int, feature_dim: int
         steps = {}
         for member in members:
             model = build_model(member, num_classes=num_classes, feature_dim=feature_dim,
-                                inputs=inputs).to(device).train()
+                                inputs=inputs, options=options).to(device).train()
             steps[member] = _sgd_step(model, torch.optim.SGD(model.parameters(), lr=1e-3), images, labels)
             for _ in range(TIMED_WARMUP_STEPS):
                 steps[member]()

@@ -17,9 +17,8 @@ gets ``extractors[i mod E]`` and ``heads[i mod H]``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol, TypeVar, cast
+from collections.abc import Callable, Mapping
+from typing import Any, cast
 
 import torch
 
@@ -27,64 +26,12 @@ from htfl_dist.config.rules import PLUGIN_HINT
 from htfl_dist.errors import ConfigError
 from htfl_dist.registry import Registry
 
+from .architecture import SQUARE_IMAGES as SQUARE_IMAGES
+from .architecture import Architecture, ArchitectureBuilder, Builder, InputBuilder
+from .architecture import InputNeed as InputNeed
 from .base import SplitModel, check_new_name, natural_key
 from .heads import DEFAULT_HEAD, HEAD_GROUPS, build_head, check_head, heads, registered_head
-from .inputs import InputKind, InputSpec
-
-
-class ArchitectureBuilder(Protocol):
-    """A builder of square-picture models takes the four keyword arguments of :func:`build_model`
-    (``num_classes``, ``feature_dim``, ``in_channels``, ``image_size``) and returns a model.
-
-    Builders must draw all randomness from torch's global RNG and must not seed it: the
-    caller seeds it per (seed, client_id) so construction is reproducible and independent of
-    which rank builds the client. They are only called with inputs their :class:`InputNeed`
-    accepts.
-    """
-
-    def __call__(self, *, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel: ...
-
-
-class InputBuilder(Protocol):
-    """A builder for any other input (sensor windows, text, tabular rows) takes the data's
-    :class:`InputSpec` in place of ``in_channels`` and ``image_size``; same RNG rules."""
-
-    def __call__(self, *, num_classes: int, feature_dim: int, inputs: InputSpec) -> SplitModel: ...
-
-
-@dataclass(frozen=True)
-class InputNeed:
-    """The inputs an architecture accepts: a kind, and for images optionally a channel count
-    (HtFLlib's HARCNN family is written for nine sensor channels) or square pictures."""
-
-    kind: InputKind
-    what: str
-    """How error lines name it ('square images (C x S x S)')."""
-    channels: int | None = None
-    square: bool = False
-
-    def fits(self, inputs: InputSpec) -> bool:
-        if inputs.kind != self.kind:
-            return False
-        if self.channels is not None and inputs.shape[0] != self.channels:
-            return False
-        return not self.square or inputs.square
-
-
-SQUARE_IMAGES = InputNeed("image", "square images (C x S x S)", square=True)
-"""What the image architectures take (the default of :func:`register_architecture`)."""
-
-Builder = TypeVar("Builder", bound=ArchitectureBuilder | InputBuilder)
-
-
-@dataclass(frozen=True)
-class Architecture:
-    """One registered architecture: its builder, what it takes and the head its builder attaches."""
-
-    builder: ArchitectureBuilder | InputBuilder
-    needs: InputNeed
-    head: str
-
+from .inputs import InputSpec
 
 _PLUMBING = (__name__, "htfl_dist.models.base")
 _ARCHITECTURES: Registry[Architecture] = Registry("architecture", order=natural_key, plumbing=_PLUMBING)
@@ -181,22 +128,31 @@ def register_model_group(name: str, members: tuple[str, ...]) -> None:
     _MODEL_GROUPS.add(name, tuple(_checked_member(member, name) for member in members))
 
 
-def register_architecture(name: str, needs: InputNeed = SQUARE_IMAGES, head: str = DEFAULT_HEAD
-                          ) -> Callable[[Builder], Builder]:
+def register_architecture(name: str, needs: InputNeed = SQUARE_IMAGES, head: str = DEFAULT_HEAD,
+                          options: type | None = None) -> Callable[[Builder], Builder]:
     """Decorator registering ``builder`` under ``name``, for inputs ``needs`` accepts: an
     :class:`ArchitectureBuilder` for square pictures (the default), an :class:`InputBuilder` for
     anything else. ``head`` is the head the builder attaches (``ARCH`` alone means
-    ``ARCH:head``; HtFLlib gives its ViTs a tanh head, everything else ``fc``). Registering a
+    ``ARCH:head``; HtFLlib gives its ViTs a tanh head, everything else ``fc``). ``options``: a
+    dataclass of the architecture's own ``model.options.*`` (declared with ``bounded`` /
+    ``Literal`` like an algorithm's); the builder then also receives ``options=`` that dataclass,
+    built from the run's ``model.options``, so its shape can follow the config. Registering a
     name twice is a bug."""
 
     def decorator(builder: Builder) -> Builder:
         check_new_name(_ARCHITECTURES, name)
         if _MODEL_GROUPS.spelling(name) == name:
             raise ValueError(f"architecture name {name!r} clashes with a model group name")
-        _ARCHITECTURES.add(name, Architecture(builder, needs, head))
+        _ARCHITECTURES.add(name, Architecture(builder, needs, head, options))
         return builder
 
     return decorator
+
+
+def architecture_entry(arch: str) -> Architecture:
+    """What the registered architecture ``arch`` (no ``:HEAD``; any case) is; one ConfigError
+    line listing the allowed names otherwise."""
+    return _ARCHITECTURES.get(arch)
 
 
 def input_need(arch: str) -> InputNeed:
@@ -326,6 +282,7 @@ def build_model(
     in_channels: int = 3,
     image_size: int = 32,
     inputs: InputSpec | None = None,
+    options: Mapping[str, Any] | None = None,
 ) -> SplitModel:
     """Build a freshly initialised client model of ``arch`` (``ARCH`` or ``ARCH:HEAD``) for
     ``inputs`` (default: square pictures ``in_channels x image_size x image_size``).
@@ -339,9 +296,13 @@ def build_model(
     and ``ARCH`` are bit-identical. ``model.arch`` is ``arch`` with its names as registered (any
     case finds them, :mod:`htfl_dist.registry`).
 
+    ``options`` is ``model.options`` (spelled out by the resolution step, or None: every option
+    at its default); an architecture registered with an options dataclass is built with the keys
+    it declares (the group's other members' keys are ignored), any other without ``options``.
+
     Raises:
         ConfigError: unknown architecture or head, a non-positive size, inputs the architecture
-            does not take, or an image too small.
+            does not take, an image too small, or an option of the wrong type or out of bounds.
     """
     name, head = split_architecture(arch)
     found = _ARCHITECTURES.entry(name)
@@ -350,6 +311,7 @@ def build_model(
         raise ConfigError(f"unknown architecture {shown}; allowed: {', '.join(architectures())} ({_spelling_hint()})")
     check_head(head, arch)
     name, head, builder = found.name, registered_head(head), found.value.builder  # as registered
+    extra = {} if found.value.options is None else {"options": found.value.build_options(options or {})}
     _check_positive("num_classes", num_classes)
     _check_positive("feature_dim", feature_dim)
     if inputs is None:
@@ -365,9 +327,9 @@ def build_model(
     if needs == SQUARE_IMAGES:
         # an architecture registered for SQUARE_IMAGES is an ArchitectureBuilder, any other an InputBuilder
         model = cast(ArchitectureBuilder, builder)(num_classes=num_classes, feature_dim=feature_dim,
-                                                   in_channels=inputs.shape[0], image_size=inputs.shape[1])
+                                                   in_channels=inputs.shape[0], image_size=inputs.shape[1], **extra)
     else:
-        model = cast(InputBuilder, builder)(num_classes=num_classes, feature_dim=feature_dim, inputs=inputs)
+        model = cast(InputBuilder, builder)(num_classes=num_classes, feature_dim=feature_dim, inputs=inputs, **extra)
     if head != own_head(name):
         model.head = build_head(head, feature_dim, num_classes)
     model.arch = f"{name}{HEAD_SEPARATOR}{head}" if HEAD_SEPARATOR in arch else name
@@ -376,14 +338,14 @@ def build_model(
 
 def initial_client_model(group: str, client_id: int, seed: int, *, num_classes: int, feature_dim: int,
                          in_channels: int = 3, image_size: int = 32, init: str = "per_client",
-                         inputs: InputSpec | None = None) -> SplitModel:
+                         inputs: InputSpec | None = None, options: Mapping[str, Any] | None = None) -> SplitModel:
     """Client ``client_id``'s model as it is at the start of a run: its group member, initialised
     from torch's global RNG seeded by (seed, "init", client id) (``init="per_client"``), or seeded
     by ``seed`` alone with the default head drawn a second time (``init="htfllib"``, HtFLlib's
     ``torch.manual_seed(0)`` per client followed by BaseHeadSplit's fresh head; see
     ``model.init``). The runtime builds every client with it, and a server that starts from a
     client's initial weights (LG-FedAvg's global head is client 0's initial head) rebuilds them
-    with it. ``inputs`` as in :func:`build_model`. Reseeds the global RNG."""
+    with it. ``inputs`` and ``options`` (``model.options``) as in :func:`build_model`. Reseeds the global RNG."""
     from htfl_dist.seeding import seed_global_torch
 
     member = architecture_for_client(group, client_id)
@@ -392,7 +354,7 @@ def initial_client_model(group: str, client_id: int, seed: int, *, num_classes: 
     else:
         seed_global_torch(seed, "init", client_id)
     model = build_model(member, num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
-                        image_size=image_size, inputs=inputs)
+                        image_size=image_size, inputs=inputs, options=options)
     arch, head = split_architecture(member)
     if init == "htfllib" and head == own_head(arch):
         # ARCH:HEAD already draws the architecture's own Linear and then the head, HtFLlib's order

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,19 +69,21 @@ def check_private_config(config: Config) -> None:
         # which fields the algorithm uploads depends on its options, not on the data: a stand-in context
         context = AlgorithmContext(num_classes=2, feature_dim=config.model.feature_dim, seed=config.seed,
                                    train=config.train, options=options, num_clients=config.num_clients,
-                                   model_group=config.model.group, model_init=config.model.init)
+                                   model_group=config.model.group, model_init=config.model.init,
+                                   model_options=config.model.options)
         uploads = [item.name for item in entry.client.upload_fields(context)]
     else:
         uploads = []
     check_private_run(config, entry, options, uploads)
     for member in members_in_use(config.model.group, config.num_clients):
-        obstacle = batch_statistics_layer(_stand_in_model(member, config.model.feature_dim))
+        obstacle = batch_statistics_layer(_stand_in_model(member, config.model.feature_dim,
+                                                                 config.model.options))
         if obstacle is not None:
             raise ConfigError(_batch_statistics_refusal(f"model group {config.model.group!r}: member {member}",
                                                         obstacle))
 
 
-def _stand_in_model(member: str, feature_dim: int) -> nn.Module:
+def _stand_in_model(member: str, feature_dim: int, options: Mapping[str, Any]) -> nn.Module:
     """``member`` built on the meta device (no memory, no weights drawn) for inputs of the kind it
     takes: which layers a model has does not depend on the data's sizes, which are not read yet."""
     need = input_need(split_architecture(member)[0])
@@ -93,7 +96,7 @@ def _stand_in_model(member: str, feature_dim: int) -> nn.Module:
     else:
         inputs = InputSpec.image(3, 32)
     with torch.device("meta"):
-        return build_model(member, num_classes=2, feature_dim=feature_dim, inputs=inputs)
+        return build_model(member, num_classes=2, feature_dim=feature_dim, inputs=inputs, options=options)
 
 
 def _batch_statistics_refusal(whose: str, obstacle: str) -> str:

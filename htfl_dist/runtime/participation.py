@@ -122,7 +122,8 @@ class Participation:
             member = architecture_for_client(config.model.group, client_id)
             if member not in flops:
                 flops[member] = forward_flops_per_sample(member, num_classes=info.num_classes,
-                                                         feature_dim=config.model.feature_dim, inputs=info.inputs())
+                                                         feature_dim=config.model.feature_dim, inputs=info.inputs(),
+                                                         options=config.model.options)
             self.flops_per_step.append(TRAINING_PASSES * flops[member] * train.batch_size)
 
     def seconds(self, client_id: int, round_index: int, bytes_moved: int) -> float:

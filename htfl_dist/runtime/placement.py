@@ -213,7 +213,7 @@ def estimated_client_work(config: Config, info: PartitionInfo, step_seconds: dic
     if basis == "flops":
         flops = {member: forward_flops_per_sample(member, num_classes=info.num_classes,
                                                   feature_dim=config.model.feature_dim,
-                                                  inputs=info.inputs())
+                                                  inputs=info.inputs(), options=config.model.options)
                  for member in set(members)}
         return client_work(samples, members, flops), "FLOPs"
     if step_seconds is None:

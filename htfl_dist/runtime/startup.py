@@ -86,7 +86,7 @@ def check_client_batching(entry: AlgorithmEntry, context: AlgorithmContext) -> N
     for member in members_in_use(context.model_group, context.num_clients):
         with torch.device("meta"):
             model = build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                                inputs=context.inputs)
+                                inputs=context.inputs, options=context.model_options)
         obstacle = batching_obstacle(model)
         if obstacle is not None:
             raise ConfigError(f"train.client_batching=vmap cannot batch {member}: it has {obstacle}, whose "
@@ -148,7 +148,8 @@ def timed_step_costs(config: Config, partition: Any, transport: Transport, devic
     message = None
     if transport.rank == 0:
         timed = timed_step_seconds(members, num_classes=partition.num_classes, feature_dim=config.model.feature_dim,
-                                   inputs=partition.inputs(), batch_size=config.train.batch_size, device=device)
+                                   inputs=partition.inputs(), batch_size=config.train.batch_size, device=device,
+                                   options=config.model.options)
         progress("placement: one training step takes " + ", ".join(
             f"{member} {seconds * 1000:.1f} ms" for member, seconds in timed.items()))
         message = encode(spec, {BROADCAST_ENTRY: {"seconds": torch.tensor([list(timed.values())],
@@ -249,6 +250,7 @@ class ClientFactory:
             return initial_client_model(
                 config.model.group, client_id, config.seed, num_classes=info.num_classes,
                 feature_dim=config.model.feature_dim, inputs=info.inputs(), init=config.model.init,
+                options=config.model.options,
             )
 
         member = architecture_for_client(config.model.group, client_id)

@@ -46,7 +46,7 @@ def _meta_member(context: AlgorithmContext, member: str) -> nn.Module:
     """``member`` built on the meta device: parameter names and shapes, no memory, no RNG draws."""
     with torch.device("meta"):
         return build_model(member, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                           inputs=context.inputs)
+                           inputs=context.inputs, options=context.model_options)
 
 
 def _describe(signature: dict[str, tuple[int, ...]]) -> str:
