@@ -20,6 +20,7 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     fedtgp,
     fml,
     fpl,
+    heterofl,
     lgfedavg,
     local,
     protonorm,

@@ -9,7 +9,7 @@ keeps entries nobody held.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -62,7 +62,7 @@ def slice_tensor(tensor: torch.Tensor, index: Sequence[torch.Tensor | None]) -> 
 
 
 def aggregate(global_state: dict[str, torch.Tensor],
-              uploads: list[tuple[dict[str, torch.Tensor], dict[str, Sequence[torch.Tensor | None]]]],
+              uploads: Sequence[tuple[Mapping[str, torch.Tensor], Mapping[str, Sequence[torch.Tensor | None]]]],
               ) -> dict[str, torch.Tensor]:
     """Mean of every global entry over the uploads that hold it; others kept."""
     result = {}
