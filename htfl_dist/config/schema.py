@@ -260,6 +260,13 @@ class EvalConfig:
     starts again from its initial model, receives that round's download, trains
     ``new_client_epochs`` local epochs with the algorithm's own client step and is tested: how
     well the federation's knowledge serves a newcomer (``new_client_acc`` beside ``test_acc``)."""
+    test_set: Literal["local", "global"] = declared("local", identity=ADDED_LATER)
+    """local: each client on its own test split (HtFLlib's, PFLlib's). global: every tested client's
+    model on the global test set, the union of the N clients' test splits in client-id order
+    (FedNH's protocol, whose paper argues that per-client splits bias a personalised method's
+    figure under class imbalance); test_acc is then the mean over clients of their accuracy on
+    it. Each client's evaluation reads all of it: N times the local one's forward passes
+    (``clients_fraction`` thins them)."""
     new_client_epochs: int = bounded(1, identity=ADDED_LATER, at_least=1)
     """The local epochs an unseen client trains before its test (PFLlib's ``-ften``), at
     ``train.lr`` whatever ``train.lr_schedule`` gives the federation's clients that round."""

@@ -282,6 +282,25 @@ def load_client_splits(path: str, client_ids: Sequence[int], few_shot: int = 0) 
             for client_id, arrays in zip(client_ids, raw, strict=True)]
 
 
+def load_test_union(path: str, client_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The test splits of ``client_ids`` concatenated in client-id order (``eval.test_set=global``:
+    the global test set every client is tested on), read without their training splits."""
+    reading = "the file"
+    try:
+        with _open_read(path) as f:
+            x_format = str(f.attrs.get("x_format", "uint8"))
+            xs, ys = [], []
+            for client_id in sorted(client_ids):
+                reading = f"client {client_id}"
+                group = f[f"client_{client_id}"]
+                xs.append(_to_tensor(group["test_x"][()], x_format))
+                ys.append(torch.from_numpy(group["test_y"][()].astype(np.int64)))
+    except (OSError, KeyError) as exc:
+        raise DataError(f"cannot read {reading} from partition cache {path} ({exc}); "
+                        f"delete the file so it is rebuilt") from None
+    return torch.cat(xs), torch.cat(ys)
+
+
 def _client_split(client_id: int, arrays: dict[str, np.ndarray], x_format: str, few_shot: int) -> ClientSplit:
     train_y = torch.from_numpy(arrays["train_y"].astype(np.int64))
     train_x = _to_tensor(arrays["train_x"], x_format)

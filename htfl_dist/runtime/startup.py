@@ -27,7 +27,7 @@ from htfl_dist.algorithms.optimizers import build_optimizer
 from htfl_dist.algorithms.training import batching_obstacle
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_splits, prepare_partition
-from htfl_dist.data.cache import with_few_shot
+from htfl_dist.data.cache import load_test_union, with_few_shot
 from htfl_dist.errors import ConfigError, HtflError, ProtocolError
 from htfl_dist.generators import build_generator
 from htfl_dist.metrics.writer import progress
@@ -213,6 +213,7 @@ class ClientFactory:
         self.algorithm = algorithm
         self.privacy_plan = privacy_plan
         self._splits: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._global_test: tuple[torch.Tensor, torch.Tensor] | None = None
         self._shared_initial_states: dict[str, dict[str, torch.Tensor]] = {}
         self._widths_checked: set[str] = set()
 
@@ -233,8 +234,16 @@ class ClientFactory:
         store calls it for all of a rank's clients at start-up, before any is built)."""
         missing = [client_id for client_id in client_ids if client_id not in self._splits]
         for raw in load_client_splits(self.partition.path, missing, few_shot=self.config.data.few_shot):
-            self._splits[raw.client_id] = tuple(tensor.to(self.device) for tensor in
-                                                (raw.train_x, raw.train_y, raw.test_x, raw.test_y))
+            test = self.global_test() if self.config.eval.test_set == "global" else (raw.test_x, raw.test_y)
+            self._splits[raw.client_id] = tuple(tensor.to(self.device) for tensor in (raw.train_x, raw.train_y, *test))
+
+    def global_test(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``eval.test_set=global``: the N clients' test splits in client-id order, read once and
+        shared by every client of this rank (one copy on the device, not one per client)."""
+        if self._global_test is None:
+            x, y = load_test_union(self.partition.path, range(self.config.num_clients))
+            self._global_test = (x.to(self.device), y.to(self.device))
+        return self._global_test
 
     def initial_model(self, client_id: int, shell: bool) -> SplitModel:
         """Client ``client_id``'s initial model. A ``shell`` (about to receive a parked state) is
