@@ -76,7 +76,7 @@ class FedRolexOptions(HeteroFLOptions):
 def _meta_member(context: AlgorithmContext, arch: str) -> WidthScaledModel:
     with torch.device("meta"):
         model = build_model(arch, num_classes=context.num_classes, feature_dim=context.feature_dim,
-                            inputs=context.inputs)
+                            inputs=context.inputs, options=context.model_options)
     assert isinstance(model, WidthScaledModel)
     return model
 
@@ -258,7 +258,7 @@ class HeteroFLServer(ServerAlgorithm):
         family = member_of(self.layout.arch[0])
         assert family is not None
         model = build_model(architecture_name(family[0], "a"), num_classes=context.num_classes,
-                            feature_dim=context.feature_dim, inputs=context.inputs)
+                            feature_dim=context.feature_dim, inputs=context.inputs, options=context.model_options)
         self.row = parameters.parameter_row(model)
         self.round = 0
 

@@ -41,6 +41,7 @@ from . import sensor as _sensor  # noqa: F401
 from . import tabular as _tabular  # noqa: F401
 from . import text as _text  # noqa: F401
 from . import torchvision_zoo as _torchvision_zoo  # noqa: F401
+from . import width_scaled as _width_scaled  # noqa: F401  (HeteroFL's hetero_cnn_a..e, hetero_resnet18_a..e)
 from .base import SplitModel
 from .head_split import FeaturePool, adapt_input_channels, split_classifier
 from .heads import HEAD_GROUPS, build_head, heads, register_head

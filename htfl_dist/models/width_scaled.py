@@ -31,7 +31,7 @@ so the logits are exactly those of the official ``Linear(ceil(p * K), C)``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -201,15 +201,27 @@ def slice_plan(global_model: WidthScaledModel, member: WidthScaledModel) -> dict
     return plan
 
 
+@dataclass
+class WidthScaledOptions:
+    """``model.options`` of every width-scaled member: HeteroFL's two tricks, official defaults."""
+
+    scaler: bool = True
+    """Divide activations by the rate in training (``config.yml`` ``control.scale: '1'``)."""
+    norm: Norm = "static_bn"
+    """static_bn: BatchNorm with batch statistics only (sBN, ``track=False``, the official
+    training models); bn: running statistics kept locally; none (``control.norm``)."""
+
+
 def _register(family: str, level: str, rate: float) -> None:
     builder = _BUILDERS[family]
 
-    def build(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int) -> SplitModel:
+    def build(*, num_classes: int, feature_dim: int, in_channels: int, image_size: int,
+              options: WidthScaledOptions) -> SplitModel:
         return builder(rate, num_classes=num_classes, feature_dim=feature_dim, in_channels=in_channels,
-                       image_size=image_size)
+                       image_size=image_size, scaler=options.scaler, norm=options.norm)
 
     build.__doc__ = f"HeteroFL {family} at level {level} (rate {rate})."
-    register_architecture(architecture_name(family, level))(build)
+    register_architecture(architecture_name(family, level), options=WidthScaledOptions)(build)
 
 
 for _family in FAMILIES:
@@ -225,13 +237,3 @@ level ``"abcde"[i mod 5]`` (the official ``fix`` mode gives contiguous blocks of
 for _name, _members in GROUPS.items():
     register_model_group(_name, _members)
 
-
-def members_rates(members: Sequence[str]) -> list[float]:
-    """The rate of each width-scaled member name (a ValueError names the first that is not one)."""
-    rates = []
-    for arch in members:
-        found = member_of(arch)
-        if found is None:
-            raise ValueError(f"{arch!r} is not a width-scaled member")
-        rates.append(found[1])
-    return rates

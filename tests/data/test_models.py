@@ -43,6 +43,9 @@ MORE_ARCHS = (
 """ViTs (image sides divisible by their patch) and the sensor, text and tabular members
 (tests/data/test_models_more_kinds.py)."""
 
+WIDTH_SCALED_ARCHS = [f"hetero_{family}_{level}" for family in ("cnn", "resnet18") for level in "abcde"]
+"""HeteroFL's width-scaled members (tests/models/test_width_scaled.py)."""
+
 INPUTS = [(1, 28), (3, 32)]  # (in_channels, image_size): Fashion-MNIST and CIFAR shapes
 
 
@@ -59,7 +62,7 @@ def _first_conv(model: nn.Module) -> nn.Conv2d:
 
 
 def test_registry_lists_exactly_the_expected_architectures() -> None:
-    assert sorted(architectures()) == sorted(ALL_ARCHS + MORE_ARCHS)
+    assert sorted(architectures()) == sorted(ALL_ARCHS + MORE_ARCHS + WIDTH_SCALED_ARCHS)
     # natural order: resnet4 before resnet10 before resnet18
     names = architectures()
     assert names.index("resnet4") < names.index("resnet10") < names.index("resnet18") < names.index("resnet101")

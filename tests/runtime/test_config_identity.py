@@ -91,8 +91,13 @@ ADDED_BY_FEDPAC = {
     "fmnist_htcnn8_fedpac_dirichlet": "50aa461fa7f55192",
 }
 
+ADDED_BY_WIDTH_SCALING = {
+    "cifar10_heterofl_resnet18": "8e598bb62cdd1d2d",
+    "cifar10_fedrolex_resnet18": "325fce1ddef5c7a4",
+}
+
 PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25, **ADDED_ON_2026_11_27,
-          **ADDED_BY_DOMAINS, **ADDED_BY_FEDPAC}
+          **ADDED_BY_DOMAINS, **ADDED_BY_FEDPAC, **ADDED_BY_WIDTH_SCALING}
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
