@@ -9,10 +9,15 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from htfl_dist.algorithms import get_algorithm
 from htfl_dist.algorithms.registry import ConformanceHints
+from htfl_dist.payload import PayloadSpec
+from htfl_dist.runtime.wire import decode
+
+if TYPE_CHECKING:
+    from htfl_dist.testing import PlayedRound
 
 SMALL_RUN: tuple[str, ...] = (
     "seed=0", "num_clients=6", "join_ratio=1.0", "eval_every=1", "checkpoint_every=0",
@@ -130,3 +135,49 @@ def check_world_size_invariance(single: Sequence[Mapping[str, Any]], spread: Seq
                 require(0 <= extra <= 8 * (ranks - 1),
                          f"{label}: round {one.get('round')}: {key} is {one.get(key)} in one process and "
                          f"{many.get(key)} on {ranks} ranks; they may differ by one message header per rank")
+
+
+# --------------------------------------------------------------------------- bytes against theory
+
+
+def framing_bytes(spec: PayloadSpec) -> int | None:
+    """The most bytes one client's upload adds to the paper's count: its share of the message
+    header (the message's entry count, at most one message per client, its id and one row count
+    per field) and every field that is not floats (class ids, counts), at ``max_rows``. None
+    when such a field declares no ``max_rows``."""
+    total = 8 * (2 + len(spec))
+    for field in spec:
+        if field.dtype.is_floating_point:
+            continue
+        if field.max_rows is None:
+            return None
+        total += field.max_rows * field.row_bytes()
+    return total
+
+
+def check_bytes_against_theory(played: PlayedRound, rows: Sequence[Mapping[str, Any]]) -> None:
+    """The floats each client of the played round uploads are exactly the paper's count
+    (4 bytes each, ``theory_upload_floats``), and every round of the two-round run (``rows``, its
+    metrics) measured ``bytes_up`` between ``bytes_theory_up`` and that plus the framing of one
+    upload per client (``framing_bytes``); an algorithm that uploads nothing measures 0."""
+    name, session = played.algorithm, played.session
+    for client_id, upload in decode(session.upload_spec, played.message).items():
+        floats = sum(tensor.numel() * tensor.element_size() for tensor in upload.values()
+                     if tensor.is_floating_point())
+        counted = 4 * played.theory_floats[client_id]
+        require(floats == counted, f"{name}: client {client_id} uploads {floats} bytes of floats; the paper's count "
+                                    f"(theory_upload_floats) is {counted} bytes")
+    framing = framing_bytes(session.upload_spec)
+    if framing is None:
+        raise ConformanceError(f"{name}: an upload field that is not floats declares no max_rows")
+    most = session.config.num_clients * framing
+    require(len(rows) > 0, f"{name}: the run wrote no metrics rows")
+    for row in rows:
+        measured, theory = row["bytes_up"], row["bytes_theory_up"]
+        if not session.upload_spec:
+            require(measured == 0 and theory == 0, f"{name} declares no upload but round {row['round']} "
+                                                    f"measured {measured} bytes (theory {theory})")
+            continue
+        require(theory <= measured <= theory + most,
+                 f"{name}: round {row['round']} sent {measured} bytes; the paper's count is {theory} and the "
+                 f"framing of {session.config.num_clients} uploads at most {most}")

@@ -49,7 +49,9 @@ from htfl_dist.algorithms.registry import ConformanceHints, has_batched_path, in
 from htfl_dist.conformance_runs import (
     SMALL_RUN,
     ConformanceError,
+    check_bytes_against_theory,
     check_world_size_invariance,
+    framing_bytes,
     hints,
     launch_env,
     launch_run,
@@ -59,7 +61,7 @@ from htfl_dist.conformance_runs import (
     run_overrides,
 )
 from htfl_dist.errors import ConfigError
-from htfl_dist.payload import Payload, PayloadSpec, max_message_bytes
+from htfl_dist.payload import Payload, max_message_bytes
 from htfl_dist.resolution import resolved_config
 from htfl_dist.runtime.loop import Federation, RunContext, start
 from htfl_dist.runtime.records import RoundOutcome
@@ -278,52 +280,6 @@ def check_sums_reproduce_update(played: PlayedRound) -> None:
         close = tensor.shape == got[key].shape and torch.allclose(got[key].double(), tensor.double(),
                                                                   rtol=1e-5, atol=1e-6)
         require(close, f"{name}: update_from_sums gives another {key!r} than update on the same uploads")
-
-
-# --------------------------------------------------------------------------- bytes against theory
-
-
-def framing_bytes(spec: PayloadSpec) -> int | None:
-    """The most bytes one client's upload adds to the paper's count: its share of the message
-    header (the message's entry count, at most one message per client, its id and one row count
-    per field) and every field that is not floats (class ids, counts), at ``max_rows``. None
-    when such a field declares no ``max_rows``."""
-    total = 8 * (2 + len(spec))
-    for field in spec:
-        if field.dtype.is_floating_point:
-            continue
-        if field.max_rows is None:
-            return None
-        total += field.max_rows * field.row_bytes()
-    return total
-
-
-def check_bytes_against_theory(played: PlayedRound, rows: Sequence[Mapping[str, Any]]) -> None:
-    """The floats each client of the played round uploads are exactly the paper's count
-    (4 bytes each, ``theory_upload_floats``), and every round of the two-round run (``rows``, its
-    metrics) measured ``bytes_up`` between ``bytes_theory_up`` and that plus the framing of one
-    upload per client (``framing_bytes``); an algorithm that uploads nothing measures 0."""
-    name, session = played.algorithm, played.session
-    for client_id, upload in decode(session.upload_spec, played.message).items():
-        floats = sum(tensor.numel() * tensor.element_size() for tensor in upload.values()
-                     if tensor.is_floating_point())
-        counted = 4 * played.theory_floats[client_id]
-        require(floats == counted, f"{name}: client {client_id} uploads {floats} bytes of floats; the paper's count "
-                                    f"(theory_upload_floats) is {counted} bytes")
-    framing = framing_bytes(session.upload_spec)
-    if framing is None:
-        raise ConformanceError(f"{name}: an upload field that is not floats declares no max_rows")
-    most = session.config.num_clients * framing
-    require(len(rows) > 0, f"{name}: the run wrote no metrics rows")
-    for row in rows:
-        measured, theory = row["bytes_up"], row["bytes_theory_up"]
-        if not session.upload_spec:
-            require(measured == 0 and theory == 0, f"{name} declares no upload but round {row['round']} "
-                                                    f"measured {measured} bytes (theory {theory})")
-            continue
-        require(theory <= measured <= theory + most,
-                 f"{name}: round {row['round']} sent {measured} bytes; the paper's count is {theory} and the "
-                 f"framing of {session.config.num_clients} uploads at most {most}")
 
 
 # --------------------------------------------------------------------------- the cases of a suite
