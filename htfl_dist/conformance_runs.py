@@ -9,15 +9,22 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from htfl_dist.algorithms import get_algorithm
 from htfl_dist.algorithms.registry import ConformanceHints
 from htfl_dist.payload import PayloadSpec
 from htfl_dist.runtime.wire import decode
 
-if TYPE_CHECKING:
-    from htfl_dist.testing import PlayedRound
+
+class PlayedRound(Protocol):
+    """What the bytes check reads of the kit's played round (``testing.PlayedRound``); a
+    protocol, so that this module does not import the kit that imports it."""
+
+    algorithm: str
+    session: Any
+    message: Any
+    theory_floats: dict[int, int]
 
 SMALL_RUN: tuple[str, ...] = (
     "seed=0", "num_clients=6", "join_ratio=1.0", "eval_every=1", "checkpoint_every=0",

@@ -301,7 +301,8 @@ def test_unknown_group_is_config_error_listing_allowed() -> None:
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith(
-        "unknown model group 'HtFE7'; allowed: HtCNN8, HtFE2, HtFE3, HtFE4, HtFE5, HtFE8, HtFE8-HtC4, "
+        "unknown model group 'HtFE7'; allowed: HeteroCNN-a-e, HeteroResNet18-a-e, "
+        "HtCNN8, HtFE2, HtFE3, HtFE4, HtFE5, HtFE8, HtFE8-HtC4, "
         "HtFE8-HtC4-htfllib, HtFE9, HtFE-img-2, HtFE-img-3, HtFE-img-4, HtFE-img-5, HtFE-img-8, "
         "HtFE-img-8-HtC-img-4, HtFE-img-9, HtFE-sen-2, HtFE-sen-3, HtFE-sen-5, HtFE-sen-8, HtFE-txt-2, "
         "HtFE-txt-4, HtFE-txt-5-1, HtFE-txt-5-2, HtFE-txt-5-3, HtFE-txt-6, HtM10, HtM-img-10, MLP_1layer, "

@@ -66,7 +66,7 @@ def test_an_unknown_option_or_algorithm_is_refused_by_load_config():
 @pytest.mark.parametrize("override, start", [
     ("algorithm=fedfoo", "config key 'algorithm' is 'fedfoo'; registered: feddistill, "),
     ("data.dataset=mnist", "config key 'data.dataset' is 'mnist'; registered: fmnist, cifar10, "),
-    ("model.group=HtFE7", "unknown model group 'HtFE7'; allowed: HtCNN8, "),
+    ("model.group=HtFE7", "unknown model group 'HtFE7'; allowed: HeteroCNN-a-e, HeteroResNet18-a-e, HtCNN8, "),
     ("generator.name=stylegan9", "config key 'generator.name' is 'stylegan9'; registered: dcgan_faces, "),
 ])
 def test_every_registry_named_key_is_resolved_at_load_with_the_plugin_hint(override, start):
