@@ -17,11 +17,14 @@ of the largest s_i·cosine. FedNH also averages the clients' backbones (FedAvg);
 architecture per client there is nothing to average, so only the prototypes travel and every
 backbone, and its scale s_i, stays on its client (the heterogeneous-model adaptation).
 
-The reference code (Yutong-Dai/FedNH) departs from the equations above in ways kept as options:
-``init=orthogonal`` (its Haar-random orthonormal rows instead of a spread that maximises the
-smallest angle), ``normalise_client_means`` and ``normalise_aggregate`` (it puts μ_i^c and a^c on
-the sphere before weighting and before smoothing), and ``clip_grad_norm=10`` (it clips every local
-step's gradient). Its CNN's scale starts at 1 and is learnt (``scale``, ``learn_scale``).
+The equations above are the paper's as recalled (its method section could not be read, issue
+47), so the defaults follow the one source that could be read, the reference code
+(Yutong-Dai/FedNH@60c3161, ``compat=reference``): ``init=orthogonal`` (Haar-random orthonormal rows
+instead of a spread that maximises the smallest angle), ``normalise_client_means`` and
+``normalise_aggregate`` (μ_i^c and a^c put on the sphere before weighting and before smoothing),
+``clip_grad_norm=10`` (every local step's gradient clipped), and a client scored with the
+prototypes it trained against (``eval_prototypes=trained``). ``compat=paper`` runs the equations.
+Its CNN's scale starts at 1 and is learnt (``scale``, ``learn_scale``).
 """
 from __future__ import annotations
 
@@ -46,12 +49,17 @@ from htfl_dist.algorithms.presets import Compat, compat_option
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import Batch, batch_cross_entropy, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
+from htfl_dist.config.rules import Identity, declared
 from htfl_dist.payload import Field, Payload, PayloadSpec
 from htfl_dist.seeding import torch_generator
 
 Init = Literal["spread", "orthogonal"]
+EvalPrototypes = Literal["trained", "updated"]
 SCALE_MODULE = "fednh_scale"
 """The key of a client's scale s_i among ``ClientState.modules`` (checkpointed with the client)."""
+TRAINED_MODULE = "fednh_trained_prototypes"
+"""The key of the prototypes a client last trained against (``eval_prototypes=trained``), kept
+among its modules so that a checkpoint and a parked client keep them too."""
 NORM_FLOOR = 1e-12
 """‖v‖ is floored here before a division (the reference code's clamp)."""
 
@@ -62,10 +70,15 @@ REFERENCE_CLIP_GRAD_NORM = 10.0
 
 @dataclass
 class FedNHOptions:
-    compat: Compat = compat_option(added_later=True)
-    """reference: every knob left unset takes the reference code's value (Yutong-Dai/FedNH):
-    init=orthogonal, normalise_client_means=true, normalise_aggregate=true, clip_grad_norm=10;
-    paper: spread, false, false, no clipping."""
+    compat: Compat = compat_option(added_later=True, default="reference")
+    """reference (default; issue 47: the code is the one source that could be read): every knob
+    left unset takes the code's value (Yutong-Dai/FedNH@60c3161, ``src/flbase/strategies``):
+    init=orthogonal (``FedUH.py:FedUHClient._initialize_model``), normalise_client_means=true
+    (``FedNH.py:FedNHClient._estimate_prototype``), normalise_aggregate=true
+    (``FedNH.py:FedNHServer.aggregate``), clip_grad_norm=10 (``FedUH.py:FedUHClient.training``).
+    paper: the paper's equations as recalled, not read (a uniform spread, plain means, no
+    clipping): spread, false, false, no clipping; what this engine ran before issue 47, so those
+    runs keep their hash under it."""
     smoothing: float = bounded(0.9, at_least=0, at_most=1)
     """ρ: the share of the old prototype kept each round (1: the prototypes never move)."""
     init: Init | None = None
@@ -94,6 +107,14 @@ class FedNHOptions:
                                            note="0: no clipping; null: the compat preset's")
     """Clip each local step's gradient (backbone and s_i together) to this L2 norm (the reference
     code clips at 10); 0 or, under compat=paper, unset: no clipping."""
+    eval_prototypes: EvalPrototypes = declared("trained", identity=Identity(added_later=True, before="updated"))
+    """The prototypes a client is scored with. trained: those it last trained against, as the
+    reference code scores each client (Yutong-Dai/FedNH@60c3161, ``strategies/FedAvg.py:
+    FedAvgServer.run`` sets each active client's model, prototypes included, before training and
+    tests it after ``aggregate`` with ``FedUH.py:FedUHClient.testing``, i.e. on its own copy);
+    a client that has not trained yet uses the evaluation's download. updated: this round's, after
+    the server's update (this engine's rule before issue 47, from no source; left out of the hash
+    so those runs resume). Not a preset knob: the code's protocol is the only one known."""
 
     def validate(self) -> None:
         reference = self.compat == "reference"
@@ -167,6 +188,22 @@ def initial_prototypes(options: FedNHOptions, num_classes: int, dim: int, genera
 
 # ------------------------------------------------------------------------------ the client
 
+class TrainedPrototypes(nn.Module):
+    """The prototype table [C, K] a client last trained against, and whether it has trained yet
+    (buffers: checkpointed with the client, no gradient)."""
+
+    def __init__(self, num_classes: int, dim: int) -> None:
+        super().__init__()
+        self.register_buffer("protos", torch.zeros(num_classes, dim))
+        self.register_buffer("held", torch.zeros((), dtype=torch.bool))
+
+    @torch.no_grad()
+    def store(self, class_ids: torch.Tensor, prototypes: torch.Tensor) -> None:
+        table = self.get_buffer("protos")
+        table[class_ids.to(table.device)] = prototypes.to(table)
+        self.get_buffer("held").fill_(True)
+
+
 class Scale(nn.Module):
     """s_i, one learnable scalar of the cosine classifier."""
 
@@ -194,6 +231,9 @@ class FedNHClient(ClientAlgorithm):
 
     def init_client(self, client: ClientState) -> None:
         client.modules[SCALE_MODULE] = Scale(self.options.scale, self.options.learn_scale).to(client.device)
+        if self.options.eval_prototypes == "trained":  # only then: runs under "updated" keep their modules
+            table = TrainedPrototypes(self.context.num_classes, self.context.feature_dim)
+            client.modules[TRAINED_MODULE] = table.to(client.device)
 
     def scale(self, client: ClientState) -> nn.Parameter:
         """s_i, the client's own (never uploaded)."""
@@ -206,6 +246,9 @@ class FedNHClient(ClientAlgorithm):
         options = self.options
         prototypes = knowledge["protos"].to(client.device)
         scale = self.scale(client)
+        trained = client.modules.get(TRAINED_MODULE)
+        if isinstance(trained, TrainedPrototypes):
+            trained.store(knowledge["class_ids"], prototypes)
 
         def loss_fn(batch: Batch) -> torch.Tensor:
             return batch_cross_entropy(replace(batch, logits=cosine_logits(batch.features, prototypes, scale)))
@@ -232,12 +275,23 @@ class FedNHClient(ClientAlgorithm):
         """K·|C_i|: one K-row per class held (the counts are integers)."""
         return self.context.feature_dim * int(client.classes.numel())
 
+    def scored_prototypes(self, client: ClientState, knowledge: Payload) -> tuple[torch.Tensor, torch.Tensor]:
+        """(class ids, unit rows) the client is scored with (``eval_prototypes``): the table it last
+        trained against, or ``knowledge`` (the evaluation's download) under ``updated`` or before
+        the client has trained."""
+        trained = client.modules.get(TRAINED_MODULE)
+        if isinstance(trained, TrainedPrototypes) and bool(trained.get_buffer("held")):
+            table = trained.get_buffer("protos")
+            return torch.arange(table.shape[0]), table
+        return knowledge["class_ids"], knowledge["protos"]
+
     def predict(self, client: ClientState, knowledge: Payload, features: torch.Tensor,
                 logits: torch.Tensor, inputs: torch.Tensor | None = None) -> torch.Tensor:
-        """The class of the largest s_i·cosine: the client's classifier, with the latest prototypes."""
-        prototypes = knowledge["protos"].to(features.device)
-        scores = cosine_logits(features, prototypes, self.scale(client).detach())
-        return knowledge["class_ids"].to(features.device)[scores.argmax(dim=1)]
+        """The class of the largest s_i·cosine: the client's classifier, with the prototypes
+        ``eval_prototypes`` names."""
+        class_ids, prototypes = self.scored_prototypes(client, knowledge)
+        scores = cosine_logits(features, prototypes.to(features.device), self.scale(client).detach())
+        return class_ids.to(features.device)[scores.argmax(dim=1)]
 
 
 # ------------------------------------------------------------------------------ the server

@@ -17,7 +17,7 @@ import hashlib
 import json
 from typing import Any
 
-from htfl_dist.config.rules import Identity
+from htfl_dist.config.rules import Identity, TheDefault
 from htfl_dist.errors import shown
 
 
@@ -58,7 +58,7 @@ def section_view(section: type, values: dict[str, Any]) -> dict[str, Any]:
         rule: Identity = item.metadata.get("identity", Identity())
         default = _default_of(item)
         value = view.pop(item.name)
-        if rule.plumbing or (rule.added_later and value == _as_dict(default)):
+        if rule.plumbing or (rule.added_later and value == _as_dict(_left_out_at(rule, default))):
             continue
         if dataclasses.is_dataclass(default) and isinstance(value, dict):
             value = section_view(type(default), value)
@@ -71,6 +71,26 @@ def section_view(section: type, values: dict[str, Any]) -> dict[str, Any]:
         value = dict(rule.hashed_values).get(value, value) if _hashable(value) else value
         view[rule.hashed_as or item.name] = value
     return view
+
+
+def _left_out_at(rule: Identity, default: Any) -> Any:
+    """The value an added-later key is left out of the hash at: what runs made before it computed."""
+    return default if isinstance(rule.before, TheDefault) else rule.before
+
+
+def stored_options(algorithm: str, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (the ``algo`` of a stored experiment, as hashed) with every added-later option
+    whose default has changed since (``Identity.before``) written back where the view left it
+    out: a missing key meant the value before, not today's default, so spelling the stored
+    options out again must not turn an old run into one at the new default."""
+    options = _ALGORITHM_OPTIONS.get(algorithm.casefold())
+    filled = dict(values)
+    for item in dataclasses.fields(options) if options is not None else ():
+        rule: Identity = item.metadata.get("identity", Identity())
+        if rule.added_later and not isinstance(rule.before, TheDefault) \
+                and item.name not in filled and (rule.hashed_as or item.name) not in filled:
+            filled[item.name] = rule.before
+    return filled
 
 
 def _default_of(item: dataclasses.Field) -> Any:

@@ -55,6 +55,17 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+class TheDefault:
+    """The marker of :attr:`Identity.before` left unset: the field's default is what runs made
+    before the key computed (compared by type, so it survives a pickle)."""
+
+    def __repr__(self) -> str:
+        return "THE_DEFAULT"
+
+
+THE_DEFAULT: Any = TheDefault()
+
+
 @dataclass(frozen=True)
 class Identity:
     """How a field enters the experiment's identity (``config.identity``), declared next to the
@@ -66,6 +77,12 @@ class Identity:
     added_later: bool = False
     """Added after runs existed: at its default (the only behaviour before it), left out of the
     hash, so those runs and their checkpoints keep their hash."""
+    before: Any = THE_DEFAULT
+    """With ``added_later``, once the default has changed since the key was added: the value that
+    computes what the runs made before it did. Left out of the hash at this value instead of at
+    the default (those runs keep their hash; a run at the new default is another experiment), and
+    a stored experiment without the key reads as this value (``identity.stored_options``), so a
+    checkpoint made before is never compared as if it had run the new default."""
     location: bool = False
     """Where files live: hashed as ``True`` when set (that they are used is the experiment; where
     they are is not; their bytes are checked against the checkpoint's instead)."""

@@ -31,6 +31,7 @@ import torch
 from htfl_dist.algorithms import ServerAlgorithm, spelled_out_options
 from htfl_dist.atomic import OutputError, os_errors, publish_bytes
 from htfl_dist.config import Config, experiment_differences, experiment_view
+from htfl_dist.config.identity import stored_options
 from htfl_dist.errors import DiskFullError, HtflError
 from htfl_dist.metrics.writer import write_json
 from htfl_dist.models import pretrained_change, pretrained_identity
@@ -179,10 +180,12 @@ def _changes_since(manifest: dict, config: Config) -> list[str]:
     """What differs between the checkpoint's experiment and this run's, with a manifest written by
     an older version brought to today's form first (data paths were part of the experiment, and
     ``algo`` was kept as typed rather than with every option spelled out), so such checkpoints
-    still resume. An empty list means the same experiment."""
+    still resume; an option the view left out at its value before a default changed is read as
+    that value, not today's default (``stored_options``). An empty list means the same experiment."""
     saved = experiment_view(manifest.get("experiment", {}), Config)
     with contextlib.suppress(HtflError):  # an algorithm or option this version lacks: the comparison names it
-        spelled = spelled_out_options(saved.get("algorithm", config.algorithm), saved.get("algo") or {})
+        algorithm = saved.get("algorithm", config.algorithm)
+        spelled = spelled_out_options(algorithm, stored_options(algorithm, saved.get("algo") or {}))
         saved = experiment_view({**saved, "algo": spelled}, Config)
     return experiment_differences(saved, config.experiment())
 

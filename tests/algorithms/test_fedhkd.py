@@ -10,7 +10,7 @@ import torch
 from helpers import make_client, make_context
 from torch import nn
 
-from htfl_dist.algorithms import ClientState, get_algorithm
+from htfl_dist.algorithms import ClientState, get_algorithm, parse_options
 from htfl_dist.algorithms.fedhkd import (
     FedHKDOptions,
     distillation_term,
@@ -21,6 +21,8 @@ from htfl_dist.algorithms.fedhkd import (
 from htfl_dist.algorithms.training import Batch
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.models import SplitModel
+from htfl_dist.resolution import resolved_config
+from htfl_dist.runtime.checkpoint import _changes_since
 from htfl_dist.seeding import torch_generator
 
 LN2 = math.log(2.0)
@@ -159,7 +161,7 @@ def _loss_setup(**options):
 def test_paper_client_loss_by_hand():
     """CE = ln 2; distillation: h(H^0) = 0, q = (0.5, 0.5) against (1, 0): √0.5; features: sample
     0 is 1 away from H^0, sample 1's class has no row: (1 + 0)/2. L = ln 2 + 0.1·√0.5 + 0.2·0.5."""
-    _, loss = _loss_setup(lam=0.1, gamma=0.2)
+    _, loss = _loss_setup(lam=0.1, gamma=0.2, compat="paper")
     torch.testing.assert_close(loss, torch.tensor(LN2 + 0.1 * math.sqrt(0.5) + 0.2 * 0.5))
 
 
@@ -173,7 +175,7 @@ def test_distillation_trains_the_head_on_the_global_features():
     """With CE and the feature term switched off (no samples' gradient on W beyond CE's, which is
     symmetric here), the head's gradient is λ·∂/∂W ‖softmax(W·H/T) − Q‖ with H = (1, 0): only W's
     first column moves, and the logit of class 0 is pushed up."""
-    _, context = make_context("fedhkd", num_classes=2, feature_dim=2, lam=1.0, gamma=0.0)
+    _, context = make_context("fedhkd", num_classes=2, feature_dim=2, lam=1.0, gamma=0.0, compat="paper")
     client = _identity_client([[0.0, 0.0]], [0], [[0.0, 0.0], [0.0, 0.0]])
     knowledge = _knowledge([0], [[1.0, 0.0]], [[1.0, 0.0]])
     features, logits = client.model.forward_with_features(client.train_x)
@@ -249,7 +251,7 @@ UPLOADS = {
 def test_server_weights_by_class_counts():
     """Class 1: (1·(0, 2) + 3·(4, 2))/4 = (3, 2) and (1·(0, 1) + 3·(0.5, 0.5))/4 = (0.375, 0.625);
     class 0 has one uploader."""
-    server = _server()
+    server = _server(aggregation="weighted")
     metrics = _update(server, UPLOADS)
     download = server.download()
     assert download["class_ids"].tolist() == [0, 1]
@@ -308,11 +310,52 @@ def test_server_rejects_bad_uploads(upload):
 
 # ------------------------------------------------------------------------------ options
 
-def test_defaults():
-    options = make_context("fedhkd")[1].options  # resolved: compat=paper fills the knobs left unset
-    assert (options.lam, options.gamma, options.temperature) == (0.05, 0.05, 0.5)
-    assert (options.client_loss, options.aggregation, options.keep_absent) == ("paper", "weighted", False)
-    assert (options.min_class_share, options.clip_grad_norm) == (0.0, None)
+def test_defaults_are_the_reference_codes():
+    """Issue 47: nothing set resolves to compat=reference, the code's values
+    (CityChan/Federated-Hyper-Knowledge-Distillation@8a930f4): KL/MSE loss, the last uploader's
+    rows kept across rounds, clipping at 1.1; λ, γ, T from its option.py."""
+    options = parse_options(get_algorithm("fedhkd"), {})
+    assert options.compat == "reference"
+    assert (options.lam, options.gamma, options.temperature, options.min_class_share) == (0.05, 0.05, 0.5, 0.0)
+    assert (options.client_loss, options.aggregation, options.keep_absent, options.clip_grad_norm) == \
+        ("reference", "last", True, 1.1)
+
+
+def test_compat_paper_is_the_recalled_equations():
+    """compat=paper: mean L2 distances, count-weighted means, absent classes dropped, no clipping
+    (the defaults before issue 47); a knob set by hand still wins."""
+    options = parse_options(get_algorithm("fedhkd"), {"compat": "paper"})
+    assert (options.client_loss, options.aggregation, options.keep_absent, options.clip_grad_norm) == \
+        ("paper", "weighted", False, None)
+    mixed = parse_options(get_algorithm("fedhkd"), {"compat": "paper", "keep_absent": True})
+    assert (mixed.aggregation, mixed.keep_absent) == ("weighted", True)
+
+
+def test_hash_keeps_paper_runs_and_moves_the_unset_default():
+    """compat=paper is what an unset compat computed before issue 47: left out of the hash as then.
+    The new default hashes 'htfllib' exactly as an explicit reference run always did, so a config
+    that sets nothing has a new hash, and a paper run's checkpoint is refused by it."""
+    default = resolved_config(None, ["algorithm=fedhkd"])
+    paper = resolved_config(None, ["algorithm=fedhkd", "algo.compat=paper"])
+    reference = resolved_config(None, ["algorithm=fedhkd", "algo.compat=reference"])
+    assert "compat" not in paper.experiment()["algo"]
+    assert default.experiment()["algo"]["compat"] == "htfllib"
+    assert default.config_hash() == reference.config_hash() != paper.config_hash()
+    old_run = {"config_hash": paper.config_hash(), "experiment": paper.experiment()}
+    assert "algo.client_loss: 'paper' -> 'reference'" in _changes_since(old_run, default)
+    assert _changes_since(old_run, paper) == []
+
+
+def test_an_old_paper_checkpoint_is_not_read_at_the_new_default():
+    """The stored view of a paper run has no compat key (left out) and clip_grad_norm null. Read
+    back at today's default (reference), the null would become 1.1 and the run would look like
+    this config (paper knobs set by hand, clipping left to the preset): it must read as paper."""
+    paper = resolved_config(None, ["algorithm=fedhkd", "algo.compat=paper"])
+    knobs = ["algo.client_loss=paper", "algo.aggregation=weighted", "algo.keep_absent=false"]
+    clipped = resolved_config(None, ["algorithm=fedhkd", *knobs])
+    assert clipped.algo["clip_grad_norm"] == 1.1
+    old_run = {"config_hash": paper.config_hash(), "experiment": paper.experiment()}
+    assert any(change.startswith("algo.clip_grad_norm: None -> 1.1") for change in _changes_since(old_run, clipped))
 
 
 @pytest.mark.parametrize("option", [
@@ -325,10 +368,6 @@ def test_invalid_options_are_refused(option):
 
 
 def test_compat_reference_sets_the_knobs_left_unset_to_the_reference_codes():
-    """CityChan/FedHKD: KL/MSE loss, the last uploader's rows, rows kept across rounds, clipping at 1.1;
-    a knob set by hand wins over the preset."""
-    options = make_context("fedhkd", compat="reference")[1].options
-    assert (options.client_loss, options.aggregation, options.keep_absent, options.clip_grad_norm) == \
-        ("reference", "last", True, 1.1)
+    """A knob set by hand wins over the preset."""
     mixed = make_context("fedhkd", compat="reference", aggregation="weighted", clip_grad_norm=0.0)[1].options
     assert (mixed.client_loss, mixed.aggregation, mixed.clip_grad_norm) == ("reference", "weighted", 0.0)

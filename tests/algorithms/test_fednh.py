@@ -14,6 +14,7 @@ from htfl_dist import testing
 from htfl_dist.algorithms import AlgorithmContext, get_algorithm, parse_options
 from htfl_dist.algorithms.fednh import (
     SCALE_MODULE,
+    TRAINED_MODULE,
     initial_prototypes,
     largest_cosines,
     orthogonal_rows,
@@ -23,6 +24,7 @@ from htfl_dist.algorithms.fednh import (
 )
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError
+from htfl_dist.runtime.evaluation import test_client as score_client
 from htfl_dist.seeding import torch_generator
 
 DEFAULT_SPREAD: dict[str, Any] = {"steps": 1000, "lr": 0.1, "momentum": 0.9, "temperature": 10.0}
@@ -125,13 +127,14 @@ def test_orthogonal_draw_is_the_reference_codes_init():
 def test_initial_prototypes_come_from_the_seed_alone():
     """Two servers of one seed hold the same P^0 (every rank that builds one agrees); another seed
     another; the default spread is the simplex, the orthogonal init has cosines 0."""
-    first, again, other = (_server(num_classes=5, feature_dim=8, seed=s).download()["protos"] for s in (0, 0, 1))
+    first, again, other = (_server(num_classes=5, feature_dim=8, seed=s, init="spread").download()["protos"]
+                           for s in (0, 0, 1))
     torch.testing.assert_close(first, again, rtol=0, atol=0)
     assert not torch.allclose(first, other)
     assert float(largest_cosines(first).max()) == pytest.approx(-0.25, abs=1e-4)
     orthogonal = _server(num_classes=5, feature_dim=8, init="orthogonal").download()["protos"]
     assert float(largest_cosines(orthogonal).abs().max()) < 1e-5
-    _, context = _context(num_classes=5, feature_dim=8, init_steps=0)
+    _, context = _context(num_classes=5, feature_dim=8, init="spread", init_steps=0)
     draw = initial_prototypes(context.options, 5, 8, torch_generator(0, "fednh-prototypes"))
     torch.testing.assert_close(draw, torch.nn.functional.normalize(
         torch.randn(5, 8, generator=torch_generator(0, "fednh-prototypes")), dim=1))
@@ -151,7 +154,7 @@ def test_server_update_weights_the_class_means_by_counts():
     """P = (1, 0), (0, 1), (−1, 0). Class 0: (0, 1) from 3 samples and (1, 0) from 1, so
     a^0 = (0.25, 0.75) (the plain mean would be (0.5, 0.5)); P^0 ← (0.925, 0.075)/‖·‖. Class 1:
     a^1 = (1, 0), P^1 ← (0.1, 0.9)/‖·‖. Class 2: nobody, unchanged."""
-    server = _server([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], num_classes=3)
+    server = _server([[1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], num_classes=3, normalise_aggregate=False)
     uploads = {5: _upload([0], [[0.0, 1.0]], [3]), 2: _upload([0, 1], [[1.0, 0.0], [1.0, 0.0]], [1, 2])}
     metrics = server.update(uploads, 0, torch_generator(0, "s"))
     download = server.download()
@@ -175,7 +178,7 @@ def test_server_update_with_the_reference_codes_normalised_aggregate():
 def test_smoothing_edges(smoothing, expected):
     """a^0 = (0.3, 0.4), not a unit row: ρ = 1 never moves; ρ = 0 takes a^c on the sphere,
     (0.6, 0.8); ρ = 0.5 the direction of ((1, 0) + (0.3, 0.4))/2, i.e. of (1.3, 0.4)."""
-    server = _server([[1.0, 0.0], [0.0, 1.0]], smoothing=smoothing)
+    server = _server([[1.0, 0.0], [0.0, 1.0]], smoothing=smoothing, normalise_aggregate=False)
     server.update({0: _upload([0], [[0.3, 0.4]], [2])}, 0, torch_generator(0, "s"))
     torch.testing.assert_close(server.download()["protos"][0], _unit(*expected))
 
@@ -253,7 +256,7 @@ def test_client_uploads_means_of_unit_features_and_counts():
     """Class 0: (3, 4) and (0, 5) → (0.6, 0.8) and (0, 1), mean (0.3, 0.9), 2 samples; class 1:
     (2, 0) → (1, 0), 1 sample. The reference's normalise_client_means puts (0.3, 0.9) on the sphere."""
     x, y = [[3.0, 4.0], [2.0, 0.0], [0.0, 5.0]], [0, 1, 0]
-    _, _, result = _train(x, y)
+    _, _, result = _train(x, y, normalise_client_means=False)
     upload = result.upload
     assert upload["class_ids"].tolist() == [0, 1] and upload["counts"].tolist() == [2, 1]
     torch.testing.assert_close(upload["protos"], torch.tensor([[0.3, 0.9], [1.0, 0.0]]))
@@ -274,14 +277,61 @@ def test_client_predicts_the_largest_scaled_cosine():
     assert algorithm.predict(client, swapped, features, torch.zeros(3, 2)).tolist() == [1, 0, 0]
 
 
+UPDATED = {"class_ids": torch.tensor([0, 1]), "protos": torch.tensor([[0.0, 1.0], [1.0, 0.0]])}
+"""The server's prototypes after the round: KNOWLEDGE's two rows swapped."""
+
+
+def test_a_client_is_scored_with_the_prototypes_it_trained_against():
+    """Trained (lr 0: model and s stay) against P = (1, 0), (0, 1); scored after the server moved to
+    P' = (0, 1), (1, 0). The feature (10, 1) has cosines (10, 1)/√101 with P: class 0, its label;
+    with P', (1, 10)/√101: class 1. trained: right (1 of 1 through the runtime's test); updated:
+    wrong (0 of 1); a client that has not trained yet is scored with the download."""
+    x, y, features = [[10.0, 1.0]], [0], torch.tensor([[10.0, 1.0]])
+    algorithm, client, _ = _train(x, y)
+    assert algorithm.predict(client, UPDATED, features, torch.zeros(1, 2)).tolist() == [0]
+    assert score_client(algorithm, client, UPDATED, 2)[0::2][:2] == [1.0, 1.0]  # (correct, samples)
+    algorithm, client, _ = _train(x, y, eval_prototypes="updated")
+    assert algorithm.predict(client, UPDATED, features, torch.zeros(1, 2)).tolist() == [1]
+    assert score_client(algorithm, client, UPDATED, 2)[0::2][:2] == [0.0, 1.0]
+    assert TRAINED_MODULE not in client.modules  # runs under updated keep the modules they had
+    entry, context = _context()
+    untrained = tiny_identity_client(x, y)
+    entry.client(context).init_client(untrained)
+    assert entry.client(context).predict(untrained, UPDATED, features, torch.zeros(1, 2)).tolist() == [1]
+
+
+def test_the_trained_against_prototypes_travel_with_the_clients_state():
+    """The table is a module's buffers: a fresh client loaded from the state scores as the trained one."""
+    algorithm, client, _ = _train([[10.0, 1.0]], [0])
+    state = {name: module.state_dict() for name, module in client.modules.items()}
+    torch.testing.assert_close(state[TRAINED_MODULE]["protos"], KNOWLEDGE["protos"])
+    fresh = tiny_identity_client([[10.0, 1.0]], [0])
+    algorithm.init_client(fresh)
+    for name, module in fresh.modules.items():
+        module.load_state_dict(state[name])
+    assert algorithm.predict(fresh, UPDATED, torch.tensor([[10.0, 1.0]]), torch.zeros(1, 2)).tolist() == [0]
+
+
 # ------------------------------------------------------------------------------ options and a run
 
-def test_defaults_are_the_papers():
-    options = _context()[1].options
-    assert (options.smoothing, options.init, options.init_steps, options.init_lr, options.init_momentum,
-            options.init_temperature) == (0.9, "spread", 1000, 0.1, 0.9, 10.0)
-    assert (options.scale, options.learn_scale, options.normalise_client_means, options.normalise_aggregate,
-            options.clip_grad_norm) == (1.0, True, False, False, None)
+def test_defaults_are_the_reference_codes():
+    """Issue 47: nothing set resolves to compat=reference, Yutong-Dai/FedNH@60c3161's values:
+    orthogonal start, both normalisations, clipping at 10, clients scored with the prototypes
+    they trained against; ρ and s from its yaml files and CNN."""
+    options = parse_options(get_algorithm("fednh"), {})
+    assert (options.compat, options.smoothing, options.scale, options.learn_scale) == ("reference", 0.9, 1.0, True)
+    assert (options.init, options.normalise_client_means, options.normalise_aggregate, options.clip_grad_norm,
+            options.eval_prototypes) == ("orthogonal", True, True, 10.0, "trained")
+    assert (options.init_steps, options.init_lr, options.init_momentum, options.init_temperature) == \
+        (1000, 0.1, 0.9, 10.0)
+
+
+def test_compat_paper_is_the_recalled_equations():
+    """compat=paper: the spread, plain means, no clipping (the defaults before issue 47); the
+    evaluation rule is not part of the preset (the code's is the only one known)."""
+    options = parse_options(get_algorithm("fednh"), {"compat": "paper"})
+    assert (options.init, options.normalise_client_means, options.normalise_aggregate, options.clip_grad_norm,
+            options.eval_prototypes) == ("spread", False, False, None, "trained")
 
 
 @pytest.mark.parametrize("options,message", [
@@ -319,11 +369,27 @@ def test_compat_reference_sets_the_knobs_left_unset_to_the_reference_codes():
     assert (mixed.init, mixed.normalise_client_means, mixed.normalise_aggregate) == ("spread", True, False)
 
 
-def test_the_preset_added_later_keeps_the_hash_of_runs_made_before_it():
-    """compat arrived after FedNH runs existed: at paper it is left out of the hash; at reference it counts."""
+def test_the_hash_leaves_out_what_runs_before_issue_47_computed():
+    """compat=paper and eval_prototypes=updated (what an unset key computed before) are left out of
+    the hash, so those runs keep theirs; the new defaults count (compat as 'htfllib', as an
+    explicit reference run always hashed), so a config that sets nothing has a new hash."""
     from htfl_dist.resolution import resolved_config
-    before = resolved_config(None, ["algorithm=fednh"])
-    assert "compat" not in before.experiment()["algo"]
-    reference = resolved_config(None, ["algorithm=fednh", "algo.compat=reference"])
-    assert reference.experiment()["algo"]["compat"] == "htfllib"  # hashed under the value's first spelling
-    assert reference.config_hash() != before.config_hash()
+    old = resolved_config(None, ["algorithm=fednh", "algo.compat=paper", "algo.eval_prototypes=updated"])
+    assert "compat" not in old.experiment()["algo"] and "eval_prototypes" not in old.experiment()["algo"]
+    default = resolved_config(None, ["algorithm=fednh"])
+    assert (default.experiment()["algo"]["compat"], default.experiment()["algo"]["eval_prototypes"]) == \
+        ("htfllib", "trained")
+    paper = resolved_config(None, ["algorithm=fednh", "algo.compat=paper"])
+    assert len({old.config_hash(), paper.config_hash(), default.config_hash()}) == 3
+
+
+def test_an_old_checkpoint_reads_as_the_values_before():
+    """A stored view without compat and eval_prototypes reads as paper and updated, not as today's
+    defaults: resumed under the new default the differences are named."""
+    from htfl_dist.resolution import resolved_config
+    from htfl_dist.runtime.checkpoint import _changes_since
+    old = resolved_config(None, ["algorithm=fednh", "algo.compat=paper", "algo.eval_prototypes=updated"])
+    manifest = {"config_hash": old.config_hash(), "experiment": old.experiment()}
+    assert _changes_since(manifest, old) == []
+    paper = resolved_config(None, ["algorithm=fednh", "algo.compat=paper"])
+    assert _changes_since(manifest, paper) == ["algo.eval_prototypes: None -> 'trained'"]
