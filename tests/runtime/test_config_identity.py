@@ -62,7 +62,8 @@ CHANGED_ON_PURPOSE = {
     "fmnist_htcnn8_fedktl_pathological": "405c8c2643203dff",
     "fmnist_htcnn8_fedoc_dirichlet": "6a6b37a7c6ef651f",
     "fmnist_htcnn8_fedoc_pathological": "1df0e63e54fec1ed",
-    "fmnist_htcnn8_fednh_dirichlet": "d67e5dbfe55781a4",  # issue 47: scored as the reference code scores
+    "fmnist_htcnn8_fedhkd_dirichlet": "a9930c6be318e820",  # issue 47: defaults are the reference code's
+    "fmnist_htcnn8_fednh_dirichlet": "cb2b848acbf02cb3",  # issue 47: defaults and scoring the reference code's
 }
 """Configs that now run what their table ran (see their headers), or the paper's text where no
 table claims them, or their method's one readable source (issue 47)."""
@@ -79,7 +80,6 @@ ADDED_ON_2026_11_25 = {
 
 ADDED_ON_2026_11_27 = {
     "fmnist_htcnn8_fedpcl_dirichlet": "47120d3f867855c0",
-    "fmnist_htcnn8_fedhkd_dirichlet": "6fc1bd128e12a338",
     "fmnist_htcnn8_fpl_dirichlet": "dd66149b6a5928ef",
 }
 
@@ -92,8 +92,8 @@ ADDED_BY_FEDPAC = {
 }
 
 ADDED_BY_WIDTH_SCALING = {
-    "cifar10_heterofl_resnet18": "8e598bb62cdd1d2d",
-    "cifar10_fedrolex_resnet18": "325fce1ddef5c7a4",
+    "cifar10_heterofl_resnet18": "7670eea994e06696",
+    "cifar10_fedrolex_resnet18": "e5aba78e737e84e7",
 }
 
 PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25, **ADDED_ON_2026_11_27,
