@@ -58,7 +58,7 @@ class HeteroFLOptions:
     """Head rows averaged only over the uploaders holding that class (``fed.py`` ``combine``), or all."""
     fresh_optimizer: bool = True
     """A new optimizer (``train.*``) every round, as ``Local.train`` makes one (``make_optimizer``)."""
-    grad_clip: float | None = bounded(1.0, above=0, optional=True, note="or null: no clipping")
+    clip_grad_norm: float | None = bounded(1.0, at_least=0, optional=True, note="0 or null: no clipping")
     """Gradient L2 norm clipped each step (``clip_grad_norm_(model.parameters(), 1)`` in ``Local.train``)."""
 
 
@@ -195,7 +195,7 @@ class HeteroFLClient(ClientAlgorithm):
         if options.fresh_optimizer:
             optimizers = (build_optimizer(client.model.parameters(), self.context.train,
                                           lr=current_learning_rate(client)),)
-        clip = gradient_clipper(client.model.parameters(), options.grad_clip)
+        clip = gradient_clipper(client.model.parameters(), options.clip_grad_norm)
         mask = self.absent_classes(client)
         loss_sum, seen = run_local_training(
             client, self.context, lambda batch: F.cross_entropy(self.masked(batch.logits, mask), batch.labels),
