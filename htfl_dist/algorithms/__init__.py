@@ -5,6 +5,7 @@ from htfl_dist.algorithms import (  # noqa: F401  (registration side effects)
     feddistill,
     fedgen,
     fedgh,
+    fedgmkd,
     fedhkd,
     fedkd,
     fedktl,

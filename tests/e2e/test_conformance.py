@@ -43,7 +43,7 @@ stands for them, or the test file of their own that launches them and checks mor
 def test_every_paper_algorithm_is_registered():
     expected = {"fedproto", "fedtgp", "local", "feddistill", "lgfedavg", "fedgh", "fedgen", "fml", "fedkd", "fedoc",
                 "fedsa", "fedktl", "fedl2g", "fedmrl", "protonorm", "fedorgp", "fedpcl", "fedhkd", "fednh", "fpl",
-                "fedpac", "heterofl", "fedrolex"}
+                "fedpac", "heterofl", "fedrolex", "fedgmkd"}
     assert expected <= set(ALGORITHMS)
 
 
