@@ -91,13 +91,17 @@ ADDED_BY_FEDPAC = {
     "fmnist_htcnn8_fedpac_dirichlet": "50aa461fa7f55192",
 }
 
+ADDED_BY_FEDGMKD = {
+    "fmnist_htcnn8_fedgmkd_dirichlet": "f5aa64c66366388f",
+}
+
 ADDED_BY_WIDTH_SCALING = {
     "cifar10_heterofl_resnet18": "7670eea994e06696",
     "cifar10_fedrolex_resnet18": "e5aba78e737e84e7",
 }
 
 PINNED = {**UNCHANGED_SINCE_2026_11_24, **CHANGED_ON_PURPOSE, **ADDED_ON_2026_11_25, **ADDED_ON_2026_11_27,
-          **ADDED_BY_DOMAINS, **ADDED_BY_FEDPAC, **ADDED_BY_WIDTH_SCALING}
+          **ADDED_BY_DOMAINS, **ADDED_BY_FEDPAC, **ADDED_BY_WIDTH_SCALING, **ADDED_BY_FEDGMKD}
 
 
 @pytest.mark.parametrize("name", sorted(PINNED))
