@@ -145,11 +145,22 @@ class PflFedAvgServer(PartAveragingServer):
     def update(self, uploads: dict[int, Any], round_index: int, generator: torch.Generator) -> dict[str, Any]:
         """The block's average; with HTFL_PFL_BENCH_DUMP set, the new global row saved as well."""
         metrics = super().update(uploads, round_index, generator)
+        self._dump(round_index)
+        return metrics
+
+    def update_from_sums(self, sums: dict[str, torch.Tensor], uploaders: int, round_index: int,
+                         generator: torch.Generator) -> dict[str, Any]:
+        """The same from the round's sum (``runtime.presum_uploads``): defined beside ``update``, so
+        the registry keeps this server sums-only."""
+        metrics = super().update_from_sums(sums, uploaders, round_index, generator)
+        self._dump(round_index)
+        return metrics
+
+    def _dump(self, round_index: int) -> None:
         directory = os.environ.get(DUMP_ENV)
         if directory:
             with replaced_atomically(Path(directory) / f"global-round-{round_index + 1}.pt") as tmp:
                 torch.save(self.row.clone(), tmp)
-        return metrics
 
 
 register_algorithm("pfl_fedavg", server=PflFedAvgServer, client=PflFedAvgClient, options=PflFedAvgOptions,
