@@ -63,14 +63,21 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(scratch)
         for clients, ratio in federations(args.federations):
             base = [f"num_clients={clients}", f"join_ratio={ratio}", f"rounds={args.rounds}",
-                    f"data.subsample={args.subsample}", "data.min_samples_per_client=0", "checkpoint_every=0",
+                    f"data.subsample={args.subsample}", "data.min_samples_per_client=10", "checkpoint_every=0",
                     "eval.clients_fraction=" + ("0.1" if clients >= 500 else "1.0")]
             if args.cache_dir:
                 base.append(f"data.cache_dir={args.cache_dir}")
             modes = {"plain": [], "secagg": ["privacy.secure_aggregation=true"],
                      f"secagg+ k={args.neighbours}": ["privacy.secure_aggregation=true",
                                                       f"privacy.secagg_neighbours={args.neighbours}"]}
-            results = {mode: play(work, f"{clients}-{mode.split()[0]}", base + extra) for mode, extra in modes.items()}
+            results = {}
+            for mode, extra in modes.items():
+                try:
+                    results[mode] = play(work, f"{clients}-{mode.split()[0]}", base + extra)
+                except Exception as exc:  # a federation the data cannot split: say so, go on
+                    print(f"[{clients} clients, {mode}] failed: {exc}", flush=True)
+            if "plain" not in results:
+                continue
             plain = results["plain"]
             for mode, result in results.items():
                 result.update(clients=clients, join_ratio=ratio, mode=mode,
