@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from htfl_dist.algorithms.interface import ClientAlgorithm, ServerAlgorithm
-from htfl_dist.config import build_section, check_bounds, declare_algorithm_options
+from htfl_dist.config import declare_algorithm_options
+from htfl_dist.config.loading import checked_section
 from htfl_dist.registry import Registry, name_key
 
 
@@ -190,12 +191,7 @@ def parse_options(entry: AlgorithmEntry, raw: dict[str, Any]) -> Any:
     """Validate ``algo.*`` against the algorithm's options dataclass: names and types, the
     ranges its fields declare with ``config.bounded``, then its own ``validate`` (choices that
     depend on each other, ``compat`` resolving the knobs left unset)."""
-    options = build_section(entry.options, raw, "algo.")
-    check_bounds(options, "algo.")
-    check = getattr(options, "validate", None)
-    if check is not None:
-        check()
-    return options
+    return checked_section(entry.options, raw, "algo.")
 
 
 def spelled_out_options(algorithm: str, raw: dict[str, Any]) -> dict[str, Any]:

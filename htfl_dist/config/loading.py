@@ -134,6 +134,18 @@ def build_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def checked_section(cls: type, raw: dict[str, Any], prefix: str) -> Any:
+    """A registered thing's options (``algo.*``, ``data.options.*``): ``cls`` built from ``raw``
+    (names, types), its declared bounds checked, then its own ``validate`` (choices that depend on
+    each other, presets resolving the knobs left unset), every error one line under ``prefix``."""
+    options = build_section(cls, raw, prefix)
+    check_bounds(options, prefix)
+    validate = getattr(options, "validate", None)
+    if validate is not None:
+        validate()
+    return options
+
+
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     parts = dotted.split(".")
     node = tree

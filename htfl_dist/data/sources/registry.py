@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from htfl_dist.config import build_section, check_bounds
+from htfl_dist.config.loading import checked_section
 from htfl_dist.errors import ConfigError, DataError, shown
 from htfl_dist.registry import Registry
 
@@ -107,12 +107,7 @@ def dataset_options(source: DatasetSource, raw: dict[str, Any]) -> Any:
             raise ConfigError(f"config key 'data.options' is {shown(raw)} but dataset {source.name!r} takes no "
                               f"options; leave data.options empty")
         return None
-    options = build_section(source.options, raw, "data.options.")
-    check_bounds(options, "data.options.")
-    validate = getattr(options, "validate", None)
-    if validate is not None:
-        validate()
-    return options
+    return checked_section(source.options, raw, "data.options.")
 
 
 def spelled_out_dataset_options(name: str, raw: dict[str, Any]) -> dict[str, Any]:
