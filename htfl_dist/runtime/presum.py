@@ -54,18 +54,25 @@ def check_presum(config: Config) -> None:
     """What ``runtime.presum_uploads`` cannot run with, in one line each."""
     if not config.runtime.presum_uploads:
         return
-    from htfl_dist.algorithms import get_algorithm
     from htfl_dist.config import ParticipationConfig
 
-    if not get_algorithm(config.algorithm).sums_only:
-        raise ConfigError(f"runtime.presum_uploads: {config.algorithm}'s server reads each client's upload, not only "
-                          f"their sum (it is not registry.sums_only)")
+    require_sums_only(config, "runtime.presum_uploads")
     if config.privacy.secure_aggregation:
         raise ConfigError("runtime.presum_uploads and privacy.secure_aggregation both sum the uploads; secure "
                           "aggregation already sends rank 0 nothing but the sum: leave runtime.presum_uploads off")
     if config.participation != ParticipationConfig(random_join=config.participation.random_join):
         raise ConfigError("runtime.presum_uploads runs without the simulated participation (participation.*): its "
                           "drop-outs and deadlines act on single uploads at rank 0, which receives sums")
+
+
+def require_sums_only(config: Config, key: str) -> None:
+    """The one refusal of a summed gather (``key``) for a server that reads each upload."""
+    from htfl_dist.algorithms import algorithm_names, get_algorithm
+
+    if not get_algorithm(config.algorithm).sums_only:
+        able = [name for name in algorithm_names() if get_algorithm(name).sums_only]
+        raise ConfigError(f"{key}: {config.algorithm}'s server reads each client's upload, not only their sum "
+                          f"(it is not registry.sums_only); the sums-only algorithms are {', '.join(able)}")
 
 
 def fraction_bits(participants: int) -> int:

@@ -44,7 +44,7 @@ from htfl_dist.privacy.secagg_server import SecAggServer
 from htfl_dist.privacy.secagg_shamir import SHARE_BYTES
 from htfl_dist.privacy.secure_aggregation import SecAggClient
 from htfl_dist.runtime.exchange import RoundTraffic, message_bounds
-from htfl_dist.runtime.presum import SummedRound
+from htfl_dist.runtime.presum import SummedRound, require_sums_only
 from htfl_dist.runtime.screening import unpack_rank_message
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.wire import BROADCAST_ENTRY, decode, encode
@@ -60,13 +60,9 @@ def check_secure_aggregation(config: Config) -> None:
     large for the 32-bit sum."""
     if not config.privacy.secure_aggregation:
         return
-    from htfl_dist.algorithms import get_algorithm
     from htfl_dist.runtime.clock import join_count
 
-    if not get_algorithm(config.algorithm).sums_only:
-        raise ConfigError(f"privacy.secure_aggregation: {config.algorithm}'s server reads each client's upload, not "
-                          f"only their sum (it is not registry.sums_only); the sums-only algorithms are "
-                          f"{', '.join(sums_only_algorithms())}")
+    require_sums_only(config, "privacy.secure_aggregation")
     if config.participation.late == "next_round":
         raise ConfigError("privacy.secure_aggregation cannot carry a late upload into the next round "
                           "(participation.late=next_round): a masked input belongs to its round's masks; use late=drop")
@@ -78,11 +74,6 @@ def check_secure_aggregation(config: Config) -> None:
         raise ConfigError(f"privacy.secure_aggregation takes at most {MAX_PARTICIPANTS} participants a round "
                           f"(the 32-bit sum of {config.privacy.secagg_levels} levels); lower join_ratio")
 
-
-def sums_only_algorithms() -> list[str]:
-    from htfl_dist.algorithms import algorithm_names, get_algorithm
-
-    return [name for name in algorithm_names() if get_algorithm(name).sums_only]
 
 
 def threshold(holders: int, share: float) -> int:
