@@ -31,13 +31,12 @@ import torch
 import torch.nn.functional as F
 
 from htfl_dist.algorithms.class_rows import (
-    check_class_counts,
-    check_class_rows,
     dense_class_table,
     global_prototype_diagnostics,
 )
 from htfl_dist.algorithms.fedgmkd_mixture import mixture_prototype
-from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, ServerAlgorithm, TrainResult
+from htfl_dist.algorithms.fedhkd import SoftKnowledgeServer
+from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, ClientState, TrainResult
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.algorithms.training import (
     Batch,
@@ -207,35 +206,11 @@ class FedGMKDClient(ClientAlgorithm):
 # --------------------------------------------------------------------------- the server
 
 
-class FedGMKDServer(ServerAlgorithm):
+class FedGMKDServer(SoftKnowledgeServer):
     """Discrepancy-aware weighted means of the round's prototypes and soft predictions, per class."""
 
-    accepts_late_uploads = True  # a late upload is one more weighted row in its classes' means
-
-    @classmethod
-    def download_fields(cls, context: AlgorithmContext) -> PayloadSpec:
-        c = context.num_classes
-        return (Field("class_ids", torch.int64, max_rows=c), Field("protos", torch.float32, (context.feature_dim,), c),
-                Field("soft", torch.float32, (c,), c))
-
-    def __init__(self, context: AlgorithmContext) -> None:
-        super().__init__(context)
-        self.class_ids = torch.empty(0, dtype=torch.int64)
-        self.protos = torch.empty(0, context.feature_dim)
-        self.soft = torch.empty(0, context.num_classes)
-
-    def download(self) -> Payload:
-        return {"class_ids": self.class_ids, "protos": self.protos, "soft": self.soft}
-
-    def theory_download_floats(self) -> int:
-        """(K + C)·C: a prototype and a soft prediction for every class."""
-        return (self.context.feature_dim + self.context.num_classes) * self.context.num_classes
-
     def validate_upload(self, client_id: int, upload: Payload) -> None:
-        num_classes = self.context.num_classes
-        check_class_rows(client_id, upload["class_ids"], upload["protos"], num_classes)
-        check_class_rows(client_id, upload["class_ids"], upload["soft"], num_classes)
-        check_class_counts(client_id, upload["class_ids"], upload["counts"])
+        super().validate_upload(client_id, upload)
         soft = upload["soft"].double()
         if soft.numel() and (bool((soft < 0).any()) or float((soft.sum(dim=1) - 1).abs().max()) > 1e-3):
             raise ProtocolError(f"client {client_id} sent soft predictions that are not distributions")
@@ -279,13 +254,6 @@ class FedGMKDServer(ServerAlgorithm):
         if bool(compared.any()):
             diagnostics["discrepancy_mean"] = float(distances[compared].mean())
         return {**diagnostics, **global_prototype_diagnostics(uploads, c, self.download(), previous)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.download()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.class_ids, self.protos, self.soft = state["class_ids"], state["protos"], state["soft"]
-
 
 register_algorithm("fedgmkd", server=FedGMKDServer, client=FedGMKDClient, options=FedGMKDOptions,
                    summary="Gaussian-mixture class prototypes and soft predictions, aggregated with "

@@ -231,9 +231,10 @@ class FedHKDClient(ClientAlgorithm):
         return (self.context.feature_dim + self.context.num_classes) * uploaded
 
 
-class FedHKDServer(ServerAlgorithm):
-    """Per class, the count-weighted mean (or the last uploader's row) of the uploaded features and
-    soft predictions."""
+class SoftKnowledgeServer(ServerAlgorithm):
+    """What FedHKD and FedGMKD's servers share: the knowledge they keep and send down (a feature row
+    and a soft prediction per known class), its bounds, the uploads' shape checks and the state.
+    Only how the round's rows are combined (``update``) differs between them."""
 
     accepts_late_uploads = True  # a late upload is one more (weighted) row in its classes' means
 
@@ -259,6 +260,17 @@ class FedHKDServer(ServerAlgorithm):
         check_class_rows(client_id, upload["class_ids"], upload["protos"], num_classes)
         check_class_rows(client_id, upload["class_ids"], upload["soft"], num_classes)
         check_class_counts(client_id, upload["class_ids"], upload["counts"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.download()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.class_ids, self.protos, self.soft = state["class_ids"], state["protos"], state["soft"]
+
+
+class FedHKDServer(SoftKnowledgeServer):
+    """Per class, the count-weighted mean (or the last uploader's row) of the uploaded features and
+    soft predictions."""
 
     def aggregate(self, uploads: dict[int, Payload]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(present [C] bool, features [C, K], soft [C, C]) of this round's uploads, float64."""
@@ -293,13 +305,6 @@ class FedHKDServer(ServerAlgorithm):
         self.protos, self.soft = features[self.class_ids].float(), soft[self.class_ids].float()
         return {"global_classes": float(self.class_ids.numel()),
                 **global_prototype_diagnostics(uploads, self.context.num_classes, self.download(), previous)}
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.download()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.class_ids, self.protos, self.soft = state["class_ids"], state["protos"], state["soft"]
-
 
 register_algorithm("fedhkd", server=FedHKDServer, client=FedHKDClient, options=FedHKDOptions,
                    summary="per-class mean features and soft predictions, distilled into each client's "
