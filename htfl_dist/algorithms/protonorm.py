@@ -18,9 +18,11 @@ mean P̄^c, classes nobody uploaded absent), then
 - Prototype Upscaling (PU): P̂^c = s·u^c, which is what goes down (s = 80).
 
 The paper's own equations could not be read here (only its abstract and introduction were
-available); the defaults are those of the reference code (regulationLee/ProtoNorm e816cef, its
-README's command ``-pa -pu -csf 80``), and what that code does differently from what the abstract
-says is listed in docs/algorithms.md.
+available); every default is the reference code's (regulationLee/ProtoNorm e816cef, its
+README's command ``-pa -pu -csf 80``), the prototypes included: taken from the model the round
+started from, over the full batches (issue 47). FedProto's definition (after training, every
+sample) is an option; what the code does differently from what the abstract says is listed in
+docs/algorithms.md.
 """
 from __future__ import annotations
 
@@ -61,11 +63,13 @@ class ProtoNormOptions(FedProtoOptions):
     client_reg: ClientRegulariser = "htfllib"
     """htfllib: λ·MSE(f(x), P̂^y) per sample over B·K (the reference code's loss); paper: FedProto's
     λ·mean_c ‖P_i^c − P̂^c‖₂ on the batch's class means."""
-    proto_from: PrototypeSource = "post_update"
-    """When the uploaded means are taken: after local training (post_update); pre_update is the
-    reference code's (its ``collect_protos`` reads the client's model file before the trained model
-    is saved, so it averages the model the round started from); during_training, the features of
-    the batches trained on."""
+    proto_from: PrototypeSource = "pre_update"
+    """When the uploaded means are taken: pre_update, the reference code's (regulationLee/ProtoNorm
+    @e816cef ``clientprotonorm.py:collect_protos`` reads the client's model file before the trained
+    model is saved, so it averages the model the round started from); post_update, FedProto's
+    definition of a prototype (the class mean after local training), a departure for those who want
+    the uploads to describe the trained model; during_training, the features of the batches
+    trained on (needs proto_samples=all)."""
     alignment: bool = True
     """Prototype Alignment: spread the normalised means on the unit sphere (False: normalise only,
     the "PU without PA" ablation)."""
@@ -82,16 +86,19 @@ class ProtoNormOptions(FedProtoOptions):
     """The iteration from which the mean force norm is watched for a stall (None: always T iterations)."""
     thomson_patience: int = bounded(10, at_least=1)
     """How many iterations in a row the rounded mean force norm must repeat to stop."""
-    proto_samples: ProtoSamples = "all"
-    """Which training samples the uploaded means cover: all of them; or full_batches, the samples
-    of the full batches in stored order (the reference collects its prototypes through its
-    ``DataLoader(shuffle=False, drop_last=True)``); with proto_from=post_update or pre_update."""
+    proto_samples: ProtoSamples = "full_batches"
+    """Which training samples the uploaded means cover: full_batches, the samples of the full
+    batches in stored order (the reference code's: ``collect_protos`` reads its
+    ``DataLoader(shuffle=False, drop_last=True)``; a client without one full batch uploads
+    nothing); or all of them, FedProto's definition (a departure: no sample left out), the one
+    value that goes with proto_from=during_training."""
 
     def validate(self) -> None:
         super().validate()
         if self.proto_samples == "full_batches" and self.proto_from == "during_training":
-            raise ConfigError("algo.proto_samples=full_batches takes the prototypes in one pass before or after "
-                              "training; it needs algo.proto_from=post_update or pre_update, got during_training")
+            raise ConfigError("algo.proto_samples=full_batches (the default) takes the prototypes in one pass "
+                              "before or after training; with algo.proto_from=during_training set "
+                              "algo.proto_samples=all")
 
 
 def repulsion_forces(units: torch.Tensor) -> torch.Tensor:

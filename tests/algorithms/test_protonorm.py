@@ -209,7 +209,7 @@ def test_full_batches_leave_the_last_partial_batch_out_of_the_prototypes():
     torch.testing.assert_close(result.upload["protos"], torch.tensor([[4.5, 1.0]]))
     short = entry.client(context).train(tiny_identity_client(x[:8], y[:8]), empty, 0, torch_generator(0, "t"))
     assert short.upload["class_ids"].numel() == 0 and short.upload["protos"].shape == (0, 2)  # no full batch
-    entry, context = _context()  # all samples (the default)
+    entry, context = _context(proto_samples="all")  # every sample (FedProto's definition)
     result = entry.client(context).train(tiny_identity_client(x, y), empty, 0, torch_generator(0, "t"))
     assert result.upload["class_ids"].tolist() == [0, 1]
     torch.testing.assert_close(result.upload["protos"], torch.tensor([[4.5, 1.0], [55.0, 55.0]]))
@@ -240,11 +240,13 @@ def test_full_batches_before_training_are_the_reference_codes_prototypes():
 # ------------------------------------------------------------------------------ options and a run
 
 def test_defaults_are_the_reference_codes():
+    """Every default is regulationLee/ProtoNorm@e816cef's, the prototypes included (issue 47):
+    collect_protos reads the model the round started from, through a drop_last loader."""
     options = _context()[1].options
     assert (options.scale_factor, options.thomson_iterations, options.thomson_lr, options.thomson_momentum,
             options.thomson_early_stop, options.thomson_patience) == (80.0, 500, 0.1, 0.9, 10, 10)
     assert (options.alignment, options.weighted, options.proto_from, options.proto_samples) == (
-        True, False, "post_update", "all")
+        True, False, "pre_update", "full_batches")
     assert _context(client_reg="paper")[1].options.reg_weight == 0.1  # FedProto's paper form keeps its λ
 
 
@@ -252,8 +254,8 @@ def test_defaults_are_the_reference_codes():
     ({"scale_factor": 0.0}, r"^config key 'algo.scale_factor' must be > 0, got 0.0$"),
     ({"thomson_momentum": 1.0}, r"^config key 'algo.thomson_momentum' must be in \[0, 1\), got 1.0$"),
     ({"thomson_iterations": 0}, r"^config key 'algo.thomson_iterations' must be >= 1, got 0$"),
-    ({"proto_samples": "full_batches", "proto_from": "during_training"},
-     r"^algo.proto_samples=full_batches .* needs algo.proto_from=post_update or pre_update, got during_training$"),
+    ({"proto_from": "during_training"},
+     r"^algo.proto_samples=full_batches \(the default\) .* set algo.proto_samples=all$"),
 ])
 def test_option_errors_are_one_line(options, message):
     with pytest.raises(ConfigError, match=message):
