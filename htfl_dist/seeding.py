@@ -34,5 +34,25 @@ def numpy_rng(seed: int, *keys: int | str) -> np.random.Generator:
 
 def seed_global_torch(seed: int, *keys: int | str) -> None:
     """Seed torch's global RNG (CPU and every GPU) for code that draws from it implicitly,
-    such as ``nn.Module`` initialisation and dropout."""
-    torch.manual_seed(derive_seed(seed, *keys))
+    such as ``nn.Module`` initialisation and dropout.
+
+    Where no accelerator can be seeded later (none present) or CUDA is already initialised, the
+    generators are seeded directly: ``torch.manual_seed`` queues a lazy seed for every backend not
+    yet initialised and records a formatted stack for each (CUDA, XPU, MTIA), ~2.5 ms a call on
+    the CPU, paid per client built and per client trained (~0.3 s a round on pfl's workload).
+    Either way each generator ends with the same state as after ``torch.manual_seed``."""
+    value = derive_seed(seed, *keys)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(value)  # runs now: no lazy queue once CUDA is up
+    elif _accelerator_may_start():
+        torch.manual_seed(value)  # a backend that starts later must find this seed queued
+        return
+    torch.default_generator.manual_seed(value)
+
+
+def _accelerator_may_start() -> bool:
+    """Whether a backend other than the CPU could be initialised later in this process (and so
+    needs ``torch.manual_seed``'s queued seed). Asked each time: cheap, and CUDA's availability is
+    itself cached by torch."""
+    return torch.cuda.is_available() or torch.backends.mps.is_available() or torch.xpu.is_available() \
+        or torch.mtia.is_available()

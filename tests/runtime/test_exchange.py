@@ -9,7 +9,7 @@ from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field
 from htfl_dist.runtime.exchange import ClientReport, Exchange, RankReport, RoundTraffic
 from htfl_dist.runtime.placement import Placement
-from htfl_dist.runtime.screening import LeftOut, id_ranges, screen_uploads
+from htfl_dist.runtime.screening import LeftOut, check_finite, id_ranges, screen_uploads
 from htfl_dist.runtime.transport import LocalTransport
 
 SPEC = (Field("class_ids", torch.int64), Field("protos", torch.float32, (2,)))
@@ -110,3 +110,22 @@ def test_the_line_stays_short_however_many_clients_and_reasons():
     assert line.endswith("and clients 3003-3005 for 3 other reason(s) (skipped_clients in metrics.jsonl)"), line
     assert LeftOut(2).line() is None
     assert id_ranges([5, 1, 2, 3, 9]) == "1-3, 5, 9"
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_one_bad_value_among_many_is_refused_however_the_sum_goes(bad):
+    # +inf beside -inf sums to NaN, a lone infinity to ±inf: every case must still be refused
+    rows = torch.ones(1000, 4)
+    rows[517, 2] = bad
+    with pytest.raises(ProtocolError, match="client 3 sent NaN/Inf values in 'protos'"):
+        check_finite(3, {"class_ids": torch.arange(1000), "protos": rows})
+    rows[3, 1] = -bad
+    with pytest.raises(ProtocolError, match="NaN/Inf"):
+        check_finite(3, {"protos": rows})
+
+
+def test_finite_values_whose_sum_overflows_are_accepted():
+    # 3e38 + 3e38 is inf in float32 although both values are finite: the sum alone would refuse it
+    huge = torch.full((2, 2), 3e38)
+    assert not bool(torch.isfinite(huge.sum()))
+    check_finite(0, {"protos": huge})
