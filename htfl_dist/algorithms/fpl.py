@@ -2,7 +2,9 @@
 Prototype View"): cluster prototypes and unbiased prototypes (docs/algorithms.md, "FPL").
 
 Clients upload P_i^c, the mean of f_i(x) over their samples of class c, for the classes they
-hold. The server, per class c, clusters that class's uploads (in client-id order) with FINCH
+hold: by default, as the reference code, the features of the batches of the last local epoch,
+each taken in train mode before its step. The server, per class c, clusters that class's uploads
+(in client-id order) with FINCH
 (:func:`finch`: every point joins its first neighbour by cosine distance, the connected
 components are the clusters, and the clustering recurses on the clusters' means) and keeps one
 partition: the coarsest one FINCH returns, as the reference code does. What goes down, per class:
@@ -25,6 +27,7 @@ here every client keeps its own architecture and only prototypes travel.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -32,17 +35,20 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from htfl_dist.algorithms.batches import samples_per_epoch
 from htfl_dist.algorithms.class_rows import check_class_rows, dense_prototypes, global_prototype_diagnostics
 from htfl_dist.algorithms.fedproto import PrototypeClient, PrototypeSource
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState, ServerAlgorithm
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, batch_cross_entropy, weighted_mean
-from htfl_dist.config import bounded
+from htfl_dist.config import TrainConfig, bounded
+from htfl_dist.config.rules import Identity, declared
 from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 UPCRReduction = Literal["sum", "mean"]
 FinchPartition = Literal["coarsest", "finest"]
+ProtoEpochs = Literal["last", "all"]
 
 
 @dataclass
@@ -60,10 +66,17 @@ class FPLOptions:
     finch_partition: FinchPartition = "coarsest"
     """Which FINCH partition gives the cluster prototypes: the last (coarsest) one FINCH returns,
     as the reference code takes it (``c[:, -1]``), or the first (finest, first-neighbour links only)."""
-    proto_from: PrototypeSource = "post_update"
-    """When the uploaded means are taken: after local training (post_update, the paper's local
-    prototypes of the trained model); during_training, the features of the batches trained on
-    (the reference collects them in its last local epoch, in train mode); pre_update, before."""
+    proto_from: PrototypeSource = "during_training"
+    """When the uploaded means are taken: during_training, the class means of the features of the
+    batches trained on, in train mode, each taken before its step (the reference code's:
+    WenkeHuang/RethinkFL@74201b3 ``models/fpl.py:FPL._train_net`` appends ``f[i, :]`` per label
+    and ``agg_func`` averages them); post_update, an eval-mode pass of the trained model over the
+    split (a reading of the paper's abstract, the default before issue 47); pre_update, before."""
+    proto_epochs: ProtoEpochs = declared("last", identity=Identity(added_later=True, before="all"))
+    """With proto_from=during_training, which local epochs' batches: last, those of the last local
+    epoch only (the reference's ``if iter == self.local_epoch - 1``); all, those of every epoch
+    (HtFLlib FedProto's rule, what during_training averaged before issue 47). The same at
+    ``train.local_epochs=1``."""
 
 
 
@@ -228,9 +241,41 @@ def fpl_regulariser(options: FPLOptions, batch: Batch, targets: PrototypeTargets
 
 # ------------------------------------------------------------------------------------ client and server
 
+def last_epoch_only(clients: list[ClientState], train: TrainConfig,
+                    on_batch: Callable[[Batch], None]) -> Callable[[Batch], None]:
+    """``on_batch`` fed only the batches of each client's last local epoch. A client walks
+    ⌈samples per epoch / B⌉ steps an epoch, one by one or in a batched group alike
+    (``training.group_schedule``), so its step t is in the last epoch once t ≥ (E − 1)·steps; a
+    batched step's rows of clients still in earlier epochs get weight 0."""
+    skipped = torch.tensor([(train.local_epochs - 1) * -(-samples_per_epoch(c.train_y.shape[0], train)
+                                                        // train.batch_size) for c in clients])
+    step = 0
+
+    def seen(batch: Batch) -> None:
+        nonlocal step
+        late = (skipped <= step).to(batch.features.device)
+        step += 1
+        if batch.weights is None:  # one client's own loop
+            if bool(late[0]):
+                on_batch(batch)
+            return
+        on_batch(dataclasses.replace(batch, weights=batch.weights * late.unsqueeze(1).to(batch.weights.dtype)))
+
+    return seen
+
+
 class FPLClient(PrototypeClient):
     """CE + FPCL + UPCR against the downloaded prototypes; uploads P_i^c (when ``proto_from`` says,
-    as FedProto's client does); classifies with its own head."""
+    from the last local epoch's batches by default, as the reference does); classifies with its
+    own head."""
+
+    def prototypes_around(self, clients: list[ClientState],
+                          train: Callable[[Callable[[Batch], None] | None], list[tuple[float, int]]]
+                          ) -> list[tuple[torch.Tensor, torch.Tensor, float, int]]:
+        if self.options.proto_from != "during_training" or self.options.proto_epochs == "all":
+            return super().prototypes_around(clients, train)
+        return super().prototypes_around(clients, lambda on_batch: train(
+            None if on_batch is None else last_epoch_only(clients, self.context.train, on_batch)))
 
     def loss_function(self, knowledge: Payload, device: torch.device) -> Callable[[Batch], torch.Tensor]:
         check_download(knowledge, self.context)

@@ -3,11 +3,13 @@ server's cluster and unbiased prototypes, FPCL and UPCR and their gradients, the
 through ``train``, the download's and upload's validation, and the options."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
 import torch
 from helpers import make_context, roundtrip, tiny_identity_client
+from torch import nn
 
 from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, parse_options
 from htfl_dist.algorithms.batches import Batch
@@ -23,7 +25,7 @@ from htfl_dist.algorithms.fpl import (
 )
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError, ProtocolError
-from htfl_dist.models import initial_client_model
+from htfl_dist.models import SplitModel, initial_client_model
 from htfl_dist.payload import max_message_bytes
 from htfl_dist.runtime.transport import checked_sizes
 from htfl_dist.runtime.wire import encode
@@ -309,11 +311,64 @@ def test_defaults_and_refused_options():
     entry = get_algorithm("fpl")
     options = parse_options(entry, {})
     assert (options.tau, options.fpcl_weight, options.upcr_weight, options.upcr_reduction,
-            options.finch_partition, options.proto_from) == (0.02, 1.0, 1.0, "mean", "coarsest", "post_update")
+            options.finch_partition, options.proto_from, options.proto_epochs) == (
+        0.02, 1.0, 1.0, "mean", "coarsest", "during_training", "last")  # WenkeHuang/RethinkFL@74201b3
     for raw in ({"tau": 0.0}, {"upcr_weight": -1.0}, {"fpcl_weight": -0.5}, {"upcr_reduction": "max"},
-                {"finch_partition": "middle"}, {"proto_from": "later"}):
+                {"finch_partition": "middle"}, {"proto_from": "later"}, {"proto_epochs": "first"}):
         with pytest.raises(ConfigError):
             parse_options(entry, raw)
+
+
+# ------------------------------------------------------------------------------ the uploaded prototypes
+
+def _trainable_client(lr):
+    """A 2-d linear extractor and head, both trained by CE (so the features move every step)."""
+    torch.manual_seed(5)
+    model = SplitModel(nn.Linear(2, 2), nn.Linear(2, 2), feature_dim=2)
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, -1.0], [-1.0, 2.0], [0.5, 0.5]])
+    y = torch.tensor([0, 1, 0, 1, 1, 0])
+    return ClientState(0, "tiny", model, torch.optim.SGD(model.parameters(), lr=lr), x, y, x, y, torch.device("cpu"))
+
+
+def _reference_prototypes(client, epochs, batch_size, lr, last_only):
+    """The reference's recipe (models/fpl.py:FPL._train_net, CE only before any download): SGD over
+    the stored order; f = net.features(images) before each step, appended per label in the last
+    epoch (``if iter == self.local_epoch - 1``; every epoch with ``last_only`` False), then
+    ``agg_func``: each label's mean."""
+    model = copy.deepcopy(client.model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    collected = {}
+    for epoch in range(epochs):
+        for start in range(0, client.train_y.shape[0], batch_size):
+            images, labels = client.train_x[start:start + batch_size], client.train_y[start:start + batch_size]
+            optimizer.zero_grad()
+            f = model.feature_extractor(images)
+            nn.functional.cross_entropy(model.head(f), labels).backward()
+            optimizer.step()
+            if epoch == epochs - 1 or not last_only:
+                for i in range(len(labels)):
+                    collected.setdefault(labels[i].item(), []).append(f[i, :].detach())
+    return {label: torch.stack(rows).mean(dim=0) for label, rows in collected.items()}
+
+
+@pytest.mark.parametrize("proto_epochs", ["last", "all"])
+def test_prototypes_are_the_reference_codes_last_epoch_batch_features(proto_epochs):
+    """6 samples, batch 2, 3 epochs of 3 steps, stored order: the upload is the reference's per-label mean of the
+    features of the last epoch's batches (``proto_epochs=all``: of every epoch, HtFLlib FedProto's
+    rule), and the two differ since the extractor moves every step."""
+    lr, epochs = 0.5, 3
+    entry = get_algorithm("fpl")
+    context = AlgorithmContext(num_classes=2, feature_dim=2, seed=0, num_clients=1,
+                               options=parse_options(entry, {"proto_epochs": proto_epochs}),
+                               train=TrainConfig(batch_size=2, lr=lr, local_epochs=epochs, batch_order="fixed"))
+    client = _trainable_client(lr)
+    expected = _reference_prototypes(client, epochs, 2, lr, last_only=proto_epochs == "last")
+    other = _reference_prototypes(client, epochs, 2, lr, last_only=proto_epochs != "last")
+    empty = _server().download()
+    upload = entry.client(context).train(client, empty, 0, torch_generator(0, "t")).upload
+    assert upload["class_ids"].tolist() == [0, 1]
+    torch.testing.assert_close(upload["protos"], torch.stack([expected[0], expected[1]]))
+    assert (upload["protos"] - torch.stack([other[0], other[1]])).abs().max() > 1e-3
 
 
 # ------------------------------------------------------------------------------ batched clients
@@ -321,6 +376,8 @@ def test_defaults_and_refused_options():
 @pytest.mark.parametrize("options,batch_order,last_batch", [
     ({}, "shuffled", "keep"),
     ({"proto_from": "during_training", "upcr_reduction": "mean"}, "fixed", "drop"),
+    ({"proto_from": "during_training", "proto_epochs": "all"}, "shuffled", "keep"),
+    ({"proto_from": "post_update"}, "fixed", "keep"),
 ])
 def test_batched_clients_end_where_one_by_one_training_ends(options, batch_order, last_batch):
     """train.client_batching=vmap: FPL's loss averages over the real rows (weights), so a group of
