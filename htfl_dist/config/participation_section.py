@@ -80,8 +80,33 @@ class ParticipationConfig:
     next_round: the server takes it in the next round, with that round's uploads, unless its
     client has a fresh one there (the metrics row says whose: ``late_folded_clients``); only for
     algorithms whose server aggregates uploads as they come."""
+    mode: Literal["sync", "async"] = declared("sync", identity=ADDED_LATER)
+    """sync: rounds, the server waits for its participants; async: buffered asynchronous
+    aggregation on the simulated clock (FedBuff, Nguyen et al., AISTATS 2022; docs/asynchronous.md):
+    ``concurrency`` clients always in flight, a server step whenever ``buffer`` uploads arrived."""
+    concurrency: int | None = bounded(None, identity=ADDED_LATER, at_least=1, optional=True,
+                                      note="default: a sync round's participants, int(N·join_ratio)")
+    """Clients training at once (FedBuff's concurrency C). The default keeps a sync run's count
+    busy, so sync and async compare at equal load (a choice of ours: the paper's C=1000 assumes
+    a population of millions)."""
+    buffer: int = bounded(10, identity=ADDED_LATER, at_least=1)
+    """Uploads per server step (FedBuff's K; 10 is the paper's choice in its experiments, §5)."""
+    staleness: Literal["inverse_sqrt", "constant", "polynomial"] = declared("inverse_sqrt", identity=ADDED_LATER)
+    """Weight s(τ) of an upload τ server steps stale: 1/√(1+τ) (FedBuff's, §3), 1, or
+    1/(1+τ)^staleness_exponent (FLSim's PolynomialStalenessWeight,
+    flsim/utils/async_trainer/async_staleness_weights.py@085aa75)."""
+    staleness_exponent: float = bounded(0.5, identity=ADDED_LATER, at_least=0, at_most=1,
+                                        note="FLSim's PolynomialStalenessWeight asserts 0..1")
+    """The exponent a of staleness=polynomial."""
+    max_staleness: int | None = bounded(None, identity=ADDED_LATER, at_least=0, optional=True,
+                                        note="default: no limit")
+    """Uploads more than this many server steps stale are dropped (and counted in the row)."""
+    server_rate: float = bounded(1.0, identity=ADDED_LATER, above=0, at_most=1)
+    """η, the server's mixing rate: class means P ← (1−η)·P + η·P_buffer (1: the buffer's means,
+    the synchronous class-mean server's step on the buffer)."""
 
     def check(self) -> None:
+        self._check_mode()
         needs_clock = [name for name, on in (("deadline_s", self.deadline_s > 0),
                                              ("train_slow_rate", self.train_slow_rate > 0),
                                              ("send_slow_rate", self.send_slow_rate > 0),
@@ -101,3 +126,30 @@ class ParticipationConfig:
         if (self.profile == "trace") != bool(self.trace):
             raise ConfigError("config key 'participation.trace' names the trace file of participation.profile=trace; "
                               "set both or neither")
+
+    def _check_mode(self) -> None:
+        """async replaces rounds: what acts on a round's participants has no meaning there, and
+        the async-only keys have none in sync mode; each refused in one line."""
+        defaults = ParticipationConfig.__dataclass_fields__
+        if self.mode == "sync":
+            for name in ASYNC_KEYS:
+                if getattr(self, name) != defaults[name].default:
+                    raise ConfigError(f"config key 'participation.{name}' acts only in buffered asynchronous "
+                                      f"aggregation; set participation.mode=async or leave it out")
+            return
+        if not self.clock:
+            raise ConfigError("config key 'participation.mode' is async, which runs on the simulated clock; "
+                              "set participation.clock=true")
+        for name, on in (("deadline_s", self.deadline_s > 0), ("late", self.late != "drop"),
+                         ("drop_rate", self.drop_rate > 0), ("min_clients", self.min_clients > 0),
+                         ("random_join", self.random_join)):
+            if on:
+                raise ConfigError(f"config key 'participation.{name}' is {getattr(self, name)}, which acts on a "
+                                  f"synchronous round; participation.mode=async has none: leave it out")
+        if self.staleness != "polynomial" and self.staleness_exponent != 0.5:
+            raise ConfigError(f"config key 'participation.staleness_exponent' is the exponent of "
+                              f"participation.staleness=polynomial, not of {self.staleness}")
+
+
+ASYNC_KEYS = ("concurrency", "buffer", "staleness", "staleness_exponent", "max_staleness", "server_rate")
+"""The keys of buffered asynchronous aggregation (participation.mode=async)."""

@@ -30,6 +30,7 @@ from htfl_dist.config import Config
 from htfl_dist.errors import TrainingDiverged
 from htfl_dist.payload import Payload
 from htfl_dist.runtime import checkpoint, resumption
+from htfl_dist.runtime.asynchronous import AsynchronousSteps, server_step
 from htfl_dist.runtime.evaluation import evaluate_clients
 from htfl_dist.runtime.exchange import (
     DIVERGING,
@@ -76,6 +77,10 @@ class Federation:
         self.config = session.config
         self.training = LocalTraining(session)
         self.observers = list(default_observers(session) if observers is None else observers)
+        self.asynchronous = AsynchronousSteps(session) if self.config.participation.mode == "async" else None
+        """``participation.mode=async``: the schedule of server steps (an observer for its checkpoint state)."""
+        if self.asynchronous is not None:
+            self.observers.insert(0, self.asynchronous)
         self.records = RoundRecords(self.config, session.run.out_dir, session.world_size) \
             if session.is_server else None
         self.stop_decision = StopDecision(self.config.train.max_diverged_rounds)  # rank 0's, at each round's end
@@ -152,20 +157,25 @@ class Federation:
         (None: the next round must broadcast it). ``participants`` replaces the sampled ones (the
         conformance kit plays rounds of chosen clients)."""
         config, session = self.config, self.session
-        if participants is None:
-            participants = sample_participants(config.seed, round_index, config.num_clients, config.join_ratio,
-                                               config.participation.random_join)
         evaluated = (round_index + 1) % config.eval_every == 0 or round_index + 1 == config.rounds
-        outcome = RoundOutcome(round_index, participants, evaluated=evaluated)
+        outcome = RoundOutcome(round_index, [], evaluated=evaluated)
         if knowledge is None:
             knowledge = self.knowledge(outcome.traffic)
+        starts = self.asynchronous.step_starts(knowledge) if self.asynchronous is not None else None
+        if starts is not None:
+            participants = sorted(starts)
+        elif participants is None:
+            participants = sample_participants(config.seed, round_index, config.num_clients, config.join_ratio,
+                                               config.participation.random_join)
+        outcome.participants = participants
         for observer in self.observers:
             observer.round_started(outcome, knowledge)
         if session.is_server:
             outcome.traffic.theory_down = session.rank0_server.theory_download_floats() * 4 * len(participants)
         began = time.perf_counter()
         trainers = self.training.trainers(participants)
-        share = self.training.train(trainers, knowledge, round_index)
+        share = self.training.train(trainers, knowledge, round_index) if starts is None else \
+            self._train_from_versions(trainers, starts, knowledge, outcome)
         outcome.client_seconds = time.perf_counter() - began
         if session.summing is not None:  # rank 0 receives only the sum
             aggregate_sums(self, outcome, share.uploads, trainers)
@@ -178,6 +188,22 @@ class Federation:
         knowledge, eval_rows = self._evaluate(outcome)
         self._report(outcome, share, eval_rows, trainers)
         return outcome, knowledge
+
+    def _train_from_versions(self, trainers: dict[int, int], starts: dict[int, int], knowledge: Payload,
+                             outcome: RoundOutcome) -> TrainedShare:
+        """``participation.mode=async``: each arrival trains with the knowledge of the version it
+        started from (the current one is ``knowledge``; rank 0 sends an earlier one again)."""
+        assert self.asynchronous is not None
+        share = TrainedShare()
+        for version in sorted(set(starts.values())):  # the server's version is the steps done so far
+            held = knowledge if version == outcome.round_index else \
+                self.asynchronous.knowledge_of(version, outcome.traffic)
+            part = self.training.train({c: r for c, r in trainers.items() if starts[c] == version}, held,
+                                       outcome.round_index)
+            share.uploads.update(part.uploads)
+            share.train_rows.update(part.train_rows)
+            share.theory_bytes += part.theory_bytes
+        return share
 
     def aggregate(self, outcome: RoundOutcome, gathered: dict[int, Payload], left_out: LeftOut) -> None:
         """Rank 0: the uploads that arrive, screened (who the round leaves out said in one line),
@@ -192,7 +218,12 @@ class Federation:
         began = time.perf_counter()
         if (gathered or not self.session.upload_spec) and not outcome.too_few:
             generator = torch_generator(self.config.seed, "server", outcome.round_index)
-            outcome.diagnostics = server.update(gathered, outcome.round_index, generator)
+            if self.asynchronous is None:
+                outcome.diagnostics = server.update(gathered, outcome.round_index, generator)
+            else:
+                outcome.diagnostics = server_step(server, gathered, self.asynchronous.weights(),
+                                                  self.config.participation.server_rate, outcome.round_index,
+                                                  generator)
         else:
             outcome.diagnostics = {"server_skipped": True}
         outcome.server_seconds = time.perf_counter() - began

@@ -169,8 +169,9 @@ class Participation:
 
 
 def rank0_participation(config: Config, info: PartitionInfo) -> Participation | None:
-    """Rank 0's arrivals policy, or None when every gathered upload reaches the server (the default)."""
+    """Rank 0's arrivals policy, or None when every gathered upload reaches the server (the default)
+    or when rounds are asynchronous server steps."""
     options = config.participation
-    if not (options.clock or options.drop_rate > 0 or options.min_clients > 0):
-        return None
+    if options.mode == "async" or not (options.clock or options.drop_rate > 0 or options.min_clients > 0):
+        return None  # async: its schedule decides the arrivals (runtime.asynchronous)
     return Participation(config, info, client_devices(config))

@@ -88,10 +88,12 @@ def _outputs_available(config: Config, world_size: int | None) -> None:
 
 def _participation_readable(config: Config, world_size: int | None) -> None:
     """``participation.trace`` read and checked, and ``late=next_round`` with a server that takes them."""
+    from htfl_dist.runtime.asynchronous import check_asynchronous
     from htfl_dist.runtime.participation import check_late_uploads, client_devices
 
     client_devices(config)
     check_late_uploads(config)
+    check_asynchronous(config)
 
 
 def _pretrained_files_present(config: Config, world_size: int | None) -> None:
