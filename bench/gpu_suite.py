@@ -37,6 +37,9 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))  # its siblings, also where a test loads this file by its path
+from htfllib_run import log_accuracies, log_seconds  # noqa: E402  (the one parser of the reference's log)
+
 FEDPROTO = REPO / "configs" / "fmnist_htcnn8_fedproto_dirichlet.yaml"
 FEDTGP_CIFAR100 = REPO / "configs" / "cifar100_htfe8_fedtgp_dirichlet.yaml"
 RESERVE_S = 10.0
@@ -271,9 +274,7 @@ def reference_figures(log: Path) -> tuple[list[float], list[float]]:
     """HtFLlib's per-iteration seconds (its ``'-' * 50, seconds`` lines) and its evaluated
     accuracies (``Averaged Test Accurancy``, taken before each iteration's training)."""
     text = log.read_text() if log.exists() else ""
-    seconds = [float(m) for m in re.findall(r"^-{50} ([\d.]+)$", text, flags=re.M)]
-    accuracy = [float(m) for m in re.findall(r"^Averaged Test Accurancy: ([\d.]+)$", text, flags=re.M)]
-    return seconds, accuracy
+    return log_seconds(text), log_accuracies(text)
 
 
 def unpack_wheels(prepared: Path, site: Path) -> bool:

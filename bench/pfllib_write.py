@@ -38,11 +38,12 @@ def save_client(directory: Path, part: str, client: int, x: np.ndarray, y: np.nd
         np.savez(handle, data={"x": x, "y": y})
 
 
-def save_config(directory: Path, num_clients: int, num_classes: int, counts: list[list[list[int]]]) -> None:
+def save_config(directory: Path, num_clients: int, num_classes: int, counts: list[list[list[int]]],
+                beta: float = 0.1) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps({
         "num_clients": num_clients, "num_classes": num_classes, "non_iid": True, "balance": False,
-        "partition": "dir", "alpha": 0.1, "batch_size": 10,
+        "partition": "dir", "alpha": beta, "batch_size": 10,
         "Size of samples for labels in clients": counts}))
 
 
@@ -51,10 +52,11 @@ def class_counts(y: np.ndarray) -> list[list[int]]:
     return [[int(label), int(count)] for label, count in zip(labels, counts, strict=True)]
 
 
-def write_fmnist(out: Path, fmnist_root: str | None, num_clients: int, subsample: float) -> None:
+def write_fmnist(out: Path, fmnist_root: str | None, num_clients: int, subsample: float, beta: float = 0.1) -> None:
+    """``fmnist_root`` None: the FMNIST this machine's default root holds (the OS package's)."""
     with tempfile.TemporaryDirectory() as cache:
         data = DataConfig(dataset="fmnist", root=fmnist_root, partition="dirichlet", partition_rules="pfllib",
-                          partition_seed=1, beta=0.1, subsample=subsample, cache_dir=cache)
+                          partition_seed=1, beta=beta, subsample=subsample, cache_dir=cache)
         info = prepare_partition(data, num_clients, seed=0, batch_size=10)
         counts = []
         for client in range(num_clients):
@@ -62,7 +64,7 @@ def write_fmnist(out: Path, fmnist_root: str | None, num_clients: int, subsample
             save_client(out, "train", client, split.train_x.numpy(), split.train_y.numpy())
             save_client(out, "test", client, split.test_x.numpy(), split.test_y.numpy())
             counts.append(class_counts(np.concatenate([split.train_y.numpy(), split.test_y.numpy()])))
-        save_config(out, num_clients, info.num_classes, counts)
+        save_config(out, num_clients, info.num_classes, counts, beta)
 
 
 def generated_images(labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> np.ndarray:
