@@ -19,9 +19,10 @@ With z = f_i(x)/‖f_i(x)‖ its normalised feature:
 - inference: the class of the largest z·c^k over the client's own prototypes c_i ⊕ c̄.
 
 A client with nothing downloaded yet (the first round) does not train: it only uploads its
-prototypes, as both reference codes do. Only the paper's abstract could be read here; the
-loss's form is PFLlib's (clientpcl.py) and the temperature the official code's (0.07); each
-place where PFLlib or the official code (yuetan031/FedPCL) does otherwise is a named option.
+prototypes, as PFLlib does. Only the paper's abstract could be read here, so every default
+follows one code, PFLlib's (TsingZ0/PFLlib@d832e76 clientpcl.py: τ = 1, clipping at 10), the
+one whose whole method runs here; ``compat=official`` takes the official code's settings
+(yuetan031/FedPCL@0c3895b lib/update.py) where they apply (issue 47).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from htfl_dist.algorithms.interface import AlgorithmContext, ClientAlgorithm, Cl
 from htfl_dist.algorithms.registry import register_algorithm
 from htfl_dist.algorithms.training import Batch, gradient_clipper, run_local_training
 from htfl_dist.config import bounded
-from htfl_dist.config.rules import Identity
+from htfl_dist.config.rules import Identity, declared
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 LocalReduction = Literal["mean", "sum"]
@@ -53,29 +54,67 @@ GLOBAL_OWNER = -1
 """``owners`` value of a global prototype's row in the download."""
 
 
+PFLLIB = "TsingZ0/PFLlib@d832e76"
+"""The code every default follows (issue 47): PFLlib's adaptation, ``system/flcore/clients/clientpcl.py``."""
+OFFICIAL = "yuetan031/FedPCL@0c3895b"
+"""The authors' code (``lib/update.py``), whose settings ``compat=official`` takes."""
+PFLLIB_CLIP_GRAD_NORM = 10.0
+"""``clientpcl.py:clientPCL.train``: ``clip_grad_norm_(self.model.parameters(), 10)``."""
+SourceCode = Literal["pfllib", "official"]
+
+
 @dataclass
 class FedPCLOptions:
-    tau: float = bounded(0.07, above=0)
-    """τ, the temperature of both contrastive terms (the official code's ConLoss; PFLlib's
-    ``-tau`` defaults to 1)."""
-    global_term: bool = True
-    """Include ℓ(z, y; c̄), the contrast against the global prototypes (PFLlib). False: the
-    local-prototype term alone, as the official code trains."""
-    local_reduction: LocalReduction = "mean"
-    """How the m local-prototype terms combine: their mean (PFLlib) or their sum (the official code)."""
+    compat: SourceCode = declared("pfllib", identity=Identity(added_later=True, before="official"))
+    """Which code the knobs left unset follow. pfllib (default): PFLlib's adaptation, the one
+    source whose whole method runs here (the official loss contrasts two augmented views of every
+    sample, which this engine does not make) and the form HtFLlib users run: tau=1.0 (``-tau``),
+    global_term=true, local_reduction=mean, predict_with=local, predict_score=dot,
+    clip_grad_norm=10. official: the authors' code's settings where they apply to this loss:
+    tau=0.07, global_term=false, local_reduction=sum, predict_with=local_own,
+    predict_score=distance, no clipping. (Before issue 47 the defaults mixed the two: τ and
+    clipping the official code's, the rest PFLlib's; those runs keep their hash with the five
+    knobs written out and ``compat=official``, which then changes nothing.)"""
+    tau: float | None = bounded(None, above=0, optional=True, note="null: the compat preset's")
+    """τ, the temperature of both contrastive terms (PFLlib ``main.py`` ``-tau`` default 1.0; the
+    official ``update.py:LocalUpdate.update_weights_lg`` ``ConLoss(temperature=0.07)``)."""
+    global_term: bool | None = None
+    """Include ℓ(z, y; c̄), the contrast against the global prototypes (PFLlib
+    ``clientPCL.train``, its term on ``global_protos_emb``). False: the local-prototype terms
+    alone, as the official code trains."""
+    local_reduction: LocalReduction | None = None
+    """How the m local-prototype terms combine: their mean (PFLlib ``clientPCL.train``, each
+    divided by ``len(client_protos_set)``) or their sum (the official code)."""
     local_from: LocalFrom = "all"
     """Whose local prototypes a client contrasts with: every client in the set, itself included
     (both reference codes), or the others only."""
-    predict_with: PredictWith = "local"
-    """Inference prototypes: the client's own c_i ⊕ c̄ (PFLlib: its prototypes padded with the
-    global ones); local_own: its own classes only (the official code); global: c̄."""
-    predict_score: PredictScore = "dot"
-    """How z is scored against a prototype: z·c (PFLlib) or −‖z − c‖ (the official code's MSE)."""
+    predict_with: PredictWith | None = None
+    """Inference prototypes: the client's own c_i ⊕ c̄ (PFLlib ``clientPCL.test_metrics``: its
+    prototypes padded with the global ones); local_own: its own classes only (the official code);
+    global: c̄."""
+    predict_score: PredictScore | None = None
+    """How z is scored against a prototype: z·c (PFLlib ``test_metrics``, ``torch.dot(r, pro)``)
+    or −‖z − c‖ (the official code's MSE)."""
     clip_grad_norm: float | None = bounded(None, identity=Identity(hashed_as="grad_clip"), at_least=0,
-                                           optional=True, note="0 or null: no clipping")
-    """Clip the client's gradient to this L2 norm before each step (PFLlib: 10, "prevent
-    divergency"); 0 or None: no clipping. Named ``grad_clip`` until 2026-11-29 (hashed so)."""
+                                           optional=True, note="0: no clipping; null: the compat preset's")
+    """Clip the client's gradient to this L2 norm before each step (PFLlib ``clientPCL.train``:
+    10, "prevent divergency"; the official code clips nothing); 0 or, under compat=official,
+    unset: no clipping. Named ``grad_clip`` until 2026-11-29 (hashed so)."""
 
+    def validate(self) -> None:
+        pfllib = self.compat == "pfllib"
+        if self.tau is None:
+            self.tau = 1.0 if pfllib else 0.07
+        if self.global_term is None:
+            self.global_term = pfllib
+        if self.local_reduction is None:
+            self.local_reduction = "mean" if pfllib else "sum"
+        if self.predict_with is None:
+            self.predict_with = "local" if pfllib else "local_own"
+        if self.predict_score is None:
+            self.predict_score = "dot" if pfllib else "distance"
+        if self.clip_grad_norm is None and pfllib:
+            self.clip_grad_norm = PFLLIB_CLIP_GRAD_NORM
 
 
 def prototype_logits(features: torch.Tensor, tables: torch.Tensor, available: torch.Tensor,

@@ -139,12 +139,12 @@ def test_gradient_clipping_bounds_the_step():
     """``clip_grad_norm`` = 1e-3 at lr 1: W moves by exactly 1e-3 (the raw gradient is far larger)."""
     knowledge = _knowledge(KNOWLEDGE)
     moved = {}
-    for clip in (None, 1e-3):
+    for clip in (0.0, 1e-3):
         entry, context = _context(tau=1.0, lr=1.0, clip_grad_norm=clip)
         client = _linear_client([[1.0, 0.0]], [0], lr=1.0)
         entry.client(context).train(client, knowledge, 1, torch_generator(0, "t"))
         moved[clip] = float((client.model.feature_extractor.weight.detach() - torch.eye(2)).norm())
-    assert moved[None] > 0.05
+    assert moved[0.0] > 0.05  # 0: no clipping
     assert moved[1e-3] == pytest.approx(1e-3, rel=1e-4)
 
 
@@ -231,17 +231,29 @@ def test_prediction_without_prototypes_is_no_class():
 
 # ------------------------------------------------------------------------------ options and a run
 
-def test_defaults():
-    options = _context()[1].options
-    assert (options.tau, options.global_term, options.local_reduction, options.local_from, options.predict_with,
-            options.predict_score, options.clip_grad_norm) == (0.07, True, "mean", "all", "local", "dot", None)
+def _knobs(options):
+    return (options.tau, options.global_term, options.local_reduction, options.local_from, options.predict_with,
+            options.predict_score, options.clip_grad_norm)
+
+
+def test_defaults_are_pfllibs_and_compat_official_is_the_authors_code():
+    """Defaults: TsingZ0/PFLlib@d832e76 (main.py -tau 1.0; clientpcl.py: the global term, each
+    local term / len(set), test_metrics' dot over its padded prototypes, clip_grad_norm_ 10).
+    compat=official: yuetan031/FedPCL@0c3895b lib/update.py (ConLoss(temperature=0.07), no global
+    term, summed over the set, MSE to its own prototypes, no clipping). A knob set wins."""
+    assert _knobs(_context()[1].options) == (1.0, True, "mean", "all", "local", "dot", 10.0)
+    assert _knobs(_context(compat="official")[1].options) == (0.07, False, "sum", "all", "local_own", "distance",
+                                                              None)
+    assert _knobs(_context(compat="official", tau=0.5, clip_grad_norm=3.0)[1].options)[::6] == (0.5, 3.0)
+    assert _context(clip_grad_norm=0.0)[1].options.clip_grad_norm == 0.0  # 0: no clipping, not the preset's
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"tau": 0.0}, r"^config key 'algo.tau' must be > 0, got 0.0$"),
+    ({"tau": 0.0}, r"^config key 'algo.tau' must be > 0 \(null: the compat preset's\), got 0.0$"),
     ({"clip_grad_norm": -1.0}, r"^config key 'algo.clip_grad_norm' must be >= 0"),
     ({"predict_with": "nearest"}, r"algo.predict_with"),
     ({"local_reduction": "max"}, r"algo.local_reduction"),
+    ({"compat": "paper"}, r"algo.compat"),
 ])
 def test_option_errors_are_one_line(options, message):
     with pytest.raises(ConfigError, match=message):

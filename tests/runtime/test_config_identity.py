@@ -65,6 +65,7 @@ CHANGED_ON_PURPOSE = {
     "fmnist_htcnn8_fednh_dirichlet": "cb2b848acbf02cb3",  # issue 47: defaults and scoring the reference code's
     "fmnist_htcnn8_protonorm_dirichlet": "ca1cb0e090cefd47",  # issue 47: prototypes as the code takes them
     "fmnist_htcnn8_fpl_dirichlet": "624d022878d8c2f1",  # issue 47: the last epoch's batch features, the code's
+    "fmnist_htcnn8_fedpcl_dirichlet": "608c45ae309c1775",  # issue 47: every default PFLlib's (tau 1, clip 10)
 }
 """Configs that now run what their table ran (see their headers), or the paper's text where no
 table claims them, or their method's one readable source (issue 47)."""
@@ -80,7 +81,6 @@ ADDED_ON_2026_11_25 = {
 }
 
 ADDED_ON_2026_11_27 = {
-    "fmnist_htcnn8_fedpcl_dirichlet": "47120d3f867855c0",
 }
 
 ADDED_BY_DOMAINS = {
