@@ -265,8 +265,10 @@ class EvalConfig:
     model on the global test set, the union of the N clients' test splits in client-id order
     (FedNH's protocol, whose paper argues that per-client splits bias a personalised method's
     figure under class imbalance); test_acc is then the mean over clients of their accuracy on
-    it. Each client's evaluation reads all of it: N times the local one's forward passes
-    (``clients_fraction`` thins them)."""
+    it (FedNH's ``uniform``), beside its two class weightings, ``test_acc_validclass`` (the classes
+    the client trains on) and ``test_acc_labeldist`` (weighted by its training labels), in
+    metrics.jsonl and per_client.jsonl. Each client's evaluation reads all of it: N times the local
+    one's forward passes (``clients_fraction`` thins them)."""
     new_client_epochs: int = bounded(1, identity=ADDED_LATER, at_least=1)
     """The local epochs an unseen client trains before its test (PFLlib's ``-ften``), at
     ``train.lr`` whatever ``train.lr_schedule`` gives the federation's clients that round."""

@@ -35,20 +35,43 @@ TEST_CHUNK = 1000
 def test_client(algorithm: ClientAlgorithm, client: ClientState, knowledge: Payload, num_classes: int
                 ) -> list[float]:
     """``client`` on its test split, in eval mode, with ``knowledge``: [correct by the algorithm's
-    rule, correct by the head, samples, the head's AUC (NaN where undefined)]."""
+    rule, correct by the head, samples, the head's AUC (NaN where undefined), then FedNH's two
+    class-weighted accuracies (:func:`class_weighted_accuracies`)]."""
     algorithm.prepare_evaluation(client, knowledge)
     client.model.eval()
     correct = correct_head = 0
     scores = []
+    hits_by_class = torch.zeros(num_classes, dtype=torch.float64, device=client.test_y.device)
     for start in range(0, client.test_y.shape[0], TEST_CHUNK):
         x, y = client.test_x[start : start + TEST_CHUNK], client.test_y[start : start + TEST_CHUNK]
         features, logits = client.model.forward_with_features(x)
         predicted = algorithm.predict(client, knowledge, features, logits, x)
         correct += int((predicted == y).sum())
+        hits_by_class += torch.bincount(y[predicted == y], minlength=num_classes)
         correct_head += int((algorithm.head_predict(client, logits) == y).sum())
         scores.append(logits)
     return [float(correct), float(correct_head), float(client.test_y.shape[0]),
-            head_auc(scores, client.test_y, num_classes)]
+            head_auc(scores, client.test_y, num_classes),
+            *class_weighted_accuracies(hits_by_class.cpu(), torch.bincount(client.test_y, minlength=num_classes).cpu(),
+                                       torch.bincount(client.train_y, minlength=num_classes).cpu())]
+
+
+def class_weighted_accuracies(hits: torch.Tensor, tested: torch.Tensor, trained: torch.Tensor) -> tuple[float, float]:
+    """FedNH's two class-weighted test accuracies of one client (Yutong-Dai/FedNH@60c3161,
+    ``src/flbase/strategies/FedAvg.py:FedAvgClient.testing``, ``weight_per_class_dict``):
+    ``validclass``, Σ hits / Σ tested over the classes the client trains on, and ``labeldist``,
+    Σ_c p_c·hits_c / Σ_c p_c·tested_c with p the client's training label distribution. On the
+    global test set they score a personalised model on the classes it is meant to know (the
+    FedNH paper's argument against a per-client split's imbalance). NaN where a weight sums to 0
+    over the tested samples. ``hits``, ``tested``, ``trained``: counts per class."""
+    hits, tested, trained = hits.double(), tested.double(), trained.double()
+    valid = (trained > 0).double()
+    share = trained / trained.sum() if float(trained.sum()) > 0 else trained
+
+    def ratio(weights: torch.Tensor) -> float:
+        denominator = float((weights * tested).sum())
+        return float((weights * hits).sum()) / denominator if denominator > 0 else math.nan
+    return ratio(valid), ratio(share)
 
 
 def evaluate_clients(algorithm: ClientAlgorithm, clients: Any, knowledge: Payload, num_classes: int,

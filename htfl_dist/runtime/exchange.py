@@ -20,6 +20,7 @@ from htfl_dist.errors import ProtocolError
 from htfl_dist.payload import Field, Payload, max_message_bytes
 from htfl_dist.runtime.placement import Placement
 from htfl_dist.runtime.screening import (
+    EVAL_WIDTH,
     LeftOut,
     check_rank_entries,
     check_rank_report,
@@ -44,7 +45,7 @@ class RankReport(NamedTuple):
 
 REPORT_SPEC = (
     Field("train", torch.float64, (2,), max_rows=1),  # [loss_sum, samples]
-    Field("eval", torch.float64, (4,), max_rows=1),  # [correct (algorithm's rule), correct (head), samples, AUC]
+    Field("eval", torch.float64, (EVAL_WIDTH,), max_rows=1),  # evaluation.test_client's row
     Field("rank", torch.float64, (len(RankReport._fields),), max_rows=1),  # rank entry only
     Field("privacy", torch.float64, (1,), max_rows=1),  # [ε spent so far]; privacy.enabled only
 )
@@ -234,10 +235,10 @@ class Exchange:
         from its trainer and its evaluation row from its home, joined here."""
         trainer_of = trainers.__getitem__ if trainers is not None else self.placement.rank_of
         entries: dict[int, Payload] = {
-            client_id: {"train": _rows(report.train, 2), "eval": _rows(report.evaluation, 4),
+            client_id: {"train": _rows(report.train, 2), "eval": _rows(report.evaluation, EVAL_WIDTH),
                         "rank": _rows(None, len(RankReport._fields)), "privacy": _rows(report.epsilon, 1)}
             for client_id, report in sorted(clients.items())}
-        entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, 4),
+        entries[RANK_ENTRY] = {"train": _rows(None, 2), "eval": _rows(None, EVAL_WIDTH),
                                "rank": _rows(list(mine), len(mine)), "privacy": _rows(None, 1)}
         placement = self.placement
         def trained_by(rank: int) -> list[int]:

@@ -134,6 +134,28 @@ def pooled_columns(reports: dict[int, Any], prefix: str) -> dict[str, Any]:
             f"{prefix}_auc": pooled_auc(evals[:, 3], evals[:, 2])}
 
 
+WEIGHTINGS = ("validclass", "labeldist")
+"""FedNH's class weightings of a client's test accuracy, columns 4 and 5 of an evaluation row
+(``runtime.evaluation.class_weighted_accuracies``); the third, ``uniform``, is ``test_acc``."""
+
+
+def class_weighted_columns(reports: dict[int, Any], prefix: str, per_client: bool) -> dict[str, Any]:
+    """``<prefix>_acc_validclass`` and ``_acc_labeldist`` (``eval.test_set=global``): the mean over the
+    tested clients, each weighing its clients alike as FedNH's ``average_pfl_test_acc_dict`` does,
+    or (``per_client``) each client's figure in id order; NaN (a client without a trained class
+    among the tested samples) counts as null and is left out of the mean."""
+    tested = {cid: r["eval"][0].tolist() for cid, r in reports.items() if r["eval"].shape[0]}
+    columns: dict[str, Any] = {}
+    for offset, weighting in enumerate(WEIGHTINGS, start=4):
+        values = [tested[cid][offset] for cid in sorted(tested)]
+        if per_client:
+            columns[f"{prefix}_acc_{weighting}"] = [None if math.isnan(v) else v for v in values]
+        else:
+            defined = [v for v in values if not math.isnan(v)]
+            columns[f"{prefix}_acc_{weighting}"] = float(np.mean(defined)) if defined else None
+    return columns
+
+
 def set_unseen_apart(outcome: RoundOutcome, num_clients: int) -> dict[int, Any]:
     """Take the unseen clients' rows (ids from ``num_clients`` on) out of ``outcome.reports``, so
     the federation's figures and stop decisions see the federation alone; returns them."""
@@ -249,12 +271,18 @@ class RoundRecords:
             row = metrics_row(outcome, seconds, max(rank_seconds), self._skipped_since_row)
             if unseen:
                 row.update(pooled_columns(unseen, "new_client"))
+            weighted = self.config.eval.test_set == "global"
+            if weighted:
+                row.update(class_weighted_columns(outcome.reports.clients, "test", per_client=False))
             training = client_ranks(self.world_size, self.config.runtime.server_hosts_clients)
             row["rank_idle_share"] = idle_shares([rank_seconds[rank] for rank in training])
             if self._setup_bytes_up:
                 row["bytes_setup_up"], self._setup_bytes_up = self._setup_bytes_up, 0
             self.metrics.append(row)
-            self.per_client.append(per_client_row(outcome, unseen))
+            client_row = per_client_row(outcome, unseen)
+            if weighted:
+                client_row.update(class_weighted_columns(outcome.reports.clients, "test", per_client=True))
+            self.per_client.append(client_row)
             for sink in self.sinks:
                 sink.write(self.metrics.rows)
             self._skipped_since_row = []

@@ -30,6 +30,10 @@ def check_finite(client_id: int, upload: Payload) -> None:
                                 f"diverged (lower train.lr or algo.reg_weight)")
 
 
+EVAL_WIDTH = 6
+"""Values in a client's evaluation row (``runtime.evaluation.test_client``): correct by the
+algorithm's rule, correct by the head, samples, the head's AUC, FedNH's ``validclass`` and
+``labeldist`` accuracies."""
 SHOWN_REASONS = 3
 """The most distinct reasons one warning line spells out; the rest are counted (every client left
 out is in the metrics row's ``skipped_clients`` anyway)."""
@@ -167,11 +171,13 @@ def check_rank_report(entries: dict[int, Payload], train_ids: list[int], eval_id
             if not _is_count(samples):
                 raise ProtocolError(f"reported an impossible training row for client {cid}: {row.tolist()}")
         for row in entry["eval"]:
-            correct, correct_head, samples, auc = row.tolist()
+            correct, correct_head, samples, *shares = row.tolist()  # shares: AUC and the weighted accuracies
             if not (_is_count(samples) and _is_count(correct) and _is_count(correct_head)
-                    and correct <= samples and correct_head <= samples and (math.isnan(auc) or 0 <= auc <= 1)):
+                    and correct <= samples and correct_head <= samples
+                    and all(math.isnan(share) or 0 <= share <= 1 for share in shares)):
                 raise ProtocolError(f"reported an impossible evaluation row for client {cid}: {row.tolist()} "
-                                    f"(correct, correct by the head, samples, AUC)")
+                                    f"(correct, correct by the head, samples, AUC, accuracy over the trained "
+                                    f"classes, accuracy weighted by the training labels)")
         for row in entry.get("privacy", ()):
             _check_epsilon(cid, float(row[0]), epsilon_budget)
 

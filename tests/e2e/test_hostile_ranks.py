@@ -136,6 +136,9 @@ def test_rank_zero_refuses_an_impossible_report_from_a_real_rank(tmp_path, cache
     ({0: {"train": [], "eval": [[3.0, -1.0, 5.0, 0.5]]}}, [], [0], "impossible evaluation row"),
     ({0: {"train": [], "eval": [[3.0, 2.0, float("inf"), 0.5]]}}, [], [0], "impossible evaluation row"),
     ({0: {"train": [], "eval": [[3.0, 2.0, 5.0, 1.5]]}}, [], [0], "impossible evaluation row"),  # AUC > 1
+    ({0: {"train": [], "eval": [[3.0, 2.0, 5.0, 0.5, float("nan"), 0.4]]}}, [], [0], None),  # no trained class tested
+    ({0: {"train": [], "eval": [[3.0, 2.0, 5.0, 0.5, 1.5, 0.4]]}}, [], [0], "impossible evaluation row"),
+    ({0: {"train": [], "eval": [[3.0, 2.0, 5.0, 0.5, 0.6, -0.1]]}}, [], [0], "impossible evaluation row"),
     ({0: {"train": [[1.0, 10.0]], "eval": []}}, [0, 2], [], "expected \\[0, 2\\]"),
     ({7: {"train": [[1.0, 10.0]], "eval": []}}, [0], [], "training for clients \\[7\\]"),
     ({0: {"train": [], "eval": [[3.0, 2.0, 5.0, 0.5]]}}, [], [], "evaluation for \\[0\\]"),

@@ -97,13 +97,16 @@ def test_accuracy_is_pooled_over_all_clients_with_the_updated_knowledge(federati
 
 @pytest.mark.integration
 def test_every_client_is_evaluated_in_eval_mode_with_the_download(federation):
-    """What each client reports: [correct by nearest prototype, correct by the head, samples]."""
+    """What each client reports: [correct by nearest prototype, correct by the head, samples, AUC,
+    FedNH's validclass and labeldist accuracies]."""
     federation.run()
     session = federation.session
     rows = evaluate_clients(session.client_algorithm, session.clients, federation.knowledge(),
                             session.context.num_classes)
-    # the zero head scores every (sample, class) pair alike: AUC 1/2 wherever it is defined
-    assert rows == {0: [3.0, 3.0, 4.0, 0.5], 1: [1.0, 5.0, 6.0, 0.5], 2: [2.0, 1.0, 2.0, 0.5], 3: [0.0, 2.0, 4.0, 0.5]}
+    # the zero head scores every (sample, class) pair alike: AUC 1/2 wherever it is defined; every
+    # client trains on both classes alike, so FedNH's two weightings give the plain accuracy
+    assert rows == {0: [3.0, 3.0, 4.0, 0.5, 3 / 4, 3 / 4], 1: [1.0, 5.0, 6.0, 0.5, 1 / 6, 1 / 6],
+                    2: [2.0, 1.0, 2.0, 0.5, 1.0, 1.0], 3: [0.0, 2.0, 4.0, 0.5, 0.0, 0.0]}
 
 
 @pytest.mark.integration

@@ -4,6 +4,8 @@ tested on the same samples, test_acc their mean), the hash, and world-size invar
 from __future__ import annotations
 
 import json
+import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,6 +13,8 @@ import torch
 from conftest import SMOKE, run_smoke
 from htfl_dist.data.cache import load_client_splits, load_test_union
 from htfl_dist.resolution import resolved_config
+from htfl_dist.runtime import evaluation
+from htfl_dist.runtime.evaluation import class_weighted_accuracies
 from htfl_dist.runtime.simulate import simulate
 
 GLOBAL = ("eval.test_set=global",)
@@ -32,6 +36,52 @@ def test_every_client_is_tested_on_the_union_of_the_test_splits(tmp_path, cache_
         assert row["test_acc"] == pytest.approx(sum(clients["test_acc"]) / 6)
     assert rows[-1]["train_loss"] == local[-1]["train_loss"]  # training does not change, only the test
     assert [row["test_acc"] for row in rows] != [row["test_acc"] for row in local]
+    for row, clients in zip(rows, per_client, strict=True):  # FedNH's weightings: a plain mean over clients
+        for weighting in ("validclass", "labeldist"):
+            figures = clients[f"test_acc_{weighting}"]
+            assert len(figures) == 6 and all(0 <= f <= 1 for f in figures)
+            assert row[f"test_acc_{weighting}"] == pytest.approx(sum(figures) / 6)
+    assert "test_acc_validclass" not in local[-1] and "test_acc_labeldist" not in per_client_local[-1]
+
+
+def test_fednh_weightings_by_hand():
+    # hits [3, 0, 2] of tested [4, 2, 5]; trained on classes 0 and 2 only, 10 and 30 samples
+    hits, tested, trained = torch.tensor([3, 0, 2]), torch.tensor([4, 2, 5]), torch.tensor([10, 0, 30])
+    validclass, labeldist = class_weighted_accuracies(hits, tested, trained)
+    assert validclass == pytest.approx(5 / 9)  # (3 + 2) / (4 + 5)
+    assert labeldist == pytest.approx((0.25 * 3 + 0.75 * 2) / (0.25 * 4 + 0.75 * 5))
+    # trained only on a class nobody tests: both undefined
+    assert all(math.isnan(v) for v in class_weighted_accuracies(hits, torch.tensor([4, 0, 5]),
+                                                               torch.tensor([0, 7, 0])))
+
+
+class _AlwaysClassZero:
+    """A model and algorithm that predict class 0 for every sample."""
+
+    def forward_with_features(self, x):
+        return x, torch.tensor([[1.0, 0.0, 0.0]]).repeat(x.shape[0], 1)
+
+    def eval(self):
+        return self
+
+    def prepare_evaluation(self, client, knowledge):
+        pass
+
+    def predict(self, client, knowledge, features, logits, x):
+        return logits.argmax(dim=1)
+
+    def head_predict(self, client, logits):
+        return logits.argmax(dim=1)
+
+
+def test_a_clients_row_carries_its_weighted_accuracies():
+    stub = _AlwaysClassZero()
+    client = SimpleNamespace(model=stub, test_x=torch.zeros(5, 2), test_y=torch.tensor([0, 0, 1, 2, 2]),
+                             train_y=torch.tensor([0, 0, 0, 2]))
+    correct, correct_head, samples, _, validclass, labeldist = evaluation.test_client(stub, client, {}, 3)
+    assert (correct, correct_head, samples) == (2, 2, 5)
+    assert validclass == pytest.approx(2 / 4)  # classes 0 and 2: 2 hits of 4
+    assert labeldist == pytest.approx(0.75 * 2 / (0.75 * 2 + 0.25 * 2))
 
 
 def test_the_union_is_the_test_splits_in_client_order(tmp_path, cache_dir):

@@ -20,7 +20,13 @@ from htfl_dist.runtime.exchange import (
     RoundTraffic,
     StopDecision,
 )
-from htfl_dist.runtime.records import RoundOutcome, RoundRecords, per_client_row, pooled_auc
+from htfl_dist.runtime.records import (
+    RoundOutcome,
+    RoundRecords,
+    class_weighted_columns,
+    per_client_row,
+    pooled_auc,
+)
 
 
 def _client(train: list[float] | None, evaluation: list[float] | None) -> dict[str, torch.Tensor]:
@@ -191,3 +197,14 @@ def test_the_run_auc_weights_each_client_by_its_test_samples():
     # (0.5·1 + 1.0·3) / 4 (HtFLlib's weighting; the plain mean would be 0.75); undefined ones left out
     assert pooled_auc(np.array([0.5, 1.0, np.nan]), np.array([1.0, 3.0, 5.0])) == 0.875
     assert pooled_auc(np.array([np.nan]), np.array([2.0])) is None
+
+
+def test_fednh_weightings_are_a_plain_mean_over_clients_without_the_undefined():
+    # rows: correct, by the head, samples, AUC, validclass, labeldist
+    reports = {2: _client(None, [1.0, 1.0, 10.0, 0.5, 0.2, 0.3]), 0: _client(None, [9.0, 9.0, 10.0, 0.9, 0.8, 0.6]),
+               5: _client(None, [5.0, 5.0, 10.0, 0.1, float("nan"), 0.9]), 7: _client([1.0, 2.0], None)}
+    assert class_weighted_columns(reports, "test", per_client=False) == {
+        "test_acc_validclass": pytest.approx((0.8 + 0.2) / 2),
+        "test_acc_labeldist": pytest.approx((0.6 + 0.3 + 0.9) / 3)}
+    assert class_weighted_columns(reports, "test", per_client=True) == {
+        "test_acc_validclass": [0.8, 0.2, None], "test_acc_labeldist": [0.6, 0.3, 0.9]}
