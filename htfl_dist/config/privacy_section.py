@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from htfl_dist.config.rules import bounded
+from htfl_dist.config.rules import ADDED_LATER, bounded, declared
 
 
 @dataclass
@@ -60,3 +60,12 @@ class PrivacyConfig:
     the runs' numbers then differ from run to run. seeded: streams keyed by (seed, client, round,
     release), reproducible bit for bit, for experiments only: anyone who knows the config's seed
     can regenerate the noise and subtract it, so such a run is not private against the server."""
+    noise_split: Literal["local", "distributed"] = declared("local", identity=ADDED_LATER)
+    """How the release's noise is shared out (docs/privacy.md, "Distributed DP"). local: every
+    client adds the full noise to its own rows (the guarantee holds against everyone who sees one
+    upload). distributed, only with ``secure_aggregation``: the server sees only sums of at least
+    t contributions (the protocol's Shamir threshold, Bonawitz et al. 2017), so each client adds
+    Gaussian noise of variance σ²·B²/t and any released sum carries at least σ²·B², the central
+    guarantee against the server (Kairouz, Liu & Steinke 2021, with a continuous Gaussian);
+    B = 2·S/``min_class_samples`` bounds every client's row sensitivity. Added later: local,
+    the behaviour before it, keeps the hash."""

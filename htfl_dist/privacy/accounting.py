@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from htfl_dist.errors import ConfigError, PrivacyPlanError
+from htfl_dist.privacy.distributed import client_noise_multiplier, sensitivity_bound
 from htfl_dist.privacy.noise import NoiseMode, NoiseSource, noise_source
 from htfl_dist.privacy.release_log import Recorded, ReleaseLog
 
@@ -117,6 +118,14 @@ class PrivacyPlan:
     """Where each client's release file goes (``release_log``): the run directory; None (a plan
     built outside a run, as the unit tests do) keeps no record, so a replayed round is not
     recognised."""
+    noise_split: Literal["local", "distributed"] = "local"
+    """``privacy.noise_split``: local, each release carries the full noise; distributed (under
+    secure aggregation), each carries its share σ/√t of the multiplier at the public sensitivity
+    bound, and only sums of at least ``contributors`` releases leave the protocol (distributed.py)."""
+    contributors: int = 1
+    """t: the fewest contributions in any released sum (1: local, the release itself)."""
+    planned_rounds: int = 0
+    """Rounds σ was calibrated for (for summary.json's ε against a coalition; 0: not given)."""
 
     def mechanisms_per_round(self) -> dict[str, int]:
         """The plan of one round of a participant: each mechanism it may run once, and how many
@@ -127,9 +136,52 @@ class PrivacyPlan:
         """What one round of a participant spends: E epochs of DP-SGD and one release."""
         return tuple((noise_multiplier, 1.0, count) for count in self.mechanisms_per_round().values())
 
+    def release_noise(self, noise_multiplier: float | None = None) -> tuple[float, float | None]:
+        """The release's noise at σ (``noise_multiplier``, the ledger's kept one; default the
+        plan's): (multiplier, sensitivity). Local: σ and None (each class row's own 2·S/n_c,
+        release.py); distributed: σ/√t and the bound B = 2·S/m shared by every client."""
+        sigma = self.noise_multiplier if noise_multiplier is None else noise_multiplier
+        if self.noise_split == "local":
+            return sigma, None
+        return client_noise_multiplier(sigma, self.contributors), sensitivity_bound(self.feature_clip,
+                                                                                   self.min_class_samples)
+
+    def filler_std(self) -> float:
+        """The std of the noise each contribution's unreleased class rows get under the
+        distributed split (``distributed.fill_unreleased``): a release's own, σ/√t · B; 0 when local."""
+        multiplier, bound = self.release_noise()
+        return 0.0 if bound is None else multiplier * bound
+
+    def guarantees(self) -> dict[str, Any]:
+        """Which guarantee holds against whom (docs/privacy.md, "Distributed DP"), for summary.json.
+        The ledger charges σ for every release: under the distributed split that ε holds against
+        the server and anyone who sees only released sums (each of ≥ t contributions). A coalition
+        of the server with other clients subtracts their noise: with h honest contributors left in
+        a sum the release's multiplier is σ·√(h/t), at worst σ/√t (h = 1: the server with every
+        other contributor, or a class only one contributor holds). That worst case's ε over the
+        plan (DP-SGD stays local at σ) is given when the plan's rounds are known."""
+        if self.noise_split == "local":
+            return {"against_everyone": "epsilon_max: each release carries the full noise (local DP)"}
+        multiplier, bound = self.release_noise()
+        worst: dict[str, Any] = {}
+        if self.planned_rounds:
+            history = merged(((self.noise_multiplier, 1.0, self.planned_rounds * self.local_epochs),),
+                             ((multiplier, 1.0, self.planned_rounds),))
+            worst = {"epsilon_against_server_with_all_other_contributors_at_most":
+                     epsilon_spent(history, self.delta, self.accountant)}
+        return {"against_server": "epsilon_max: every released sum has at least t contributions, whose noise "
+                                  "together has std >= sigma * B (central DP)",
+                "against_server_with_colluding_clients": "the honest contributors' noise only: sigma * "
+                                                         "sqrt(h / t) with h honest contributors in a sum, at "
+                                                         "worst sigma / sqrt(t)",
+                "contributors_at_least": self.contributors, "sensitivity_bound": bound,
+                "client_noise_multiplier": multiplier, "client_noise_std": multiplier * (bound or 0.0),
+                "sum_noise_std_at_least": self.noise_multiplier * (bound or 0.0), **worst}
+
     def describe(self) -> dict[str, Any]:
         """For summary.json: the calibrated multiplier and what it was calibrated for."""
-        return {"noise_multiplier": self.noise_multiplier, "target_epsilon": self.target_epsilon,
+        return {"noise_split": self.noise_split, "guarantees": self.guarantees(),
+                "noise_multiplier": self.noise_multiplier, "target_epsilon": self.target_epsilon,
                 "delta": self.delta, "feature_clip": self.feature_clip, "max_grad_norm": self.max_grad_norm,
                 "min_class_samples": self.min_class_samples, "accountant": self.accountant,
                 "sgd_noise_std": 2.0 * self.noise_multiplier * self.max_grad_norm, "noise": self.noise,

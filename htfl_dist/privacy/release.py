@@ -27,16 +27,19 @@ def mean_sensitivity(clip: float, counts: torch.Tensor) -> torch.Tensor:
 
 
 def noisy_class_means(sums: torch.Tensor, counts: torch.Tensor, *, clip: float, noise_multiplier: float,
-                      min_count: int, noise: NoiseSource) -> tuple[torch.Tensor, torch.Tensor]:
+                      min_count: int, noise: NoiseSource, sensitivity: float | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """The released rows: for every class with at least ``min_count`` samples, its mean (``sums``
     [C, D] of rows clipped to ``clip``, ``counts`` [C]) plus Gaussian noise of standard deviation
-    ``noise_multiplier`` · 2·clip / n_c. The noise of every class is drawn, as one [C, D] block
-    from ``noise`` (the release's own source), whichever classes are released, so what is drawn
-    does not depend on the data. Returns (class ids int64 [m], rows float32 [m, D]) on the CPU."""
+    ``noise_multiplier`` · 2·clip / n_c, or ``noise_multiplier`` · ``sensitivity`` when a bound
+    shared by every client is given (the distributed split, distributed.py). The noise of every
+    class is drawn, as one [C, D] block from ``noise`` (the release's own source), whichever
+    classes are released, so what is drawn does not depend on the data. Returns (class ids int64
+    [m], rows float32 [m, D]) on the CPU."""
     sums, counts = sums.detach().double().cpu(), counts.detach().double().cpu()
     draws = noise.standard_normal(sums.shape, dtype=torch.float64)
     released = torch.nonzero(counts >= min_count).flatten()
     n = counts[released].unsqueeze(1)
     means = sums[released] / n
-    scale = noise_multiplier * mean_sensitivity(clip, n)
+    scale = noise_multiplier * (mean_sensitivity(clip, n) if sensitivity is None else sensitivity)
     return released, (means + scale * draws[released]).float()

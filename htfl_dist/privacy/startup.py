@@ -17,6 +17,7 @@ from htfl_dist.models import InputSpec, build_model, members_in_use
 from htfl_dist.models.registry import input_need, split_architecture
 from htfl_dist.privacy import LEDGER_KEY, WITHHELD_IN_PRIVATE_RUNS
 from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise
+from htfl_dist.privacy.distributed import check_clip_range, guaranteed_contributors
 from htfl_dist.privacy.noise import require_secure_noise
 
 DURING_TRAINING = "during_training"
@@ -40,11 +41,20 @@ def privacy_plan(config: Config, run_dir: Path | None = None) -> PrivacyPlan | N
     rounds = privacy.planned_rounds or config.rounds
     epochs = config.train.local_epochs
     sigma = calibrate_noise(privacy.target_epsilon, privacy.delta, rounds * (epochs + 1), privacy.accountant)
-    return PrivacyPlan(noise_multiplier=sigma, target_epsilon=privacy.target_epsilon, delta=privacy.delta,
+    contributors = 1
+    if privacy.noise_split == "distributed":
+        contributors = guaranteed_contributors(config.num_clients, config.join_ratio, privacy.secagg_neighbours,
+                                               privacy.secagg_threshold)
+    plan = PrivacyPlan(noise_multiplier=sigma, target_epsilon=privacy.target_epsilon, delta=privacy.delta,
                        feature_clip=privacy.feature_clip, max_grad_norm=privacy.max_grad_norm,
                        min_class_samples=privacy.min_class_samples, accountant=privacy.accountant,
                        local_epochs=epochs, seed=config.seed, noise=privacy.noise,
-                       run_directory=None if run_dir is None else str(run_dir))
+                       run_directory=None if run_dir is None else str(run_dir), noise_split=privacy.noise_split,
+                       contributors=contributors, planned_rounds=rounds)
+    if privacy.noise_split == "distributed":
+        multiplier, bound = plan.release_noise()
+        check_clip_range(privacy.feature_clip, multiplier * (bound or 0.0), privacy.secagg_clip)
+    return plan
 
 
 def check_private_config(config: Config) -> None:
@@ -53,6 +63,9 @@ def check_private_config(config: Config) -> None:
     (:func:`check_private_run`), and a model group with a layer DP-SGD cannot pass. The start's
     ``check_start`` calls it on every rank (and ``--check`` in one process) before any data
     loads, so nothing is read or prepared for a run that cannot be private."""
+    if config.privacy.noise_split == "distributed" and not config.privacy.secure_aggregation:
+        raise ConfigError("privacy.noise_split=distributed needs privacy.secure_aggregation=true: without it the "
+                          "server sees each client's release, which would carry only its share of the noise")
     if not config.privacy.enabled:
         return
     if config.privacy.noise == "secure":

@@ -58,8 +58,9 @@ class PrivateTrainer(PrivateTraining):
         if replay is not None and replay.class_ids is not None and replay.rows is not None:
             return replay.class_ids, replay.rows
         plan = ledger.plan
-        released = noisy_class_means(sums, counts, clip=plan.feature_clip, noise_multiplier=ledger.noise_multiplier,
-                                     min_count=plan.min_class_samples, noise=noise)
+        multiplier, sensitivity = plan.release_noise(ledger.noise_multiplier)
+        released = noisy_class_means(sums, counts, clip=plan.feature_clip, noise_multiplier=multiplier,
+                                     min_count=plan.min_class_samples, noise=noise, sensitivity=sensitivity)
         if ledger.log is not None and ledger.round_index is not None:
             ledger.log.record(ledger.round_index, *released)  # durable before the upload leaves
         return released

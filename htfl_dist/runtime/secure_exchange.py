@@ -29,6 +29,9 @@ from htfl_dist.algorithms import AlgorithmContext, AlgorithmEntry
 from htfl_dist.config import Config, PrivacyConfig
 from htfl_dist.errors import ConfigError, ProtocolError
 from htfl_dist.payload import Field, Payload, PayloadSpec
+from htfl_dist.privacy import distributed
+from htfl_dist.privacy.distributed import fill_unreleased, share_holders, threshold
+from htfl_dist.privacy.noise import noise_source
 from htfl_dist.privacy.secagg_crypto import KEY_BYTES, NONCE_BYTES
 from htfl_dist.privacy.secagg_messages import (
     SHARE_CIPHERTEXT_BYTES,
@@ -75,17 +78,22 @@ def check_secure_aggregation(config: Config) -> None:
                           f"(the 32-bit sum of {config.privacy.secagg_levels} levels); lower join_ratio")
 
 
-
-def threshold(holders: int, share: float) -> int:
-    """t = ⌊share·holders⌋ + 1 (a strict majority at 0.5), at least 2 and at most ``holders``."""
-    return max(2, min(holders, math.floor(share * holders) + 1))
+def guaranteed_contributors(config: Config) -> int:
+    """The fewest contributions any unmasked sum of the run may have: the threshold at the run's
+    smallest round under the distributed noise split (its noise is calibrated for it,
+    privacy/distributed.py), else the protocol's least threshold, 2."""
+    privacy = config.privacy
+    if not (privacy.enabled and privacy.secure_aggregation and privacy.noise_split == "distributed"):
+        return 2
+    return distributed.guaranteed_contributors(config.num_clients, config.join_ratio, privacy.secagg_neighbours,
+                                               privacy.secagg_threshold)
 
 
 def protocol_config(privacy: PrivacyConfig, participants: int) -> SecAggConfig:
     """The round's public parameters: the ring's degree (every pair when unset or when it reaches
     n − 1) and the threshold over a client's share holders."""
     degree = privacy.secagg_neighbours
-    holders = (participants - 1 if degree is None or degree >= participants - 1 else degree) + 1
+    holders = share_holders(participants, degree)
     return SecAggConfig(threshold=threshold(holders, privacy.secagg_threshold),
                         neighbours=None if degree is None or degree >= participants - 1 else degree,
                         clipping_range=privacy.secagg_clip, levels=privacy.secagg_levels,
@@ -156,13 +164,20 @@ class SecureSums:
     """One rank's side of the secure sums of a run (``Session.secure_sums`` when on)."""
 
     def __init__(self, transport: Transport, entry: AlgorithmEntry, context: AlgorithmContext,
-                 privacy: PrivacyConfig, describe_rank: Callable[[int], str]) -> None:
+                 privacy: PrivacyConfig, describe_rank: Callable[[int], str], *, contributors: int = 2,
+                 filler_std: float = 0.0) -> None:
         fields = entry.server.summed_fields(context)
         if fields is None:
             raise ValueError(f"{entry.name}'s server declares no summed fields")
         self.transport, self.entry, self.context, self.privacy = transport, entry, context, privacy
         self.layout = Layout(tuple(fields.items()))
         self.describe_rank = describe_rank
+        self.contributors = contributors
+        """t the release's noise was split for (``guaranteed_contributors``): a round whose own
+        threshold is lower unmasks nothing, since its sum could carry less than the planned noise."""
+        self.filler_std = filler_std
+        """Under the distributed split, the noise of a contribution's unreleased class rows
+        (``distributed.fill_unreleased``); 0: none."""
 
     def gather(self, uploads: dict[int, Payload], participants: list[int], trainers: Mapping[int, int],
                round_index: int, traffic: RoundTraffic, arrivals: Arrivals | None = None) -> SummedRound | None:
@@ -172,10 +187,12 @@ class SecureSums:
         others count as dropped, and the protocol removes their pairwise masks without learning
         their inputs. Fewer than the threshold left: no sum (``SummedRound.sums`` None)."""
         config = protocol_config(self.privacy, len(participants))
+        if config.threshold < self.contributors:  # every rank decides alike (public counts); no protocol runs
+            return None if self.transport.rank != 0 else SummedRound(None, 0, 0, self.contributors)
         round_ = _Round(self, config, round_index, traffic, participants, trainers, arrivals)
         clipped, vectors = 0, {}
         for cid in sorted(uploads):
-            flat = self.layout.flatten(self.entry.server.contribution(self.context, uploads[cid]))
+            flat = self.layout.flatten(self._contribution(uploads[cid], cid, round_index))
             clipped += int(np.count_nonzero(np.abs(flat) > config.clipping_range))
             vectors[cid] = quantize(flat, config.clipping_range, config.levels, stochastic=True)
             round_.clients[cid] = SecAggClient(cid, self.layout.length, config, round_index)
@@ -189,6 +206,15 @@ class SecureSums:
             return SummedRound(None, 0, clipped, config.threshold)
         summed = dequantize_sum(total, len(survivors), config.clipping_range, config.levels)
         return SummedRound(self.layout.split(summed), len(survivors), clipped, config.threshold)
+
+    def _contribution(self, upload: Payload, client_id: int, round_index: int) -> dict[str, torch.Tensor]:
+        """The client's contribution, made on its rank; under the distributed split its unreleased
+        rows noised from the release's source (secure, or the seeded stream of ``privacy.noise``)."""
+        parts = self.entry.server.contribution(self.context, upload)
+        if not self.filler_std:
+            return parts
+        source = noise_source(self.privacy.noise, self.context.seed, "filler", client_id, round_index, 0)
+        return fill_unreleased(parts, self.filler_std, source)
 
     def _up(self, spec: PayloadSpec, entries: dict[int, Payload], expected: Mapping[int, list[int]],
             traffic: RoundTraffic) -> dict[int, Payload]:

@@ -29,13 +29,14 @@ from htfl_dist.config import Config
 from htfl_dist.errors import ConfigError
 from htfl_dist.generators import generator_latent_dim
 from htfl_dist.metrics.writer import progress
+from htfl_dist.privacy.accounting import PrivacyPlan
 from htfl_dist.privacy.startup import SEEDED_NOISE_WARNING, check_private_run, privacy_plan
 from htfl_dist.runtime.exchange import Exchange
 from htfl_dist.runtime.lending import Lending
 from htfl_dist.runtime.liveness import Liveness, describe_plain
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.presum import PresummedUploads
-from htfl_dist.runtime.secure_exchange import SecureSums
+from htfl_dist.runtime.secure_exchange import SecureSums, guaranteed_contributors
 from htfl_dist.runtime.startup import (
     ClientFactory,
     build_server,
@@ -141,11 +142,14 @@ def _backend_usable(config: Config, world_size: int | None) -> None:
                           f"(or auto)")
 
 
-def summing(config: Config, transport: Transport, entry: Any, context: Any, describe_rank: Callable[[int], str]
-            ) -> SecureSums | PresummedUploads | None:
-    """How the round's uploads reach rank 0 as a sum (None: each upload travels)."""
+def summing(config: Config, transport: Transport, entry: Any, context: Any, describe_rank: Callable[[int], str],
+            plan: PrivacyPlan | None = None) -> SecureSums | PresummedUploads | None:
+    """How the round's uploads reach rank 0 as a sum (None: each upload travels); ``plan``: the
+    privacy plan, whose distributed noise split the secure sums complete (privacy/distributed.py)."""
     if config.privacy.secure_aggregation:
-        return SecureSums(transport, entry, context, config.privacy, describe_rank)
+        return SecureSums(transport, entry, context, config.privacy, describe_rank,
+                          contributors=guaranteed_contributors(config),
+                          filler_std=0.0 if plan is None else plan.filler_std())
     if config.runtime.presum_uploads:
         return PresummedUploads(transport, entry, context, describe_rank)
     return None
@@ -225,7 +229,8 @@ class Session:
         self.factory = ClientFactory(config, self.partition, self.device, self.client_algorithm, self.privacy_plan)
         self.clients = client_store(config, self.factory, self.client_ids, self.device, self.rank)
         self.lending = Lending(transport, self.clients, self.placement.describe_rank, self.factory.forget_split)
-        self.summing = summing(config, transport, self.entry, self.context, self.placement.describe_rank)
+        self.summing = summing(config, transport, self.entry, self.context, self.placement.describe_rank,
+                               self.privacy_plan)
         self.preemption = preemption_flag(config.runtime.preempt_grace_s)
         self._watch_peers()
         self.watchdog.disarm()
