@@ -35,10 +35,13 @@ LAST_ROUND_COLUMNS = (
     ("worst10", "test_acc_worst10", "last worst-10 % acc %", 100.0),
     ("auc", "test_auc", "last AUC", 1.0),
     ("unseen", "new_client_acc", "last unseen-client acc %", 100.0),
+    ("validclass", "test_acc_validclass", "last trained-class acc %", 100.0),
+    ("labeldist", "test_acc_labeldist", "last label-weighted acc %", 100.0),
 )
 """(name, metrics key, heading, scale): figures of each run's last evaluated row, as mean ± std
 over the seeds; a column appears only where some run of the study reports its key (the AUC of a
-head with one score per class, unseen clients with ``eval.new_clients``)."""
+head with one score per class, unseen clients with ``eval.new_clients``, FedNH's class weightings
+with ``eval.test_set=global``)."""
 
 
 def mean_std(values: list[float]) -> tuple[float, float] | None:

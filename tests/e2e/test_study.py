@@ -341,6 +341,19 @@ def test_seeds_fold_into_mean_and_population_std():
     assert low == pytest.approx([50.0, 90.0, 80.0]) and high == pytest.approx([60.0, 94.0, 86.0])
 
 
+def test_fednh_weightings_fold_into_their_own_columns_where_a_run_has_them():
+    weighted = [_record("a", [0.5, 0.8]), _record("b", [0.6, 0.9])]
+    for record, (validclass, labeldist) in zip(weighted, [(0.70, 0.75), (0.80, 0.85)], strict=True):
+        record.rows[-1].update(test_acc_validclass=validclass, test_acc_labeldist=labeldist)
+    row = table.fold("fednh/global", weighted, 2, paper=None)
+    assert (row["validclass_mean"], row["validclass_std"]) == (pytest.approx(75.0), pytest.approx(5.0))
+    assert (row["labeldist_mean"], row["labeldist_std"]) == (pytest.approx(80.0), pytest.approx(5.0))
+    text = table.markdown([row, table.fold("fednh/local", [_record("c", [0.5])], 2, None)])
+    assert "last trained-class acc %" in text and "last label-weighted acc %" in text
+    assert "75.00 ± 5.00 | 80.00 ± 5.00 |" in text
+    assert "trained-class" not in table.markdown([table.fold("fednh/local", [_record("c", [0.5])], 2, None)])
+
+
 # ------------------------------------------------------------------------------------ real runs
 
 def _launch_study(study: Path, out: Path, jobs: int = 2) -> subprocess.Popen:
