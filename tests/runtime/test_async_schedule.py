@@ -21,7 +21,7 @@ from htfl_dist.runtime.asynchronous import (
     staleness_weight,
 )
 
-SECONDS = {0: 3.0, 1: 5.0, 2: 4.0, 3: 1.0}
+SECONDS = {0: 3.0, 1: 5.0, 2: 4.0, 3: 1.0, 4: 2.0}
 """Each client's simulated seconds, whatever its start or version."""
 
 
@@ -79,6 +79,15 @@ def test_stale_uploads_are_dropped_and_the_step_waits_for_fresh_ones():
                              Arrival(0, 1, 0, 7.0, False), Arrival(2, 1, 0, 8.0, False))
     assert plan.row()["stale_dropped_clients"] == [1, 3] and plan.row()["arrived_clients"] == 2
     assert plan.row()["staleness_histogram"] == [2]
+
+
+def test_the_kth_arrivals_replacement_starts_from_the_new_version():
+    """Five clients: at step 0's K-th arrival (2, at 4) clients 4 is idle, but the replacement
+    starts after the step, from v1: the lowest idle then is 0 (its upload has been applied)."""
+    s = schedule(num_clients=5)
+    s.plan_step()
+    assert sorted((e.client, e.version, e.started_s) for e in s.in_flight) == [(0, 1, 4.0), (1, 0, 0.0),
+                                                                               (3, 0, 3.0)]
 
 
 def test_a_step_closes_early_when_nobody_is_left_in_flight():
@@ -176,3 +185,4 @@ def test_what_the_section_refuses(overrides, message):
 def test_what_async_refuses_across_sections(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         check_asynchronous(load_config(SMOKE, overrides))
+    check_asynchronous(load_config(SMOKE, [*ASYNC, "participation.concurrency=6"]))  # every client at once
