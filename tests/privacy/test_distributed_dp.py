@@ -280,3 +280,44 @@ def test_the_uniformity_check_the_run_reuses_refuses_unmasked_words():
 
     rng = np.random.default_rng(0)
     assert _uniformity_p_value([rng.integers(0, 2 ** 23, 5000, dtype=np.uint32)]) < 1e-12
+
+
+@pytest.mark.integration
+def test_a_replayed_distributed_round_resends_each_release_and_charges_it_once(tmp_path, cache_dir, monkeypatch):
+    """Killed after round 3's sum was unmasked and before its checkpoint, resumed: every client's
+    release of round 3 (its rows with their share σB/√t of the noise) is re-sent exactly, ε is
+    unchanged; the sum is unmasked again (its unreleased rows' share is drawn afresh)."""
+    import json
+    import shutil
+
+    from htfl_dist.privacy.trainer import PrivateTrainer
+    from htfl_dist.runtime import loop
+    from htfl_dist.runtime.transport import LocalTransport
+
+    released: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    original = PrivateTrainer.release_class_means
+
+    def recording(self, sums, counts):
+        ids, rows = original(self, sums, counts)
+        released[(self.ledger.client_id, self.ledger.round_index)] = (ids.clone(), rows.clone())
+        return ids, rows
+
+    monkeypatch.setattr(PrivateTrainer, "release_class_means", recording)
+    out = tmp_path / "run"
+    config = checked_config(str(SMOKE), [f"data.cache_dir={cache_dir}", *DISTRIBUTED, "rounds=3",
+                                         "data.subsample=0.01", "checkpoint_every=1", "checkpoint_keep=3",
+                                         "eval_every=3"])
+
+    def play(resume_from):
+        loop.start(loop.RunContext(config, LocalTransport(), torch.device("cpu"), out, resume_from)).run()
+        return json.loads((out / "summary.json").read_text())["privacy"]["epsilon_max"]
+
+    epsilon = play(None)
+    whole = dict(released)
+    assert sorted({r for _, r in whole}) == [0, 1, 2]
+    shutil.rmtree(out / "checkpoints" / "round_00003")  # the kill: round 3's sum left, never checkpointed
+    released.clear()
+    assert play(out) == epsilon
+    assert sorted(released) == sorted(key for key in whole if key[1] == 2)
+    for key, (ids, rows) in released.items():
+        assert torch.equal(ids, whole[key][0]) and torch.equal(rows, whole[key][1])
