@@ -83,6 +83,25 @@ class TrainableGlobalPrototypes(nn.Module):
         return self.mapping(self.vectors.weight)
 
 
+def initial_prototypes(context: AlgorithmContext, hidden_dim: int, use_mapping: bool) -> TrainableGlobalPrototypes:
+    """P̃ and F as they start. From torch's global RNG, which the runtime seeds (seed,
+    "server-init") before it builds the server; under ``model.init=htfllib``, as the reference
+    codes draw them, so a side-by-side starts from the same prototypes: HtFLlib's ``clientTGP``
+    and FedORGP's ``clientOrtho`` (both versions) call ``torch.manual_seed(0)`` after building
+    their model, and the server's ``Trainable_Global_Prototypes`` / ``Trainable_prototypes``,
+    made right after the last client, draws ``nn.Embedding(C, K)``, ``nn.Linear(K, H)``,
+    ``nn.Linear(H, K)`` in that order from that freshly seeded generator (here seeded with the
+    run seed, as that init's client models are). The caller's RNG is left as it was."""
+    def build() -> TrainableGlobalPrototypes:
+        return TrainableGlobalPrototypes(context.num_classes, context.feature_dim, hidden_dim, use_mapping)
+
+    if context.model_init != "htfllib":
+        return build()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(context.seed)
+        return build()
+
+
 def cluster_gaps(centres: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     """gap_c = min_{c'≠c, both present} ‖Q^c − Q^{c'}‖₂ for present classes; absent classes
     get the smallest gap (the reference code's rule), so they never raise max_c gap_c. With
@@ -151,8 +170,7 @@ class TrainablePrototypeServer(ServerAlgorithm):
         super().__init__(context)
         options, dim = self.options, context.feature_dim
         self.device = context.device
-        self.tgp = TrainableGlobalPrototypes(
-            context.num_classes, dim, options.hidden_dim or dim, self.use_mapping()).to(self.device)
+        self.tgp = initial_prototypes(context, options.hidden_dim or dim, self.use_mapping()).to(self.device)
         self.trained = False  # round 0 clients get no global knowledge (CE only)
         self._cached_protos: torch.Tensor | None = None
 

@@ -4,11 +4,13 @@ uploads it gets, arrival order), its cosine diagnostics, and real runs: 1 proces
 ranks vs mpirun -n 3 (stopped after round 1 and resumed) with partial participation."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
+from reference_starts import trainable_prototypes
 from torch import nn
 
 from conftest import SMOKE, launch, maths_only, read_metrics, run_smoke
@@ -387,3 +389,22 @@ def test_one_downloaded_prototype_is_enough_to_align():
     result = entry.client(context).train(_linear_client(), knowledge, 1, generator)
     assert result.loss_sum / result.samples == pytest.approx(math.log(2) + 3.0 * 0.2, rel=1e-6)
     assert not torch.equal(generator.get_state(), before)  # batches drawn from the round's stream
+
+
+def test_htfllib_init_draws_the_trainable_prototypes_and_round_1s_download_as_the_reference_does():
+    """model.init=htfllib: P̃ and F are wisheverybodyhapi/FedORGP@85ae3b6's (FedOC version) first
+    draws after its clients' torch.manual_seed(0) (the run seed standing for 0), so the untrained P̂
+    sent in round 1 (first_round=initial_prototypes) is the reference's; the global RNG is left
+    alone. Other inits draw from the global RNG the runtime seeded, as before."""
+    entry, context = _context(num_classes=3, feature_dim=4)
+    context = dataclasses.replace(context, seed=5, model_init="htfllib")
+    expected = trainable_prototypes(5, 3, 4)
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    download = entry.server(context).download()
+    assert download["class_ids"].tolist() == [0, 1, 2]
+    torch.testing.assert_close(download["protos"], expected, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(11)
+    per_client = entry.server(dataclasses.replace(context, model_init="per_client")).download()["protos"]
+    assert torch.equal(per_client, trainable_prototypes(11, 3, 4))

@@ -11,6 +11,7 @@ import statistics
 import pytest
 import torch
 from helpers import launch_smoke, tiny_identity_client
+from reference_starts import trainable_prototypes
 
 from conftest import SMOKE, run_program
 from htfl_dist import testing
@@ -392,3 +393,24 @@ def test_real_run(single_run):
     for row in rows:
         assert row["test_acc"] == row["test_acc_head"]
         assert row["server_pairs"] > 0 and -1.0 <= row["global_intra_cos"] <= 1.0
+
+
+# ------------------------------------------------------------------------------ the start under model.init=htfllib
+
+def test_htfllib_init_draws_the_trainable_prototypes_as_the_reference_does():
+    """model.init=htfllib: the server's initial P̂ = F(P̃) equals wisheverybodyhapi/FedORGP@ff4a036's
+    first draws after its clients' torch.manual_seed(0) (the run seed standing for 0), and torch's
+    global RNG is left as it was; other inits keep drawing from the global RNG the runtime seeded
+    (the same P̂ as before)."""
+    entry, context = _context(num_classes=3, feature_dim=4)
+    context = dataclasses.replace(context, seed=7, model_init="htfllib")
+    expected = trainable_prototypes(7, 3, 4)
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    server = entry.server(context)
+    torch.testing.assert_close(server.global_prototypes(), expected, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(123)  # the runtime's (seed, "server-init") seeding, here 123
+    per_client = entry.server(dataclasses.replace(context, model_init="per_client")).global_prototypes()
+    assert torch.equal(per_client, trainable_prototypes(123, 3, 4))  # from the global RNG, as before
+    assert not torch.equal(per_client, expected)

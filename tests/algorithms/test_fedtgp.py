@@ -1,10 +1,12 @@
 """FedTGP server maths: adaptive margin, margin contrastive training, diagnostics."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from reference_starts import trainable_prototypes
 
 from htfl_dist.algorithms import AlgorithmContext, get_algorithm, parse_options
 from htfl_dist.algorithms.fedtgp import adaptive_margin, cluster_gaps, margin_contrastive_loss
@@ -271,3 +273,23 @@ def test_server_state_survives_a_state_dict_round_trip():
     assert fresh.trained and server.state_dict()["trained"].item() is True
     torch.testing.assert_close(fresh.download()["protos"], server.download()["protos"])
     assert not _server().state_dict()["trained"].item()
+
+
+def test_htfllib_init_draws_the_trainable_prototypes_as_htfllib_does():
+    """model.init=htfllib: P̃ and F are TsingZ0/HtFLlib servertgp.py's first draws after its
+    clientTGP's torch.manual_seed(0) (the run seed standing for 0): FedTGP's P̂ = F(P̃) starts
+    where the reference's does; the global RNG is left alone. Other inits draw from the global
+    RNG the runtime seeded, as before."""
+    entry = get_algorithm("fedtgp")
+    context = AlgorithmContext(num_classes=3, feature_dim=4, seed=9, train=TrainConfig(),
+                               options=parse_options(entry, {}), model_init="htfllib")
+    expected = trainable_prototypes(9, 3, 4)
+    torch.manual_seed(2)
+    before = torch.get_rng_state()
+    server = entry.server(context)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.testing.assert_close(server.global_prototypes(), expected, rtol=0, atol=0)
+    assert server.download()["class_ids"].numel() == 0  # nothing goes down before the first update
+    torch.manual_seed(2)
+    per_client = entry.server(dataclasses.replace(context, model_init="per_client")).global_prototypes()
+    assert torch.equal(per_client, trainable_prototypes(2, 3, 4))
