@@ -82,10 +82,12 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
     model = client.model
     optimizers = (client.optimizer,) if optimizers is None else tuple(optimizers)
     model.train()
+    full_batch_forward = model_forward(context.train.compile, client.device)
     loss_total, seen = torch.zeros((), device=client.device), 0  # summed on device: no per-step sync
     for index in epoch_batches(client.train_y.shape[0], context.train, generator, client.device):
         x, y = client.train_x[index], client.train_y[index]
-        features, logits = model.forward_with_features(x)
+        forward = full_batch_forward if y.shape[0] == context.train.batch_size else eager_forward
+        features, logits = forward(model, x)
         loss = loss_fn(Batch(x, y, features, logits))
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
@@ -99,6 +101,45 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
         loss_total += loss.detach() * y.shape[0]
         seen += y.shape[0]
     return float(loss_total), seen
+
+
+def eager_forward(model: SplitModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(features, logits) of ``x``: the forward pass every local step takes."""
+    return model.forward_with_features(x)
+
+
+_COMPILED_FORWARDS: dict[str, Callable[[SplitModel, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]] = {}
+"""One compiled forward per ``train.compile`` mode for the whole process: Dynamo treats a
+module's parameters as inputs, so every client of an architecture replays one graph (no
+recompile per client), and each new architecture or batch shape adds one."""
+
+
+COMPILED_GRAPHS = 64
+"""Graphs the compiled forward may hold (architectures × batch shapes) before Dynamo gives up on it."""
+
+
+def model_forward(mode: str, device: torch.device | str
+                  ) -> Callable[[SplitModel, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The forward pass for full batches under ``train.compile=mode`` (:func:`eager_forward` when
+    off). Under ``reduce-overhead`` on a GPU the outputs live in the CUDA graph's memory, which
+    the next replay overwrites, so they are copied out (an algorithm may keep a batch's features
+    past the step, FedProto's running means do)."""
+    if mode == "off":
+        return eager_forward
+    if mode not in _COMPILED_FORWARDS:
+        # one graph per architecture and batch shape: a group of 8+ members would otherwise pass
+        # Dynamo's default of 8 graphs per function and fall back to eager with a warning
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_GRAPHS)
+        _COMPILED_FORWARDS[mode] = torch.compile(eager_forward, mode=mode, dynamic=False)
+    compiled = _COMPILED_FORWARDS[mode]
+    if mode != "reduce-overhead" or torch.device(device).type != "cuda":
+        return compiled
+
+    def replayed(model: SplitModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        torch.compiler.cudagraph_mark_step_begin()
+        features, logits = compiled(model, x)
+        return features.clone(), logits.clone()
+    return replayed
 
 
 # --------------------------------------------------------------------------- batched clients

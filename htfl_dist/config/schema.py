@@ -96,6 +96,16 @@ class TrainConfig:
     arithmetic and it does not pay. Only for algorithms with a batched client path (local,
     fedproto, fedtgp) and models without BatchNorm or Dropout; anything else is refused at
     start-up. Changes the config hash (``off`` does not)."""
+    compile: Literal["off", "default", "reduce-overhead"] = declared("off", identity=ADDED_LATER)
+    """``torch.compile`` the clients' forward pass in local training (and, through AOTAutograd, its
+    backward): ``default`` (Inductor kernels) or ``reduce-overhead`` (Inductor, replayed as CUDA
+    graphs on a GPU, where batch-10 steps of small CNNs wait on kernel launches). Full batches
+    only (a trailing partial batch runs eagerly: one graph per architecture); the algorithm's loss
+    and the optimiser step stay eager. Each architecture pays its compile on its first step (tens
+    of seconds on a CPU, bench/compile_step.py prints it). Off by default: on this project's
+    2-core CPU it made a step slower than eager. Fused kernels round differently, so a compiled
+    run is another experiment (in the hash; ``off`` is not). Refused with client_batching=vmap and
+    privacy.enabled, which train through their own step."""
     max_diverged_rounds: int = bounded(3, identity=PLUMBING, at_least=0, note="0 = never give up")
     """A run in which every participating client's loss is not finite (NaN or infinite: the
     learning rate is too large for the model) this many rounds in a row ends with one line and
@@ -141,6 +151,9 @@ class TrainConfig:
         if self.lr_schedule == "cosine" and self.lr_min >= self.lr:
             raise ConfigError(f"config key 'train.lr_min' must be below train.lr ({shown(self.lr)}) for "
                               f"train.lr_schedule=cosine, got {shown(self.lr_min)}")
+        if self.compile != "off" and self.client_batching == "vmap":
+            raise ConfigError(f"train.compile={self.compile} compiles a client's own forward pass; "
+                              f"train.client_batching=vmap trains through a batched one: use one of them")
         if self.client_batching == "vmap" and (self.optimizer != "sgd" or self.momentum or self.weight_decay):
             raise ConfigError("train.client_batching=vmap steps plain SGD (p <- p - lr*g) and keeps no optimizer "
                               "state: it takes train.optimizer=sgd without momentum or weight decay; use "
