@@ -14,8 +14,9 @@ on any world size, and a checkpoint holds the clients in flight and the versions
 
 The server step (:func:`server_step`): a class-mean server (FedProto, FedDistill: the sums-only
 servers whose knowledge is class rows) mixes the staleness-weighted mean of the buffer into its
-rows at rate η; every other server runs its own ``update`` on the buffered uploads, without
-staleness weights (FedTGP trains on the buffer).
+rows at rate η; a part-averaging server (LG-FedAvg's head, FML's and FedMRL's shared model) takes
+FedBuff's step on the staleness-weighted deltas; every other server runs its own ``update`` on
+the buffered uploads, without staleness weights (FedTGP trains on the buffer).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from htfl_dist.algorithms.blocks.model_part import PartAveragingServer
 from htfl_dist.algorithms.class_rows import ClassMeanServer
 from htfl_dist.algorithms.interface import ServerAlgorithm
 from htfl_dist.config import Config
@@ -198,13 +200,24 @@ def mix_class_rows(previous: Payload, buffered: Payload, key: str, rate: float) 
     return torch.tensor(ids, dtype=torch.int64), table
 
 
-def server_step(server: ServerAlgorithm, uploads: dict[int, Payload], weights: Mapping[int, float], rate: float,
-                round_index: int, generator: torch.Generator) -> dict[str, Any]:
-    """One asynchronous server step on the buffered ``uploads``. A class-mean server: the buffer's
-    means with each upload's rows weighted by s(τ) (its contribution times s(τ), summed in client
-    order), mixed into the rows at rate η. Any other server: its ``update`` on the buffer."""
-    if not isinstance(server, ClassMeanServer):
-        return server.update(uploads, round_index, generator)
+def server_step(server: ServerAlgorithm, uploads: dict[int, Payload], weights: Mapping[int, float],
+                started: Mapping[int, Payload], rate: float, round_index: int,
+                generator: torch.Generator) -> dict[str, Any]:
+    """One asynchronous server step on the buffered ``uploads`` (``weights``: s(τ) per client;
+    ``started``: the knowledge each client started from). A class-mean server mixes the buffer's
+    staleness-weighted means in (:func:`mix_class_rows`); a part-averaging server takes FedBuff's
+    step on the deltas (:func:`fedbuff_part_step`); any other server runs its ``update``."""
+    if isinstance(server, ClassMeanServer):
+        return _class_mean_step(server, uploads, weights, rate, round_index, generator)
+    if isinstance(server, PartAveragingServer):
+        return fedbuff_part_step(server, uploads, weights, started, rate)
+    return server.update(uploads, round_index, generator)
+
+
+def _class_mean_step(server: ClassMeanServer, uploads: dict[int, Payload], weights: Mapping[int, float],
+                     rate: float, round_index: int, generator: torch.Generator) -> dict[str, Any]:
+    """The buffer's means, each upload's contribution times s(τ) (summed in client order), mixed
+    into the rows at rate η."""
     context = server.context
     sums: dict[str, torch.Tensor] = {}
     for client_id in sorted(uploads):
@@ -215,6 +228,25 @@ def server_step(server: ServerAlgorithm, uploads: dict[int, Payload], weights: M
     server.class_ids, server.rows = mix_class_rows(previous, server.download(), server.key, rate)
     diagnostics["global_classes"] = float(server.class_ids.numel())
     return diagnostics
+
+
+def fedbuff_part_step(server: PartAveragingServer, uploads: dict[int, Payload], weights: Mapping[int, float],
+                      started: Mapping[int, Payload], rate: float) -> dict[str, Any]:
+    """FedBuff's step (Algorithm 1) on an averaged part: w ← w + η·Σᵢ ωᵢ·s(τᵢ)·(uᵢ − w_{vᵢ}) / Σᵢ ωᵢ,
+    ωᵢ the server's own averaging weight (1, or nᵢ when it weighs by samples): with ωᵢ = 1 the
+    paper's Σ s(τᵢ)Δᵢ / K; at η = 1 with fresh uploads, the synchronous average."""
+    name = server.part.name
+    total: torch.Tensor | float = 0.0
+    mass = 0.0
+    for client_id in sorted(uploads):
+        share = server.contribution(server.context, uploads[client_id])  # {part: ω·u, weight: ω}
+        omega = share["weight"].double()
+        start = started[client_id][name].double().cpu()
+        total = total + weights[client_id] * (share[name] - omega * start)
+        mass += float(omega.sum())
+    previous = server.row
+    server.set_row(previous.double() + rate * total / mass)
+    return {f"{name}_uploads": len(uploads), f"{name}_change": float((server.row - previous).norm())}
 
 
 def check_asynchronous(config: Config) -> None:
@@ -292,11 +324,16 @@ class AsynchronousSteps(RoundObserver):
                   f"dropped", file=sys.stderr, flush=True)
         return {c: p for c, p in gathered.items() if c not in stale}
 
-    def weights(self) -> dict[int, float]:
-        """Rank 0: s(τ) of each of the step's arrivals."""
+    def server_step(self, server: ServerAlgorithm, uploads: dict[int, Payload], round_index: int,
+                    generator: torch.Generator) -> dict[str, Any]:
+        """Rank 0: the step on the buffer (:func:`server_step`), with each arrival's s(τ) and the
+        knowledge it started from."""
         assert self.plan is not None
-        return {a.client: staleness_weight(a.staleness, self.options.staleness, self.options.staleness_exponent)
-                for a in self.plan.arrivals}
+        options = self.options
+        weights = {a.client: staleness_weight(a.staleness, options.staleness, options.staleness_exponent)
+                   for a in self.plan.arrivals}
+        started = {a.client: self.retained[a.version] for a in self.plan.arrivals}
+        return server_step(server, uploads, weights, started, options.server_rate, round_index, generator)
 
     def aggregated(self, outcome: RoundOutcome, kept: dict[int, Payload]) -> None:
         """Rank 0: forget the versions no client in flight refers to any more."""

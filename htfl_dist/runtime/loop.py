@@ -30,7 +30,7 @@ from htfl_dist.config import Config
 from htfl_dist.errors import TrainingDiverged
 from htfl_dist.payload import Payload
 from htfl_dist.runtime import checkpoint, resumption
-from htfl_dist.runtime.asynchronous import AsynchronousSteps, server_step
+from htfl_dist.runtime.asynchronous import AsynchronousSteps
 from htfl_dist.runtime.evaluation import evaluate_clients
 from htfl_dist.runtime.exchange import (
     DIVERGING,
@@ -221,9 +221,7 @@ class Federation:
             if self.asynchronous is None:
                 outcome.diagnostics = server.update(gathered, outcome.round_index, generator)
             else:
-                outcome.diagnostics = server_step(server, gathered, self.asynchronous.weights(),
-                                                  self.config.participation.server_rate, outcome.round_index,
-                                                  generator)
+                outcome.diagnostics = self.asynchronous.server_step(server, gathered, outcome.round_index, generator)
         else:
             outcome.diagnostics = {"server_skipped": True}
         outcome.server_seconds = time.perf_counter() - began

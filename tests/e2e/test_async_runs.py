@@ -1,7 +1,7 @@
 """Buffered asynchronous aggregation (participation.mode=async) in whole runs: each row is one
 server step of K uploads on the simulated clock; a resumed run continues the same steps (the
 clients in flight and the versions they started from are in the checkpoint); FedTGP's server
-trains on the buffer; 1 process and 3 ranks give the same numbers."""
+trains on the buffer, LG-FedAvg's takes FedBuff steps; 1 process and 3 ranks give the same numbers."""
 from __future__ import annotations
 
 import pytest
@@ -55,12 +55,21 @@ def test_fedtgp_trains_on_the_fresh_uploads_of_the_buffer(tmp_path, cache_dir):
 
 
 @pytest.mark.integration
+def test_lgfedavg_takes_fedbuff_steps_on_its_head(tmp_path, cache_dir):
+    rows = simulate(SMOKE, [f"data.cache_dir={cache_dir}", *ASYNC, "algorithm=lgfedavg",
+                            "participation.server_rate=0.5", "rounds=3"], out=tmp_path / "run")
+    assert all(r["head_uploads"] == 2 and r["head_change"] > 0 for r in rows)
+    assert any(r["staleness_max"] > 0 for r in rows)
+
+
+@pytest.mark.integration
 def test_each_arrival_trains_with_the_version_it_started_from(tmp_path, cache_dir, monkeypatch):
+    from htfl_dist.runtime import asynchronous
     from htfl_dist.runtime.asynchronous import AsynchronousSteps
     from htfl_dist.runtime.local_training import LocalTraining
 
-    plans, trained = [], []
-    plan, train = AsynchronousSteps.step_starts, LocalTraining.train
+    plans, trained, stepped = [], [], []
+    plan, train, step = AsynchronousSteps.step_starts, LocalTraining.train, asynchronous.server_step
 
     def planned(self, knowledge):
         starts = plan(self, knowledge)
@@ -71,7 +80,12 @@ def test_each_arrival_trains_with_the_version_it_started_from(tmp_path, cache_di
         trained.append((round_index, sorted(trainers), {k: v.clone() for k, v in knowledge.items()}))
         return train(self, trainers, knowledge, round_index)
 
+    def stepping(server, uploads, weights, started, rate, round_index, generator):
+        stepped.append((round_index, started))
+        return step(server, uploads, weights, started, rate, round_index, generator)
+
     monkeypatch.setattr(AsynchronousSteps, "step_starts", planned)
+    monkeypatch.setattr(asynchronous, "server_step", stepping)
     monkeypatch.setattr(LocalTraining, "train", training)
     simulate(SMOKE, [f"data.cache_dir={cache_dir}", *ASYNC, "rounds=4"], out=tmp_path / "run")
     older = 0
@@ -82,6 +96,11 @@ def test_each_arrival_trains_with_the_version_it_started_from(tmp_path, cache_di
         assert knowledge.keys() == expected.keys() and all(knowledge[k].equal(expected[k]) for k in knowledge)
         older += version < round_index
     assert older > 0
+    assert [r for r, _ in stepped] == [0, 1, 2, 3]
+    for round_index, started in stepped:  # the server's w_v of each upload: the knowledge it trained with
+        for client, knowledge in started.items():
+            expected = plans[plans[round_index][0][client]][1]
+            assert all(knowledge[k].equal(expected[k]) for k in expected)
     assert sorted(c for r, clients, _ in trained for c in clients) == sorted(c for s, _ in plans for c in s)
 
 

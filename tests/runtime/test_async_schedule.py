@@ -133,7 +133,7 @@ def test_one_server_step_by_hand():
     server.class_ids, server.rows = torch.tensor([0, 2]), torch.tensor([[1.0, 1.0], [4.0, 0.0]])
     uploads = {0: {"class_ids": torch.tensor([0, 1]), "protos": torch.tensor([[3.0, 1.0], [2.0, 2.0]])},
                1: {"class_ids": torch.tensor([0]), "protos": torch.tensor([[0.0, 5.0]])}}
-    server_step(server, uploads, {0: 1.0, 1: 1 / math.sqrt(2)}, 0.5, 0, torch.Generator())
+    server_step(server, uploads, {0: 1.0, 1: 1 / math.sqrt(2)}, {}, 0.5, 0, torch.Generator())
     assert server.class_ids.tolist() == [0, 1, 2]
     expected = torch.tensor([[1.378680, 1.828427], [2.0, 2.0], [4.0, 0.0]])
     assert torch.allclose(server.rows, expected, atol=1e-6)
@@ -148,12 +148,29 @@ def test_rate_one_takes_the_buffer_and_an_empty_table_takes_it_whole():
     assert ids.tolist() == [0] and rows.tolist() == [[3.0, 5.0]]
 
 
+@pytest.mark.parametrize("average,expected", [("uniform", 1.146447), ("sample_weighted", 0.719670)])
+def test_one_fedbuff_step_of_an_averaged_part_by_hand(average, expected):
+    """LG-FedAvg's head, every entry alike: w = 1; client 0 (τ=0, s=1, n=10) started from w=1 and
+    sends 3; client 1 (τ=1, s=1/√2, n=30) started from w=2 and sends 0; η=½. Uniform:
+    Δ = (2 − 2/√2)/2 = 0.292893, w = 1.146447 (FLSim's sum without /K: 1.292893). By samples:
+    Δ = (10·2 − 30·2/√2)/40 = −0.560660, w = 0.719670."""
+    entry, context = make_context("lgfedavg", head_avg=average)
+    server = entry.server(context)
+    ones = torch.ones_like(server.row)
+    server.set_row(ones)
+    uploads = {0: {"head": 3 * ones, "num_samples": torch.tensor([10])},
+               1: {"head": 0 * ones, "num_samples": torch.tensor([30])}}
+    started = {0: {"head": ones}, 1: {"head": 2 * ones}}
+    server_step(server, uploads, {0: 1.0, 1: 1 / math.sqrt(2)}, started, 0.5, 0, torch.Generator())
+    assert torch.allclose(server.row, expected * ones, atol=1e-6)
+
+
 def test_another_server_runs_its_own_update_on_the_buffer():
     class Recording:
         def update(self, uploads, round_index, generator):
             return {"got": sorted(uploads)}
 
-    assert server_step(Recording(), {4: {}, 2: {}}, {4: 0.5, 2: 1.0}, 0.5, 0, torch.Generator()) == {"got": [2, 4]}
+    assert server_step(Recording(), {4: {}, 2: {}}, {4: 0.5, 2: 1.0}, {}, 0.5, 0, torch.Generator()) == {"got": [2, 4]}
 
 
 ASYNC = ["participation.mode=async", "participation.clock=true"]
