@@ -21,3 +21,22 @@ def trainable_prototypes(seed: int, num_classes: int, width: int) -> torch.Tenso
     fc = nn.Linear(width, width)
     with torch.no_grad():
         return fc(middle(embedings(torch.arange(num_classes))))
+
+
+def fedgen_generator(seed: int, noise_dim: int, num_classes: int, hidden_dim: int,
+                     feature_dim: int) -> list[torch.Tensor]:
+    """HtFLlib's FedGen (TsingZ0/HtFLlib ``servergen.py``) as it starts: the last ``clientGen``
+    calls ``torch.manual_seed(0)``, then counts its samples per class with one pass over
+    ``load_train_data()`` (``DataLoader(train_data, batch_size, drop_last=True, shuffle=False)``);
+    ``FedGen.__init__`` then builds ``Generator``: ``fc1 = Sequential(Linear(nd + C, hd),
+    BatchNorm1d(hd), ReLU())``, ``fc = Linear(hd, K)``. Returns fc1's Linear weight and bias, fc's
+    weight and bias. ``seed`` stands for the reference's 0."""
+    torch.manual_seed(seed)
+    samples = torch.utils.data.TensorDataset(torch.zeros(5, 2), torch.tensor([0, 1, 0, 1, 0]))
+    per_class = torch.zeros(num_classes)
+    for _, y in torch.utils.data.DataLoader(samples, 2, drop_last=True, shuffle=False):
+        for yy in y:
+            per_class[yy.item()] += 1
+    fc1 = nn.Sequential(nn.Linear(noise_dim + num_classes, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU())
+    fc = nn.Linear(hidden_dim, feature_dim)
+    return [fc1[0].weight.detach(), fc1[0].bias.detach(), fc.weight.detach(), fc.bias.detach()]

@@ -99,10 +99,20 @@ def generator_size(noise_dim: int, num_classes: int, hidden_dim: int, feature_di
 
 def build_generator(context: AlgorithmContext) -> FedGenGenerator:
     """The initial G, the same on the server and every client: drawn from its own stream
-    (seed, "fedgen-generator"), so torch's global RNG is left alone."""
+    (seed, "fedgen-generator"), so torch's global RNG is left alone; under ``model.init=htfllib``
+    as HtFLlib draws it (issue 47 item 3), in a forked RNG too: every ``clientGen`` ends its
+    ``__init__`` with ``torch.manual_seed(0)`` and one pass over its ``DataLoader`` (counting
+    its samples per class), whose iterator draws its base seed, one int64
+    ``random_()``, from the global generator; ``FedGen.__init__`` then builds its ``Generator``:
+    ``nn.Linear(nd + C, hd)``, ``nn.BatchNorm1d`` (no draw), ``nn.Linear(hd, K)`` (``servergen.py``).
+    The run seed stands for 0, as for that init's client models."""
     options = context.options
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(context.seed, "fedgen-generator"))
+        if context.model_init == "htfllib":
+            torch.manual_seed(context.seed)
+            torch.empty((), dtype=torch.int64).random_()  # the last clientGen's DataLoader iterator
+        else:
+            torch.manual_seed(derive_seed(context.seed, "fedgen-generator"))
         module = FedGenGenerator(options.noise_dim, context.num_classes,
                                  options.hidden_dim or context.feature_dim, context.feature_dim)
     return module.to(context.device)

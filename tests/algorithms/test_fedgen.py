@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import head_row, head_upload, launch_smoke, make_client, make_context
+from reference_starts import fedgen_generator
 
 from htfl_dist.algorithms import get_algorithm, parse_options
 from htfl_dist.algorithms.fedgen import FedGenGenerator, draw_labels_and_noise, generator_size
@@ -246,6 +247,27 @@ def test_initial_generator_comes_from_its_own_named_stream_and_is_frozen_on_clie
     for module in (server.generator, client_side.generator):
         torch.testing.assert_close(head_row(module), head_row(expected), rtol=0, atol=0)
     assert not any(p.requires_grad for p in client_side.generator.parameters())
+
+
+def test_htfllib_init_draws_the_generator_as_htfllib_does():
+    """model.init=htfllib: the initial G (server's and clients' alike) is HtFLlib's first draws
+    after the last clientGen's torch.manual_seed(0) and its one DataLoader pass (the run seed
+    standing for 0); the global RNG is left alone; other inits keep the named stream."""
+    import dataclasses
+
+    entry, context = make_context("fedgen")  # C = 3, K = 4, nd = 32, hd = K
+    context = dataclasses.replace(context, seed=4, model_init="htfllib")
+    expected = fedgen_generator(4, 32, 3, 4, 4)
+    torch.manual_seed(99)
+    before = torch.get_rng_state()
+    server, client_side = entry.server(context), entry.client(context)
+    assert torch.equal(torch.get_rng_state(), before)
+    for module in (server.generator, client_side.generator):
+        got = [module.fc1.weight, module.fc1.bias, module.fc.weight, module.fc.bias]
+        for mine, theirs in zip(got, expected, strict=True):
+            torch.testing.assert_close(mine.detach(), theirs, rtol=0, atol=0)
+    named = entry.server(dataclasses.replace(context, model_init="per_client")).generator
+    assert not torch.equal(named.fc1.weight, expected[0])
 
 
 def test_all_zero_prior_falls_back_to_uniform_and_a_single_label_prior_is_kept():
