@@ -30,6 +30,7 @@ import torch
 from htfl_dist.algorithms.blocks.model_part import PartAveragingServer
 from htfl_dist.algorithms.class_rows import ClassMeanServer
 from htfl_dist.algorithms.interface import ServerAlgorithm
+from htfl_dist.algorithms.registry import sums_only
 from htfl_dist.config import Config
 from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Field, Payload
@@ -206,7 +207,10 @@ def server_step(server: ServerAlgorithm, uploads: dict[int, Payload], weights: M
     """One asynchronous server step on the buffered ``uploads`` (``weights``: s(τ) per client;
     ``started``: the knowledge each client started from). A class-mean server mixes the buffer's
     staleness-weighted means in (:func:`mix_class_rows`); a part-averaging server takes FedBuff's
-    step on the deltas (:func:`fedbuff_part_step`); any other server runs its ``update``."""
+    step on the deltas (:func:`fedbuff_part_step`); any other server, and a subclass of those
+    two that rewrites ``update`` (not ``registry.sums_only``), runs its ``update``."""
+    if not sums_only(type(server)):  # its update is its own (FedPCL's class means, FedTGP's training)
+        return server.update(uploads, round_index, generator)
     if isinstance(server, ClassMeanServer):
         return _class_mean_step(server, uploads, weights, rate, round_index, generator)
     if isinstance(server, PartAveragingServer):

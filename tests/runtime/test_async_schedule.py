@@ -165,12 +165,12 @@ def test_one_fedbuff_step_of_an_averaged_part_by_hand(average, expected):
     assert torch.allclose(server.row, expected * ones, atol=1e-6)
 
 
-def test_another_server_runs_its_own_update_on_the_buffer():
-    class Recording:
-        def update(self, uploads, round_index, generator):
-            return {"got": sorted(uploads)}
-
-    assert server_step(Recording(), {4: {}, 2: {}}, {4: 0.5, 2: 1.0}, {}, 0.5, 0, torch.Generator()) == {"got": [2, 4]}
+@pytest.mark.parametrize("algorithm", ["fedtgp", "fedpcl"])  # fedpcl: a class-mean server with its own update
+def test_another_server_runs_its_own_update_on_the_buffer(algorithm, monkeypatch):
+    entry, context = make_context(algorithm)
+    server = entry.server(context)
+    monkeypatch.setattr(server, "update", lambda uploads, round_index, generator: {"got": sorted(uploads)})
+    assert server_step(server, {4: {}, 2: {}}, {4: 0.5, 2: 1.0}, {}, 0.5, 0, torch.Generator()) == {"got": [2, 4]}
 
 
 ASYNC = ["participation.mode=async", "participation.clock=true"]
