@@ -258,7 +258,7 @@ def table_rows(ours: list[float], references: list[list[float]], rounds: int) ->
 
 
 def cell(value: float | None) -> str:
-    return "–" if value is None else f"{value:.2f}"
+    return "–" if value is None else f"{round(value, 2) + 0.0:.2f}"  # + 0.0: no "-0.00"
 
 
 def markdown(rows: list[dict], runs: int) -> list[str]:

@@ -105,6 +105,7 @@ def test_table_gives_spread_and_difference_to_the_mean():
     lines = side_by_side.markdown(rows, runs=2)
     assert lines[0] == "| round | ours | reference 1 | reference 2 | reference spread | ours − reference mean |"
     assert lines[2] == "| 1 | 50.00 | 45.00 | 40.00 | 5.00 | 7.50 |" and lines[4] == "| 3 | – | – | – | – | – |"
+    assert side_by_side.cell(-1e-9) == "0.00" and side_by_side.cell(-0.006) == "-0.01"  # equal sides: no "-0.00"
 
 
 def test_reference_logs_are_read_in_either_format():
