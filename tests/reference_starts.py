@@ -40,3 +40,18 @@ def fedgen_generator(seed: int, noise_dim: int, num_classes: int, hidden_dim: in
     fc1 = nn.Sequential(nn.Linear(noise_dim + num_classes, hidden_dim), nn.BatchNorm1d(hidden_dim), nn.ReLU())
     fc = nn.Linear(hidden_dim, feature_dim)
     return [fc1[0].weight.detach(), fc1[0].bias.detach(), fc.weight.detach(), fc.bias.detach()]
+
+
+def fedsa_anchors(seed: int, num_classes: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """lokinko/FedSA@75bf106 (``serversa.py``) as it starts: every ``clientSA`` ends its
+    ``__init__`` with ``torch.manual_seed(0)``; ``FedSA.__init__`` then builds
+    ``projecter_linear = Sequential(Linear(K, K), SyncBN(K), ReLU, Linear(K, K), SyncBN(K), ReLU)``
+    (SyncBN, outside a process group, computes as BatchNorm1d), then ``random_center =
+    torch.randn(C, K)``, and ``semantic_anchors = projecter_linear(random_center)`` in train mode.
+    Returns (random_center, semantic_anchors). ``seed`` stands for the reference's 0."""
+    torch.manual_seed(seed)
+    projecter_linear = nn.Sequential(nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(inplace=True),
+                                     nn.Linear(width, width), nn.BatchNorm1d(width), nn.ReLU(inplace=True))
+    random_center = torch.randn(num_classes, width)
+    with torch.no_grad():
+        return random_center, projecter_linear(random_center).detach()

@@ -116,18 +116,34 @@ def build_anchors(context: AlgorithmContext) -> torch.Tensor:
     """Ā⁰ [C, K] on the CPU, a function of the run seed only: A from the stream (seed,
     "fedsa-anchors"), h_ψ initialised from (seed, "fedsa-projection") inside a forked RNG (torch's
     global stream is left alone) and applied once in train mode, so each BatchNorm standardises
-    every dimension over the C anchors. Nothing is trained; the result is detached."""
+    every dimension over the C anchors. Nothing is trained; the result is detached.
+
+    Under ``model.init=htfllib``, A and h_ψ are drawn as the reference draws them (issue 47
+    item 3), in a forked RNG too: every ``clientSA`` ends its ``__init__`` with
+    ``torch.manual_seed(0)``; ``FedSA.__init__`` (lokinko/FedSA@75bf106 ``serversa.py``) then
+    builds ``projecter_linear`` (Linear, SyncBN, ReLU, Linear, SyncBN, ReLU: the two Linears
+    draw) and only then ``random_center = torch.randn(C, K)``. The run seed stands for 0."""
     num_classes, dim = context.num_classes, context.feature_dim
-    anchors = torch.randn(num_classes, dim, generator=torch_generator(context.seed, "fedsa-anchors"))
+    with torch.random.fork_rng(devices=[]):
+        if context.model_init == "htfllib":
+            torch.manual_seed(context.seed)
+            projection = _projection(dim)
+            anchors = torch.randn(num_classes, dim)
+        else:
+            anchors = torch.randn(num_classes, dim, generator=torch_generator(context.seed, "fedsa-anchors"))
+            torch.manual_seed(derive_seed(context.seed, "fedsa-projection"))
+            projection = _projection(dim)
     if context.options.anchor_projection == "none":
         return anchors
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(derive_seed(context.seed, "fedsa-projection"))
-        projection = nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(),
-                                   nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU())
     projection.train()
     with torch.no_grad():
         return projection(anchors).contiguous()
+
+
+def _projection(dim: int) -> nn.Sequential:
+    """h_ψ = (Linear → BatchNorm → ReLU) × 2, K → K, drawn from torch's global RNG."""
+    return nn.Sequential(nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU(),
+                         nn.Linear(dim, dim), nn.BatchNorm1d(dim), nn.ReLU())
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from reference_starts import fedsa_anchors
 from torch import nn
 
 from conftest import SMOKE, read_metrics, run_program, run_smoke
@@ -249,6 +250,25 @@ def test_anchors_depend_on_the_run_seed_only():
     assert bool(((first == 0).any(dim=0) & (first > 0).any(dim=0)).all())
     _, raw = _context(num_classes=10, feature_dim=64, seed=3, anchor_projection="none")
     assert bool((build_anchors(raw) < 0).any())  # the raw Gaussian table (Table 4, w/o ER)
+
+
+def test_htfllib_init_draws_the_anchors_as_the_reference_does():
+    """model.init=htfllib: A and h_ψ are lokinko/FedSA@75bf106's first draws after its clients'
+    torch.manual_seed(0) (the run seed standing for 0): the projection's two Linears first, then
+    randn(C, K); the server's initial anchors are the reference's semantic_anchors (and, with
+    anchor_projection=none, its random_center); the global RNG is left alone."""
+    import dataclasses
+
+    entry, context = _context(num_classes=5, feature_dim=4, seed=6)
+    context = dataclasses.replace(context, model_init="htfllib")
+    raw, projected = fedsa_anchors(6, 5, 4)
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    torch.testing.assert_close(entry.server(context).download()["anchors"], projected, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), before)
+    _, plain = _context(num_classes=5, feature_dim=4, seed=6, anchor_projection="none")
+    torch.testing.assert_close(build_anchors(dataclasses.replace(plain, model_init="htfllib")), raw, rtol=0, atol=0)
+    assert not torch.equal(build_anchors(dataclasses.replace(context, model_init="per_client")), projected)
 
 
 def test_ema_moves_only_the_classes_present():
