@@ -263,6 +263,9 @@ def check_asynchronous(config: Config) -> None:
         key = "privacy.secure_aggregation" if config.privacy.secure_aggregation else "runtime.presum_uploads"
         raise ConfigError(f"config key '{key}' sums a round's uploads; participation.mode=async weighs each "
                           f"upload by its staleness: use one or the other")
+    if options.profile == "trace" and any(device.windows for device in client_devices(config)):
+        raise ConfigError("config key 'participation.trace' gives availability windows; participation.mode=async "
+                          "does not model them: drop the trace's 'available' column")
     if options.concurrency is not None and options.concurrency > config.num_clients:
         raise ConfigError(f"config key 'participation.concurrency' is {options.concurrency}, more than the "
                           f"{config.num_clients} clients (num_clients)")
@@ -286,11 +289,7 @@ class AsynchronousSteps(RoundObserver):
         self.plan: StepPlan | None = None
         if not session.is_server:
             return
-        devices = client_devices(config)
-        if any(device.windows for device in devices):
-            raise ConfigError("config key 'participation.trace' gives availability windows; participation.mode=async "
-                              "does not model them: drop the trace's 'available' column")
-        clock = Participation(config, session.partition, devices)
+        clock = Participation(config, session.partition, client_devices(config))
         concurrency = options.concurrency or max(1, int(config.num_clients * config.join_ratio))
 
         def seconds(client: int, count: int, version: int) -> float:

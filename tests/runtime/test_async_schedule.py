@@ -203,3 +203,13 @@ def test_what_async_refuses_across_sections(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(".", r"\.")):
         check_asynchronous(load_config(SMOKE, overrides))
     check_asynchronous(load_config(SMOKE, [*ASYNC, "participation.concurrency=6"]))  # every client at once
+
+
+def test_a_trace_with_availability_windows_is_refused(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("client,speed,bandwidth_mbps,available\n" + "".join(f"{c},1,100,0-10\n" for c in range(6)))
+    config = load_config(SMOKE, [*ASYNC, "participation.profile=trace", f"participation.trace={trace}"])
+    with pytest.raises(ConfigError, match=r"config key 'participation\.trace' gives availability windows"):
+        check_asynchronous(config)
+    trace.write_text("client,speed,bandwidth_mbps\n" + "".join(f"{c},1,100\n" for c in range(6)))
+    check_asynchronous(config)  # without windows, a trace is welcome
