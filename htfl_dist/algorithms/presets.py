@@ -3,7 +3,9 @@ paper. ``paper`` keeps the paper's settings; ``reference`` sets every knob the u
 the reference code's value at once (each method's ``validate`` says which, with the file and
 commit). A knob set explicitly always wins, so a preset is never a hidden override. The default is
 ``paper``, except where the paper's method could not be read and only the code could (FedHKD,
-FedNH: issue 47, a method's defaults follow one source).
+FedNH: issue 47, a method's defaults follow one source). FedPCL, whose two sources are both codes
+and whose paper could not be read, names them instead: ``compat: pfllib | official``
+(``fedpcl.FedPCLOptions``), the same key for the same concept.
 
 The value ``reference`` was spelled ``htfllib`` until 2026-11-29 (for most methods the reference
 code is HtFLlib's); it is hashed under that old spelling, so runs made before keep their hash
