@@ -49,8 +49,24 @@ def test_the_guaranteed_contributors_by_hand():
     assert guaranteed_contributors(6, 1.0, None, 0.5) == 4  # ⌊0.5·6⌋ + 1
     assert guaranteed_contributors(20, 0.5, None, 0.5) == 6  # 10 participants
     assert guaranteed_contributors(100, 0.1, 4, 0.5) == 3  # 10 participants, 5 holders: ⌊2.5⌋ + 1
+    assert guaranteed_contributors(100, 0.1, 4, 0.7) == 4  # 5 holders (not the 4 neighbours): ⌊3.5⌋ + 1
     assert guaranteed_contributors(100, 0.1, 10, 0.5) == 6  # k = 10 ≥ n − 1 = 9: every pair
     assert guaranteed_contributors(1000, 0.1, 10, 0.7) == 8  # 11 holders: ⌊7.7⌋ + 1
+
+
+def test_the_plan_of_a_distributed_run():
+    """The smoke config (6 clients, every one each round, secagg_threshold 0.5): t = 4, not the 6
+    contributors of a full round, so each release's multiplier is σ/2 at B = 2·1/10; the local
+    plan of the same run keeps σ and each row's own sensitivity."""
+    from htfl_dist.privacy.startup import privacy_plan
+    from htfl_dist.resolution import resolved_config
+
+    plan = privacy_plan(resolved_config(str(SMOKE), list(DISTRIBUTED)))
+    assert plan is not None and plan.contributors == 4 and plan.noise_split == "distributed"
+    multiplier, bound = plan.release_noise()
+    assert multiplier == pytest.approx(plan.noise_multiplier / 2) and bound == pytest.approx(0.2)
+    local = privacy_plan(resolved_config(str(SMOKE), [*DISTRIBUTED, "privacy.noise_split=local"]))
+    assert local is not None and local.contributors == 1 and local.release_noise() == (local.noise_multiplier, None)
 
 
 def _release_noise(plan: PrivacyPlan, entries: int) -> torch.Tensor:
@@ -216,13 +232,16 @@ def distributed_view(monkeypatch):
     from htfl_dist.privacy import trainer
     from htfl_dist.privacy.secagg_server import SecAggServer
 
-    view: dict[str, list] = {"clean": [], "unmasked": [], "masked": []}
+    view: dict[str, list] = {"clean": [], "unmasked": [], "masked": [], "released": []}
     release, update, receive = trainer.noisy_class_means, ClassMeanServer.update_from_sums, \
         SecAggServer.receive_masked_input
 
     def spy_release(sums, counts, **kwargs):
-        view["clean"].append(_noise_free(sums, counts, kwargs["min_count"]))
-        return release(sums, counts, **kwargs)
+        clean = _noise_free(sums, counts, kwargs["min_count"])
+        view["clean"].append(clean)
+        ids, rows = release(sums, counts, **kwargs)
+        view["released"].append(rows.double() - clean[ids])  # the release's own noise
+        return ids, rows
 
     def spy_update(self, sums, *args, **kwargs):
         view["unmasked"].append(sums["row_sums"].double().clone())
@@ -267,10 +286,15 @@ def test_a_distributed_run_releases_sums_with_the_central_noise(tmp_path, cache_
         assert float(noise.std()) > sigma_b
     assert _uniformity_p_value(view["masked"]) > 1e-3
     assert [row["secagg_clipped"] for row in rows] == [0, 0]
-    first = [sums.clone() for sums in view["unmasked"]]
+    first, releases = [sums.clone() for sums in view["unmasked"]], list(view["released"])
     view["unmasked"].clear()
+    view["released"].clear()
     simulate(SMOKE, overrides, out=tmp_path / "b")
     assert all(float((a - b).abs().max()) > 0.1 for a, b in zip(first, view["unmasked"], strict=True))
+    # each client's own release noise differs too (not only the unreleased rows' share): round 1,
+    # the same classes; a seeded release would repeat its noise to float32 rounding (~1e-7)
+    assert all(a.shape == b.shape and float((a - b).abs().max()) > 0.01
+               for a, b in zip(releases[:6], view["released"][:6], strict=True))
 
 
 def test_the_uniformity_check_the_run_reuses_refuses_unmasked_words():
