@@ -42,6 +42,9 @@ def test_the_split_by_hand():
     assert _plan().filler_std() == pytest.approx(0.2)
     assert _plan(split="local").release_noise() == (2.0, None) and _plan(split="local").filler_std() == 0.0
     assert _plan().release_noise(noise_multiplier=6.0)[0] == pytest.approx(3.0)  # the ledger's kept σ
+    # against the local mode at the smallest released count n_c = m = 10: σ·2S/m = 0.4, √t = 2 times more
+    local_at_m = 2.0 * (2 * 1.0 / 10)
+    assert local_at_m / (multiplier * bound) == pytest.approx(math.sqrt(4))
 
 
 def test_the_guaranteed_contributors_by_hand():
