@@ -3,16 +3,16 @@
     python bench/htfllib_run.py SYSTEM_DIR -data FMNIST -m HCNNs8 -algo FedProto ...
 
 HtFLlib's main module imports every algorithm it ships, and with them packages that FedProto and
-FedTGP never call: ``calmsize`` (its memory report), ``higher`` (FedL2G) and scikit-learn (the AUC
-of the base client's metrics). Where one is missing, this puts a stand-in module in its place
-whose functions *raise* when called, so a run that did need one fails loudly instead of reporting
-a made-up number (``tqdm``, a progress bar, is the one pass-through). The same holds for the
-references built on HtFLlib (ProtoNorm, FedORGP), whose extra imports are listed below; the
-stand-ins are placed after the reference's folder is on the path, so its own modules win. It
-also keeps ``torch.load``'s pre-2.6 default (``weights_only=False``): the reference pickles
-whole models into its own temp folder and reads them back each round, which newer torch
-refuses by default. Nothing of the reference's code is changed or copied; it runs from its own
-folder (it reads ``../dataset/<name>``) with its own argument parser.
+FedTGP never call: ``higher`` (FedL2G) and scikit-learn (the AUC of the base client's metrics).
+Where one is missing, this puts a stand-in module in its place whose functions *raise* when
+called, so a run that did need one fails loudly instead of reporting a made-up number (``tqdm``, a
+progress bar, and ``calmsize``, the memory report's formatting, pass their argument through).
+The same holds for the references built on HtFLlib (ProtoNorm, FedORGP), whose extra imports are
+listed below; the stand-ins are placed after the reference's folder is on the path, so its own
+modules win. It also keeps ``torch.load``'s pre-2.6 default (``weights_only=False``): the
+reference pickles whole models into its own temp folder and reads them back each round, which
+newer torch refuses by default. Nothing of the reference's code is changed or copied; it runs
+from its own folder (it reads ``../dataset/<name>``) with its own argument parser.
 """
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ import types
 import torch
 
 STAND_INS = {
-    "calmsize": ("size",),
     "higher": ("innerloop_ctx",),
     "sklearn": (),
     "sklearn.preprocessing": ("label_binarize",),
@@ -41,11 +40,14 @@ STAND_INS = {
     "flcore.servers.servermrl": ("FedMRL",),  # FedORGP's main.py imports it; its repository lacks it
 }
 """Module -> functions the reference imports from it (only where the real module is absent)."""
-PASS_THROUGH = {"tqdm": "tqdm"}
-"""Module -> a function that returns its first argument: FedORGP's server loops over
-``tqdm(clients)``, a progress bar that changes nothing computed."""
-ACCURACY = re.compile(r"(?:^|\] )Averaged Test Accurancy: ([\d.]+)\s*$", flags=re.M)
-"""An evaluation's line: HtFLlib prints it; FedORGP's logger writes it after a ``[date]``."""
+PASS_THROUGH = {"tqdm": "tqdm", "calmsize": "size"}
+"""Module -> a function that returns its first argument, for what changes nothing computed:
+FedORGP's server loops over ``tqdm(clients)`` (a progress bar); ``calmsize.size`` formats the
+memory report the references print after their last evaluation (bytes then stay unformatted;
+with the refusing stand-in FedORGP's run ended in an error after its results)."""
+ACCURACY = re.compile(r"(?:^|\] )Averaged Test Accuran?cy: ([\d.]+)\s*$", flags=re.M)
+"""An evaluation's line: HtFLlib prints it ("Accurancy"); FedORGP's logger writes it to a file,
+spelt "Accuracy", after a ``[date]``."""
 ITERATION_SECONDS = re.compile(r"^-{50} ([\d.]+)$", flags=re.M)
 
 

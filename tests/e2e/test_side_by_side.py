@@ -110,7 +110,7 @@ def test_table_gives_spread_and_difference_to_the_mean():
 
 def test_reference_logs_are_read_in_either_format():
     text = ("Averaged Test Accurancy: 0.1000\nStd Test Accurancy: 0.2\n"
-            "[2026-11-27 04:33:01] Averaged Test Accurancy: 0.7557\n")
+            "[2026-11-27 04:33:01] Averaged Test Accuracy: 0.7557\n")  # FedORGP's file, spelt right
     assert side_by_side.log_accuracies(text) == [0.1, 0.7557]
 
 
