@@ -136,3 +136,33 @@ def test_play_against_a_fake_reference(tmp_path):
     table = (out / "side_by_side.md").read_text()
     assert "| 2 | " in table and "| 60.00 | 62.50 | 2.50 |" in table and "commit: unknown" in table
     assert "| 60.00 | 62.50 | 2.50 |" in done.stdout
+
+
+FAKE_FEDORTH = textwrap.dedent('''\
+    import os, sys
+    FAMILIES = ["HCNNs8"]
+    argv = sys.argv[1:]
+    data, rounds = argv[argv.index("-data") + 1], int(argv[argv.index("-er") + 1])
+    assert os.path.isfile(f"../dataset/{data}/train/0.npz"), data
+    os.makedirs("temp/Fashion/FedOrth/1", exist_ok=True)
+    with open("temp/Fashion/FedOrth/1/log.log", "w") as log:
+        for accuracy in (0.7557, 0.8059, 0.8505)[:rounds]:
+            log.write(f"[2026-11-29 04:51:40] Averaged Test Accuracy: {accuracy:.4f}\\n")
+    print("Averaged Test AUC: 0.0000")
+''')
+
+
+@pytest.mark.launch
+def test_a_reference_that_logs_to_a_file_and_evaluates_after_training(tmp_path):
+    """FedORGP's layout: it reads the split as ``Fashion``, runs ``-er`` rounds, and writes each
+    evaluation (after the round's training, so none is left out) to a log file of its own."""
+    _env()  # a launch: the test must be marked so
+    args = side_by_side.parse_args(["fedorgp", "--reference", str(fake_reference(tmp_path / "ref", FAKE_FEDORTH)),
+                                    "--out", str(tmp_path / "out"), "--clients", "3", "--subsample", "0.02",
+                                    "--rounds", "2"])
+    out = (tmp_path / "out").resolve()
+    out.mkdir()
+    side_by_side.write_split(args, out)
+    accuracies, rc = side_by_side.reference_run(side_by_side.METHODS["fedorgp"], args, out, 1)
+    assert rc == 0, (out / "reference_1" / "output.log").read_text()
+    assert accuracies == [0.7557, 0.8059]
