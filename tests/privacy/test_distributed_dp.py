@@ -348,3 +348,18 @@ def test_a_replayed_distributed_round_resends_each_release_and_charges_it_once(t
     assert sorted(released) == sorted(key for key in whole if key[1] == 2)
     for key, (ids, rows) in released.items():
         assert torch.equal(ids, whole[key][0]) and torch.equal(rows, whole[key][1])
+
+
+@pytest.mark.launch
+def test_three_ranks_run_the_distributed_split(tmp_path, cache_dir):
+    """Rank 0 relays the protocol between two client ranks over Gloo; each client's share of the
+    noise (its release and its unreleased rows) is drawn on its own rank. What does not depend on
+    the noise is one process's: ε, the classes released, nothing clipped."""
+    from conftest import run_smoke
+
+    overrides = ("rounds=1", "data.subsample=0.01", *DISTRIBUTED)
+    rows = run_smoke("torchrun", 3, tmp_path / "ranks", cache_dir, *overrides)
+    alone = run_smoke("single", 1, tmp_path / "single", cache_dir, *overrides)
+    for launched, single in zip(rows, alone, strict=True):
+        assert launched["epsilon_max"] == single["epsilon_max"]
+        assert launched["global_classes"] == single["global_classes"] and launched["secagg_clipped"] == 0
