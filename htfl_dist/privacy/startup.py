@@ -67,6 +67,9 @@ def check_private_config(config: Config) -> None:
         raise ConfigError("privacy.noise_split=distributed needs privacy.secure_aggregation=true: without it the "
                           "server sees each client's release, which would carry only its share of the noise")
     if not config.privacy.enabled:
+        if config.privacy.noise_split == "distributed":
+            raise ConfigError("privacy.noise_split=distributed splits the noise of differential privacy, which is "
+                              "off; set privacy.enabled=true (or leave noise_split at local)")
         return
     if config.privacy.noise == "secure":
         require_secure_noise()

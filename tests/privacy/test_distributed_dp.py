@@ -125,6 +125,8 @@ def test_the_clip_range_against_the_noise_by_hand():
     (("privacy.enabled=true", "privacy.noise_split=distributed"),
      r"^privacy.noise_split=distributed needs privacy.secure_aggregation=true: without it the server sees each"),
     (("privacy.noise_split=distributed",), r"^privacy.noise_split=distributed needs privacy.secure_aggregation"),
+    (("privacy.secure_aggregation=true", "privacy.noise_split=distributed"),
+     r"^privacy.noise_split=distributed splits the noise of differential privacy, which is off; set privacy.enabled"),
     ((*DISTRIBUTED, "privacy.secagg_clip=1.2", "privacy.min_class_samples=1", "privacy.target_epsilon=1"),
      r"^privacy.secagg_clip=1.2 would clip up to"),
 ])
