@@ -311,7 +311,8 @@ def write_report(result: dict, out: Path, runs: int) -> str:
         f"- machine: {result['machine']}",
         f"- split: {result['split']}", f"- exit codes: {result['exit_codes']}",
         f"- split written by {commands['split']}",
-        f"- reference (each run from its own copy, {{run}} = reference_1 … reference_{runs}): "
+        f"- reference (each run from its own copy, {{run}} = "
+        f"{', '.join(f'reference_{k}' for k in range(1, runs + 1))}): "
         f"`{commands['reference']}`",
         f"- ours: `{commands['ours']}`", "",
         "Test accuracy after each round, %:", "", *markdown(result["rounds"], runs)]) + "\n"

@@ -97,6 +97,14 @@ def test_each_method_maps_to_its_references_flags(tmp_path):
         assert (REPO / "configs" / method.config).is_file(), method.config
 
 
+def test_list_names_every_method_and_why_some_are_not_wired(capsys):
+    assert side_by_side.main(["--list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("fedproto: -algo FedProto -lam 10  [TsingZ0/HtFLlib at 728e52a")
+    assert "fedhkd: not wired: own layout" in lines and len(lines) == len(side_by_side.METHODS) + len(
+        side_by_side.NOT_WIRED)
+
+
 def test_table_gives_spread_and_difference_to_the_mean():
     rows = side_by_side.table_rows([0.5, 0.6], [[0.45, 0.7], [0.4]], rounds=3)
     assert [r["reference"] for r in rows] == [[45.0, 40.0], [70.0, None], [None, None]]
@@ -135,6 +143,7 @@ def test_play_against_a_fake_reference(tmp_path):
             "-lbs", "10", "-lr", "0.01", "-ls", "1", "-jr", "1", "-fd", "512", "-dev", "cpu", "-lam", "10"]
     table = (out / "side_by_side.md").read_text()
     assert "| 2 | " in table and "| 60.00 | 62.50 | 2.50 |" in table and "commit: unknown" in table
+    assert "{run} = reference_1, reference_2)" in table
     assert "| 60.00 | 62.50 | 2.50 |" in done.stdout
 
 
