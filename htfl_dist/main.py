@@ -127,6 +127,9 @@ def run(argv: list[str] | None = None) -> int:
     _make_deterministic(torch)
     out = out_directory(args.out, config)
     resume_from = resume_source(args.resume, out)
+    # the device and what train.cuda_graphs can do on it: refusals come before the run directory
+    device = pick_device(config.runtime, launch)
+    graphs = _step_graphs_note(config, device)
     refusal, lock = None, None
     if launch.rank == 0:
         try:
@@ -134,10 +137,9 @@ def run(argv: list[str] | None = None) -> int:
         except HtflError as exc:
             refusal = exc
     try:
-        device = pick_device(config.runtime, launch)
         transport = open_transport(config.runtime, launch, device)
         agree_to_start(transport, refusal)  # no rank goes on (or writes) unless rank 0 took the directory
-        return _run_federation(config, launch, transport, device, out, resume_from)
+        return _run_federation(config, launch, transport, device, out, resume_from, graphs)
     except HtflError:
         if lock is not None:
             lock.withdraw_record()
@@ -147,7 +149,18 @@ def run(argv: list[str] | None = None) -> int:
             lock.release()
 
 
-def _run_federation(config, launch, transport, device, out: Path, resume_from: Path | None) -> int:
+def _step_graphs_note(config, device) -> str:
+    """What the run line says of ``train.cuda_graphs`` (nothing when off)."""
+    from htfl_dist.algorithms import get_algorithm
+    from htfl_dist.runtime.startup import step_graphs
+
+    if config.train.cuda_graphs == "off":
+        return ""
+    recorded, why_not = step_graphs(config, get_algorithm(config.algorithm), device)
+    return ", local steps as CUDA graphs" if recorded else f", local steps eager: {why_not}"
+
+
+def _run_federation(config, launch, transport, device, out: Path, resume_from: Path | None, graphs: str) -> int:
     from htfl_dist.metrics.writer import progress
     from htfl_dist.runtime.bootstrap import open_liveness, software_versions
     from htfl_dist.runtime.loop import RunContext, start
@@ -156,7 +169,7 @@ def _run_federation(config, launch, transport, device, out: Path, resume_from: P
     if launch.rank == 0:
         progress(f"htfl_dist: {config.algorithm}, {_count(config.num_clients, 'client')}, "
                  f"{_count(config.rounds, 'round')}; {_count(launch.world_size, 'rank')} via {launch.launcher} "
-                 f"({transport.name}, {device}); "
+                 f"({transport.name}, {device}{graphs}); "
                  f"run directory {out}")
     context = RunContext(config, transport, device, out, resume_from,
                          extra_summary={"versions": software_versions(), "launcher": launch.launcher},

@@ -179,6 +179,8 @@ class PrototypeClient(ClientAlgorithm):
 
 
 class FedProtoClient(PrototypeClient):
+    capturable_step = True  # its loss has no host sync (written for vmap: torch.where and gathers)
+
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         counts = (Field("counts", torch.int64, max_rows=context.num_classes),) if context.options.weighted else ()

@@ -55,6 +55,10 @@ class AlgorithmContext:
     model_options: dict[str, Any] = field(default_factory=dict)
     """``model.options``, spelled out: pass it as ``build_model(..., options=context.model_options)``
     so a model an algorithm builds has the shape the clients' have (empty: every default)."""
+    step_graphs: bool = False
+    """Whether ``training.run_local_training`` records full-batch steps as CUDA graphs: what the
+    runtime resolved from ``train.cuda_graphs`` (a CUDA device, a client step declared
+    ``capturable_step``, no privacy, compile or batched clients; ``runtime.startup.step_graphs``)."""
 
     @property
     def inputs(self) -> InputSpec:
@@ -146,6 +150,13 @@ def seed_training(seed: int, client_id: int, round_index: int) -> None:
 
 class ClientAlgorithm:
     """Client half: local training and inference."""
+
+    capturable_step: ClassVar[bool] = False
+    """Whether the step ``run_local_training`` takes for this algorithm (its loss, ``before_step``
+    and optimisers) can be recorded as a CUDA graph (``train.cuda_graphs``): no host sync (no
+    ``.item()``, no boolean-mask indexing, no Python branch on a tensor's value) and nothing read
+    that changes while the client trains a round. A step that claims it and is not is caught at
+    its recording: the client trains eagerly and the run says so once."""
 
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context

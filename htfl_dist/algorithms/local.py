@@ -17,6 +17,8 @@ class LocalOptions:
 
 
 class LocalClient(ClientAlgorithm):
+    capturable_step = True  # its loss has no host sync (written for vmap: torch.where and gathers)
+
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         loss_sum, seen = run_local_training(client, self.context, batch_cross_entropy, generator)

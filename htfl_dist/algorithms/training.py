@@ -3,6 +3,7 @@ same-architecture clients at once (``train.client_batching=vmap``), and the serv
 loop over (vector, label) pairs (FedTGP's prototypes, FedGH's head, FedOC)."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from torch.func import functional_call, grad, stack_module_state, vmap
 from htfl_dist.algorithms.batches import Batch, epoch_batches, epoch_order, samples_per_epoch
 from htfl_dist.algorithms.interface import AlgorithmContext, ClientState
 from htfl_dist.algorithms.optimizers import check_round_learning_rate
+from htfl_dist.algorithms.step_graphs import CudaGraphs, RecordedSteps, StepOutputs
 from htfl_dist.config import TrainConfig
 from htfl_dist.errors import ConfigError
 from htfl_dist.models.base import SplitModel
@@ -80,27 +82,68 @@ def run_local_training(client: ClientState, context: AlgorithmContext,
                               f"or edits gradients, which DP-SGD does not cover")
         return client.private.train(client, context, loss_fn, generator, on_batch=on_batch)
     model = client.model
-    optimizers = (client.optimizer,) if optimizers is None else tuple(optimizers)
+    steppers = (client.optimizer,) if optimizers is None else tuple(optimizers)
     model.train()
     full_batch_forward = model_forward(context.train.compile, client.device)
-    loss_total, seen = torch.zeros((), device=client.device), 0  # summed on device: no per-step sync
-    for index in epoch_batches(client.train_y.shape[0], context.train, generator, client.device):
-        x, y = client.train_x[index], client.train_y[index]
-        forward = full_batch_forward if y.shape[0] == context.train.batch_size else eager_forward
+
+    def clear_gradients() -> None:
+        for optimizer in steppers:
+            optimizer.zero_grad(set_to_none=True)
+
+    def update(x: torch.Tensor, y: torch.Tensor, forward: Callable = eager_forward) -> StepOutputs:
+        """One step on a batch, gradients None when it starts (what a recorded step replays)."""
         features, logits = forward(model, x)
         loss = loss_fn(Batch(x, y, features, logits))
-        for optimizer in optimizers:
-            optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if before_step is not None:
             before_step()
-        for optimizer in optimizers:
+        for optimizer in steppers:
             optimizer.step()
+        return loss.detach(), features.detach(), logits.detach()
+
+    recorded = RecordedSteps(CudaGraphs(), update, clear_gradients) if context.step_graphs else None
+    loss_total, seen = torch.zeros((), device=client.device), 0  # summed on device: no per-step sync
+    for index in epoch_batches(client.train_y.shape[0], context.train, generator, client.device):
+        x, y = client.train_x[index], client.train_y[index]
+        full = y.shape[0] == context.train.batch_size
+        outputs = None
+        if recorded is not None and full:
+            outputs = recorded_step(recorded, x, y, context)
+            recorded = recorded if outputs is not None else None
+        if outputs is None:
+            clear_gradients()
+            outputs = update(x, y, full_batch_forward if full else eager_forward)
+        loss, features, logits = outputs
         if on_batch is not None:
-            on_batch(Batch(x, y, features.detach(), logits.detach()))
-        loss_total += loss.detach() * y.shape[0]
+            on_batch(Batch(x, y, features, logits))
+        loss_total += loss * y.shape[0]
         seen += y.shape[0]
     return float(loss_total), seen
+
+
+def recorded_step(recorded: RecordedSteps, x: torch.Tensor, y: torch.Tensor, context: AlgorithmContext
+                  ) -> StepOutputs | None:
+    """``recorded(x, y)``, or None where the step cannot be recorded (a host sync in the loss, an
+    optimiser that is not capturable): nothing ran, the caller steps eagerly from here on, and the
+    first such client says so in one line (``train.cuda_graphs=on`` makes it an error)."""
+    try:
+        return recorded(x, y)
+    except RuntimeError as error:
+        if recorded.replay is not None or recorded.static is None:
+            raise  # not the recording: a real failure of the step
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if context.train.cuda_graphs == "on":
+            raise ConfigError(f"train.cuda_graphs=on: the local step cannot be recorded as a CUDA graph "
+                              f"({reason}); use train.cuda_graphs=auto or off") from None
+        if not _SAID_UNRECORDABLE:
+            print(f"train.cuda_graphs=auto: the local step cannot be recorded as a CUDA graph ({reason}); "
+                  f"its clients train eagerly", file=sys.stderr, flush=True)
+            _SAID_UNRECORDABLE.append(reason)
+        return None
+
+
+_SAID_UNRECORDABLE: list[str] = []
+"""The reason given, once per process, for steps that could not be recorded."""
 
 
 def eager_forward(model: SplitModel, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

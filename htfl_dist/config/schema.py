@@ -106,6 +106,14 @@ class TrainConfig:
     2-core CPU it made a step slower than eager. Fused kernels round differently, so a compiled
     run is another experiment (in the hash; ``off`` is not). Refused with client_batching=vmap and
     privacy.enabled, which train through their own step."""
+    cuda_graphs: Literal["auto", "on", "off"] = declared("off", identity=ADDED_LATER)
+    """Record each client's full-batch local step (forward, the algorithm's loss, backward, the
+    optimisers' step) once per round as a CUDA graph and replay it (htfl_dist/algorithms/
+    step_graphs.py): a batch-10 step of a small CNN then costs one launch instead of hundreds.
+    auto: where possible (a CUDA device, an algorithm whose step is declared capturable: local,
+    fedproto; no privacy, compile or client batching), eager elsewhere, and the run line says
+    which; on: as auto, refused in one line where impossible; off: eager. Off by default until
+    the GPU suite has shown it equal to eager on a lent GPU (it has not run there yet)."""
     max_diverged_rounds: int = bounded(3, identity=PLUMBING, at_least=0, note="0 = never give up")
     """A run in which every participating client's loss is not finite (NaN or infinite: the
     learning rate is too large for the model) this many rounds in a row ends with one line and

@@ -145,6 +145,9 @@ def check_private_run(config: Config, entry: Any, options: Any, upload_names: li
     if config.train.client_batching != "off":
         raise ConfigError("privacy.enabled: train.client_batching=vmap has no DP-SGD path; "
                           "use train.client_batching=off")
+    if config.train.compile != "off":
+        raise ConfigError(f"privacy.enabled: train.compile={config.train.compile} has no DP-SGD path (Opacus "
+                          f"steps the eager model); use train.compile=off")
 
 
 def private_algorithms() -> list[str]:

@@ -46,6 +46,7 @@ from htfl_dist.runtime.startup import (
     handshake,
     place_clients,
     prepare_data,
+    step_graphs,
 )
 from htfl_dist.runtime.supervisor import tell_supervisor
 from htfl_dist.runtime.transport import Transport
@@ -268,6 +269,7 @@ class Session:
             num_clients=config.num_clients, model_group=config.model.group, model_init=config.model.init,
             in_channels=info.in_channels, image_size=info.image_size,
             latent_dim=latent_dim, input_spec=info.inputs(), model_options=config.model.options,
+            step_graphs=step_graphs(config, self.entry, self.device)[0],
         )
 
     @property

@@ -94,6 +94,31 @@ def check_client_batching(entry: AlgorithmEntry, context: AlgorithmContext) -> N
                               f"train.client_batching=off")
 
 
+def step_graphs(config: Config, entry: AlgorithmEntry, device: torch.device) -> tuple[bool, str]:
+    """``train.cuda_graphs`` resolved for this run: (record the local steps?, why not, or ''),
+    from the config, the algorithm's declaration and the device alone, so every rank agrees.
+    ``on`` where it cannot hold is one ConfigError line before anything trains."""
+    mode = config.train.cuda_graphs
+    if mode == "off":
+        return False, ""
+    obstacles = []
+    if device.type != "cuda":
+        obstacles.append(f"the device is {device.type}, not a CUDA GPU")
+    if not entry.client.capturable_step:
+        able = [name for name in algorithm_names() if get_algorithm(name).client.capturable_step]
+        obstacles.append(f"{entry.name}'s local step is not declared capturable (these are: {', '.join(able)})")
+    for key, value, eager in (("privacy.enabled", config.privacy.enabled, "DP-SGD steps through Opacus"),
+                              ("train.compile", config.train.compile != "off", "it compiles the forward instead"),
+                              ("train.client_batching", config.train.client_batching != "off",
+                               "batched clients step through vmap")):
+        if value:
+            obstacles.append(f"{key} is on ({eager})")
+    if obstacles and mode == "on":
+        raise ConfigError(f"train.cuda_graphs=on cannot record the local steps: {'; '.join(obstacles)}; "
+                          f"use train.cuda_graphs=auto or off")
+    return not obstacles, "; ".join(obstacles)
+
+
 def prepare_data(config: Config, transport: Transport):
     """Rank 0 builds the partition cache while the others wait; they then find it (or, on a
     node that does not share the cache directory, build the identical file themselves)."""

@@ -738,10 +738,11 @@ def test_feddistill_with_post_update_logits_is_accepted():
     (["algorithm=fedsa"], "fedsa with these options uploads class counts"),
     (["algo.proto_from=during_training"], "algo.proto_from=during_training"),
     (["train.client_batching=vmap"], "train.client_batching=vmap has no DP-SGD path"),
+    (["train.compile=default"], "train.compile=default has no DP-SGD path (Opacus steps the eager model)"),
     (["eval.new_clients=2"], "privacy.enabled: eval.new_clients=2: the unseen clients would train and report "
                              "their accuracy without privacy"),
 ], ids=["batchnorm-group", "batchnorm-member", "not-private", "counts-on-the-wire", "rows-during-training",
-        "batched-clients", "unseen-clients"])
+        "batched-clients", "compiled-forward", "unseen-clients"])
 def test_every_privacy_refusal_is_one_line_before_the_data_loads(tmp_path, overrides, needle):
     """Were refused after the partition was prepared and the models built (the audit: a BatchNorm
     group, an algorithm that cannot be private), or not at all (unseen clients trained without

@@ -559,3 +559,12 @@ def test_check_refuses_a_directory_in_use(tmp_path, capsys):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_cuda_graphs_on_where_they_cannot_be_is_one_line_before_the_run_directory(tmp_path, capsys, cache_dir):
+    out = tmp_path / "run"
+    line = _refused(capsys, [*SMOKE_ARGS, "--out", str(out), f"data.cache_dir={cache_dir}", "runtime.device=cpu",
+                             "train.cuda_graphs=on"], out, 2, [
+        "train.cuda_graphs=on cannot record the local steps: the device is cpu, not a CUDA GPU; "
+        "use train.cuda_graphs=auto or off"])
+    assert line.startswith("htfl_dist: error: ")

@@ -1,0 +1,165 @@
+"""``train.cuda_graphs`` (issue 45 item 4) on the CPU: the schedule of recorded steps (warm-up,
+recording, replays, eager partial batches) through a backend that records without running and
+replays by running, as a CUDA graph does, so a client trained through it must equal eager bit
+for bit; the fallback when a step cannot be recorded; and what start-up resolves and refuses.
+The CUDA backend itself is compared with eager by the GPU suite."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from htfl_dist.algorithms import AlgorithmContext, ClientState, get_algorithm, training
+from htfl_dist.algorithms.step_graphs import WARMUP_STEPS
+from htfl_dist.algorithms.training import gradient_clipper, run_local_training
+from htfl_dist.config import TrainConfig
+from htfl_dist.errors import ConfigError
+from htfl_dist.models import SplitModel
+from htfl_dist.resolution import resolved_config
+from htfl_dist.runtime.startup import step_graphs
+from htfl_dist.seeding import torch_generator
+
+
+class PlainGraphs:
+    """Records nothing and runs nothing at the recording; each replay runs the step on whatever
+    the static buffers hold then, which is what a CUDA graph's replay does."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.recordings = self.replays = self.warmups = 0
+
+    @contextlib.contextmanager
+    def warmup(self):
+        self.warmups += 1
+        yield
+
+    def record(self, step, clear_gradients):
+        self.recordings += 1
+        if self.fails:
+            raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+        outputs: list[torch.Tensor] = []
+
+        def replay():  # like a graph's: the same output tensors every time, overwritten in place
+            self.replays += 1
+            clear_gradients()  # a graph recorded from cleared gradients writes them afresh
+            for index, value in enumerate(step()):
+                outputs.append(value.clone()) if len(outputs) <= index else outputs[index].copy_(value)
+            return tuple(outputs)
+        return replay
+
+
+def _client(seed: int = 0, count: int = 47) -> ClientState:
+    torch.manual_seed(seed)
+    model = SplitModel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2)), nn.Linear(8, 3), feature_dim=8)
+    x = torch.randn(count, 4, generator=torch.Generator().manual_seed(seed))
+    y = torch.arange(count) % 3
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return ClientState(seed, "mlp", model, optimizer, x, y, x, y, torch.device("cpu"))
+
+
+def _context(graphs: bool, epochs: int = 2, mode: str = "auto") -> AlgorithmContext:
+    return AlgorithmContext(num_classes=3, feature_dim=8, seed=0, step_graphs=graphs,
+                            train=TrainConfig(batch_size=10, local_epochs=epochs, cuda_graphs=mode), options=None)
+
+
+def _train(client: ClientState, context: AlgorithmContext, seen_batches: list | None = None):
+    torch.manual_seed(7)  # dropout's draws: the same stream on both sides
+    clip = gradient_clipper(client.model.parameters(), 1.0)
+    on_batch = None if seen_batches is None else seen_batches.append
+    return run_local_training(client, context, lambda b: F.cross_entropy(b.logits, b.labels),
+                              torch_generator(3, "batches"), before_step=clip, on_batch=on_batch)
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    made = PlainGraphs()
+    monkeypatch.setattr(training, "CudaGraphs", lambda: made)
+    return made
+
+
+def test_a_recorded_client_trains_bit_for_bit_as_eager(backend):
+    # 47 samples in batches of 10, two epochs: 4 full batches and a partial one per epoch, the
+    # second epoch's full batches replayed after an eager partial batch in between
+    recorded, eager = _client(), _client()
+    recorded_batches, eager_batches = [], []
+    assert _train(recorded, _context(True), recorded_batches) == _train(eager, _context(False), eager_batches)
+    for a, b in zip(recorded.model.parameters(), eager.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for a, b in zip(recorded.optimizer.state.values(), eager.optimizer.state.values(), strict=True):
+        assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+    for a, b in zip(recorded_batches, eager_batches, strict=True):  # what on_batch sees, batch by batch
+        assert torch.equal(a.x, b.x) and torch.equal(a.features, b.features) and torch.equal(a.logits, b.logits)
+    assert (backend.warmups, backend.recordings) == (WARMUP_STEPS, 1)
+    assert backend.replays == 8 - WARMUP_STEPS  # every full batch after the warm-up, the recorded one included
+
+
+def test_the_replays_hand_out_copies_that_the_next_replay_does_not_overwrite(backend):
+    kept = []
+    _train(_client(), _context(True, epochs=1), kept)
+    features = [batch.features for batch in kept[:4]]
+    assert all(not torch.equal(features[i], features[i + 1]) for i in range(3))
+
+
+def test_a_step_that_cannot_be_recorded_trains_eagerly_and_says_so_once(monkeypatch, capsys):
+    failing = PlainGraphs(fails=True)
+    monkeypatch.setattr(training, "CudaGraphs", lambda: failing)
+    monkeypatch.setattr(training, "_SAID_UNRECORDABLE", [])
+    fallen, eager = _client(), _client()
+    assert _train(fallen, _context(True)) == _train(eager, _context(False))
+    assert all(torch.equal(a, b) for a, b in zip(fallen.model.parameters(), eager.model.parameters(), strict=True))
+    _train(_client(1), _context(True))
+    assert failing.recordings == 2  # one try per client and round, then eager to its end
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["train.cuda_graphs=auto: the local step cannot be recorded as a CUDA graph (operation not "
+                     "permitted when stream is capturing); its clients train eagerly"]
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=on: the local step cannot be recorded"):
+        _train(_client(), _context(True, mode="on"))
+
+
+def _config(*overrides: str):
+    return resolved_config(None, list(overrides))
+
+
+def test_start_up_records_only_where_it_can_and_on_refuses_in_one_line():
+    cuda = torch.device("cuda")  # a device object needs no GPU: nothing runs on it here
+    assert step_graphs(_config(), get_algorithm("fedproto"), cuda) == (False, "")  # off by default
+    assert step_graphs(_config("train.cuda_graphs=auto"), get_algorithm("fedproto"), cuda) == (True, "")
+    recorded, why = step_graphs(_config("train.cuda_graphs=auto"), get_algorithm("fedproto"), torch.device("cpu"))
+    assert not recorded and why == "the device is cpu, not a CUDA GPU"
+    recorded, why = step_graphs(_config("algorithm=fedtgp", "train.cuda_graphs=auto"), get_algorithm("fedtgp"), cuda)
+    assert not recorded and "fedtgp's local step is not declared capturable (these are: " in why
+    assert "fedproto" in why and "local" in why
+    with pytest.raises(ConfigError, match=r"train\.cuda_graphs=on cannot record the local steps: the device is "
+                                          r"cpu, not a CUDA GPU; train\.compile is on"):
+        step_graphs(_config("train.cuda_graphs=on", "train.compile=default"), get_algorithm("fedproto"),
+                    torch.device("cpu"))
+
+
+def test_the_context_carries_the_resolution_and_the_mode_is_another_experiment():
+    assert not AlgorithmContext(num_classes=2, feature_dim=2, seed=0, train=TrainConfig(), options=None).step_graphs
+    assert "cuda_graphs" not in _config().experiment()["train"]
+    assert _config("train.cuda_graphs=auto").experiment()["train"]["cuda_graphs"] == "auto"
+    assert dataclasses.fields(AlgorithmContext)[-1].name == "step_graphs"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU: the GPU suite runs this test")
+def test_on_a_gpu_recorded_steps_equal_eager_bit_for_bit():
+    # no dropout: every kernel of the step is deterministic, so replays must give eager's bits
+    def gpu_client() -> ClientState:
+        torch.manual_seed(0)
+        model = SplitModel(nn.Sequential(nn.Conv2d(1, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 26 * 26, 32)),
+                           nn.Linear(32, 10), feature_dim=32).cuda()
+        x = torch.randn(95, 1, 28, 28, generator=torch.Generator().manual_seed(1)).cuda()
+        y = (torch.arange(95) % 10).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return ClientState(0, "conv", model, optimizer, x, y, x, y, torch.device("cuda"))
+
+    recorded, eager = gpu_client(), gpu_client()
+    assert _train(recorded, _context(True, epochs=3)) == _train(eager, _context(False, epochs=3))
+    for a, b in zip(recorded.model.parameters(), eager.model.parameters(), strict=True):
+        assert torch.equal(a, b)
