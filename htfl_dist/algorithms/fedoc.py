@@ -155,6 +155,8 @@ class FedOCClient(PrototypeClient):
     """FedProto's upload (P_i^c after training, eval mode, for the classes held); the local loss
     CE + λ_c·L_R; inference with the client's own head."""
 
+    capturable_step = False  # a loss of its own, not checked for host syncs
+
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         num_classes, weight = self.context.num_classes, self.options.reg_weight

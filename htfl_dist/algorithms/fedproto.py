@@ -97,6 +97,10 @@ class PrototypeClient(ClientAlgorithm):
     """Client of the prototype methods: CE + λ·φ(P_i, P̂), upload P_i^c for c ∈ C_i,
     classify by the nearest global prototype."""
 
+    capturable_step = True
+    """FedProto's and FedTGP's loss has no host sync (written for vmap: torch.where and gathers);
+    a subclass with a loss of its own says so again or not (FedOC, FPL, FedSA, ProtoNorm do not)."""
+
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         return prototype_fields(context)
@@ -179,8 +183,6 @@ class PrototypeClient(ClientAlgorithm):
 
 
 class FedProtoClient(PrototypeClient):
-    capturable_step = True  # its loss has no host sync (written for vmap: torch.where and gathers)
-
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         counts = (Field("counts", torch.int64, max_rows=context.num_classes),) if context.options.weighted else ()

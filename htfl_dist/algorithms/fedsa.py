@@ -257,6 +257,8 @@ def _memory(client: ClientState) -> PrototypeMemory:
 class FedSAClient(FedProtoClient):
     """FedProto's upload (P_i^c for the classes held, counts when ``weighted``), FedSA's losses."""
 
+    capturable_step = False  # a loss of its own, not checked for host syncs
+
     def init_client(self, client: ClientState) -> None:
         client.modules[MEMORY] = PrototypeMemory(self.context.num_classes, self.context.feature_dim).to(client.device)
 

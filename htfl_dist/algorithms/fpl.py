@@ -269,6 +269,8 @@ class FPLClient(PrototypeClient):
     from the last local epoch's batches by default, as the reference does); classifies with its
     own head."""
 
+    capturable_step = False  # a loss of its own, not checked for host syncs
+
     def prototypes_around(self, clients: list[ClientState],
                           train: Callable[[Callable[[Batch], None] | None], list[tuple[float, int]]]
                           ) -> list[tuple[torch.Tensor, torch.Tensor, float, int]]:

@@ -164,6 +164,8 @@ class ProtoNormClient(FedProtoClient):
     ``proto_samples=full_batches`` the uploaded means, taken before or after training as
     ``proto_from`` says, cover the full batches only."""
 
+    capturable_step = False  # a loss of its own, not checked for host syncs
+
     def prototypes_around(self, clients: list[ClientState],
                           train: Callable[[Callable[[Batch], None] | None], list[tuple[float, int]]]
                           ) -> list[tuple[torch.Tensor, torch.Tensor, float, int]]:

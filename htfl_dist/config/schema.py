@@ -111,7 +111,7 @@ class TrainConfig:
     optimisers' step) once per round as a CUDA graph and replay it (htfl_dist/algorithms/
     step_graphs.py): a batch-10 step of a small CNN then costs one launch instead of hundreds.
     auto: where possible (a CUDA device, an algorithm whose step is declared capturable: local,
-    fedproto; no privacy, compile or client batching), eager elsewhere, and the run line says
+    fedproto, fedtgp; no privacy, compile or client batching), eager elsewhere, and the run line says
     which; on: as auto, refused in one line where impossible; off: eager. Off by default until
     the GPU suite has shown it equal to eager on a lent GPU (it has not run there yet)."""
     max_diverged_rounds: int = bounded(3, identity=PLUMBING, at_least=0, note="0 = never give up")
