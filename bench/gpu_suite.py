@@ -316,6 +316,7 @@ def fedproto_overrides(suite: Suite) -> list[str]:
 
 def step_side_by_side(suite: Suite, cap_s: float) -> None:
     ends = time.monotonic() + cap_s
+    step_graphs_equal_eager(suite, min(GRAPH_CHECKS_S, cap_s / 4))
     table = ["| run | s/round | whole run s | GPU util % | GPU mem MiB | accuracy by round % |",
              "|---|---|---|---|---|---|"]
     results: dict[str, dict] = {}
@@ -337,7 +338,11 @@ def step_side_by_side(suite: Suite, cap_s: float) -> None:
                      f"{fmt(util, '.0f')} | {fmt(launched.gpu_mem_mib, '.0f')} | {shown} (rc {launched.rc}) |")
     else:
         table.append("| HtFLlib FedProto | not prepared (gpu_prepare.sh --no-reference) | | | | |")
-    variants = [("ours_1proc", 1, []), (f"ours_{suite.sizes.ranks[0]}ranks", suite.sizes.ranks[0], []),
+    # issue 45 items 4 and 6 first: recorded steps and the compiled forward beside eager, one process
+    graphs = [("ours_graphs", 1, ["train.cuda_graphs=auto"])]
+    if not (suite.args.tiny and suite.args.device == "cpu"):  # Inductor's build: minutes on a CPU dry run
+        graphs.append(("ours_compiled", 1, ["train.compile=reduce-overhead"]))
+    variants = [("ours_1proc", 1, []), *graphs, (f"ours_{suite.sizes.ranks[0]}ranks", suite.sizes.ranks[0], []),
                 ("ours_vmap", 1, ["train.client_batching=vmap"]),
                 (f"ours_{suite.sizes.ranks[1]}ranks", suite.sizes.ranks[1], [])]
     for name, ranks, extra in variants:
@@ -360,6 +365,33 @@ def step_side_by_side(suite: Suite, cap_s: float) -> None:
         f"configs/{FEDPROTO.name} with data.partition=pfllib on the same directory. s/round: mean over "
         "rounds after the first (HtFLlib: its own per-iteration timer, evaluation included, as ours).",
         "", *table, "", *speedups(results)])
+
+
+GRAPH_CHECKS_S = 240.0
+"""At most this of step 1 for the checks of recorded and compiled steps before its runs."""
+
+
+def step_graphs_equal_eager(suite: Suite, cap_s: float) -> None:
+    """Issue 45 item 7 on the device: recorded steps equal eager bit for bit (the pytest file's
+    GPU test; skipped, saying so, without CUDA), then one step eager against each compile mode
+    with the compile counted (bench/compile_step.py; not in a CPU dry run: Inductor's build)."""
+    ends = time.monotonic() + cap_s
+    tests = suite.launch("1_graphs_equal_eager", [
+        suite.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+        str(REPO / "tests" / "algorithms" / "test_step_graphs.py"),
+        str(REPO / "tests" / "algorithms" / "test_compiled_step.py")], cap_s=cap_s / 2, cwd=REPO)
+    lines = [f"- tests/algorithms/test_step_graphs.py and test_compiled_step.py on {suite.args.device}: "
+             f"rc {tests.rc} ({'passed' if tests.ok else 'FAILED'}; logs/1_graphs_equal_eager.log says which "
+             f"ran and which were skipped)"]
+    if suite.args.tiny and suite.args.device == "cpu":
+        lines.append("- bench/compile_step.py: not in a CPU dry run (Inductor builds for minutes)")
+    else:
+        suite.launch("1_compile_step", [suite.python, str(BENCH / "compile_step.py"), "--device", suite.args.device,
+                                        "--modes", "default,reduce-overhead", "--steps", "30"],
+                     cap_s=max(1.0, ends - time.monotonic()))
+        log = (suite.out / "logs" / "1_compile_step.log").read_text().splitlines()
+        lines += ["", "```", *[line for line in log[1:] if not line.startswith(("W", "["))], "```"]
+    suite.add_section("1a. Recorded and compiled steps against eager (issue 45 items 4, 6, 7)", lines)
 
 
 def speedups(results: dict[str, dict]) -> list[str]:

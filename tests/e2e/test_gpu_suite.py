@@ -149,8 +149,12 @@ def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
     assert time.monotonic() - began < 900
     summary = (out / "summary.md").read_text()
 
+    graphs = re.search(r"^## 1a\. .*?(?=^## |\Z)", summary, flags=re.M | re.S)
+    assert graphs and "test_compiled_step.py on cpu: rc 0 (passed" in graphs[0], summary
+    assert "bench/compile_step.py: not in a CPU dry run" in graphs[0]
+    assert "SKIPPED" in (out / "logs" / "1_graphs_equal_eager.log").read_text()  # the GPU test, saying why
     side = _section(summary, 1)
-    for run in ("ours_1proc", "ours_2ranks", "ours_vmap", "ours_3ranks"):
+    for run in ("ours_1proc", "ours_graphs", "ours_2ranks", "ours_vmap", "ours_3ranks"):
         row = re.search(rf"^\| {run} \| ([\d.]+) \| [\d.]+ \| n/a \| n/a \| ([\d., ]+) \(rc 0\) \|$", side, flags=re.M)
         assert row, f"{run} row missing or failed:\n{side}"
         assert len(row[2].split(",")) == 2  # accuracy after each of the 2 rounds
