@@ -100,7 +100,7 @@ honest = loop.evaluate_clients
 def inflated(*args, **kwargs):
     """Rank 1 claims more correct predictions than it has test samples."""
     rows = honest(*args, **kwargs)
-    return {cid: [samples + 5.0, head, samples, auc] for cid, (correct, head, samples, auc) in rows.items()}
+    return {cid: [samples + 5.0, head, samples, *shares] for cid, (correct, head, samples, *shares) in rows.items()}
 
 
 if os.environ.get("RANK") == "1":
