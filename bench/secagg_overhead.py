@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--neighbours", type=int, default=10, help="k of the SecAgg+ ring")
     parser.add_argument("--cache-dir", default=None, help="partition caches (default: the user's cache)")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run (e.g. data.beta=0.5: Dirichlet 0.1 cannot give "
+                             "1,000 clients 10 samples each)")
     args = parser.parse_args(argv)
     report: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as scratch:
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         for clients, ratio in federations(args.federations):
             base = [f"num_clients={clients}", f"join_ratio={ratio}", f"rounds={args.rounds}",
                     f"data.subsample={args.subsample}", "data.min_samples_per_client=10", "checkpoint_every=0",
-                    "eval.clients_fraction=" + ("0.1" if clients >= 500 else "1.0")]
+                    "eval.clients_fraction=" + ("0.1" if clients >= 500 else "1.0"), *args.set]
             if args.cache_dir:
                 base.append(f"data.cache_dir={args.cache_dir}")
             modes = {"plain": [], "secagg": ["privacy.secure_aggregation=true"],
