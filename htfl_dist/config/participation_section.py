@@ -12,6 +12,13 @@ from htfl_dist.config.rules import ADDED_LATER, bounded, declared
 from htfl_dist.errors import ConfigError
 
 
+def round_participants(num_clients: int, join_ratio: float) -> int:
+    """int(N·ρ), at least one: the participants of a round (the fewest under ``random_join``),
+    the one rule the clock, the asynchronous schedule's default concurrency and the secure
+    aggregation threshold all read."""
+    return max(1, int(num_clients * join_ratio))
+
+
 def parse_tiers(text: str) -> list[tuple[float, float, float]]:
     """``SHARE:SPEED:MBPS,...`` as (share, speed, Mbit/s) triples: shares in (0, 1] summing to 1,
     speeds and bandwidths finite and positive; anything else one line naming the tier."""

@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from htfl_dist.config.participation_section import round_participants
 from htfl_dist.errors import ConfigError
 from htfl_dist.privacy.noise import NoiseSource
 
@@ -61,9 +62,8 @@ def share_holders(participants: int, neighbours: int | None) -> int:
 
 
 def smallest_round(num_clients: int, join_ratio: float) -> int:
-    """The fewest participants a round has: int(N·ρ), at least one (``runtime.clock.join_count``;
-    a random join count is drawn from there up to N)."""
-    return max(1, int(num_clients * join_ratio))
+    """The fewest participants a round has (a random join count is drawn from there up to N)."""
+    return round_participants(num_clients, join_ratio)
 
 
 def guaranteed_contributors(num_clients: int, join_ratio: float, neighbours: int | None, share: float) -> int:

@@ -32,6 +32,7 @@ from htfl_dist.algorithms.class_rows import ClassMeanServer
 from htfl_dist.algorithms.interface import ServerAlgorithm
 from htfl_dist.algorithms.registry import sums_only
 from htfl_dist.config import Config
+from htfl_dist.config.participation_section import round_participants
 from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Field, Payload
 from htfl_dist.runtime.exchange import RoundTraffic
@@ -290,7 +291,7 @@ class AsynchronousSteps(RoundObserver):
         if not session.is_server:
             return
         clock = Participation(config, session.partition, client_devices(config))
-        concurrency = options.concurrency or max(1, int(config.num_clients * config.join_ratio))
+        concurrency = options.concurrency or round_participants(config.num_clients, config.join_ratio)
 
         def seconds(client: int, count: int, version: int) -> float:
             # down and up: the start version's download, its upload taken as the same size (docs)

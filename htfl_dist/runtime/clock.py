@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 
+from htfl_dist.config.participation_section import round_participants
 from htfl_dist.errors import ConfigError, shown
 from htfl_dist.seeding import numpy_rng
 
@@ -318,7 +319,7 @@ def _devices_from_rows(path: Path, rows: Sequence[tuple[str, Mapping[str, object
 def join_count(seed: int, round_index: int, num_clients: int, join_ratio: float, random_join: bool) -> int:
     """How many clients take part: int(N·ρ) (at least one); with ``random_join`` (HtFLlib's -rjr)
     a count drawn uniformly from int(N·ρ)..N each round from the (seed, round) stream."""
-    fixed = max(1, int(num_clients * join_ratio))
+    fixed = round_participants(num_clients, join_ratio)
     if not random_join or fixed >= num_clients:
         return fixed
     return int(numpy_rng(seed, "join-count", round_index).integers(fixed, num_clients + 1))
