@@ -72,6 +72,11 @@ def pooled_auc(aucs: np.ndarray, samples: np.ndarray) -> float | None:
     return float((aucs[defined] * samples[defined]).sum() / samples[defined].sum())
 
 
+def evaluation_rows(reports: dict[int, Any]) -> dict[int, list[float]]:
+    """The tested clients' evaluation rows (``runtime.evaluation.test_client``), by client id."""
+    return {cid: r["eval"][0].tolist() for cid, r in reports.items() if r["eval"].shape[0]}
+
+
 def per_client_row(outcome: RoundOutcome, unseen: dict[int, Any] | None = None) -> dict[str, Any]:
     """The tested clients in id order with their accuracy, head accuracy, test samples and AUC
     (null where undefined); the unseen clients' (``eval.new_clients``) under ``new_*`` keys."""
@@ -83,7 +88,7 @@ def per_client_row(outcome: RoundOutcome, unseen: dict[int, Any] | None = None) 
 
 
 def _client_columns(reports: dict[int, Any], ids_key: str, prefix: str) -> dict[str, Any]:
-    tested = {cid: r["eval"][0].tolist() for cid, r in reports.items() if r["eval"].shape[0]}
+    tested = evaluation_rows(reports)
     ids = sorted(tested)
     return {ids_key: ids,
             f"{prefix}_acc": [tested[c][0] / max(tested[c][2], 1) for c in ids],
@@ -124,7 +129,7 @@ def pooled_columns(reports: dict[int, Any], prefix: str) -> dict[str, Any]:
     clients, by the algorithm's rule) and ``_acc_head`` (by the head), the std of the per-client
     accuracies, the mean of the worst 10 % of them, and ``<prefix>_auc`` (samples-weighted). The
     federation's row uses prefix ``test``, the unseen clients' (``eval.new_clients``) ``new_client``."""
-    evals = np.array([r["eval"][0].tolist() for r in reports.values() if r["eval"].shape[0]])
+    evals = np.array(list(evaluation_rows(reports).values()))
     per_client = evals[:, 0] / np.maximum(evals[:, 2], 1)
     samples = evals[:, 2].sum()
     return {f"{prefix}_acc": float(evals[:, 0].sum() / samples),
@@ -144,7 +149,7 @@ def class_weighted_columns(reports: dict[int, Any], prefix: str, per_client: boo
     tested clients, each weighing its clients alike as FedNH's ``average_pfl_test_acc_dict`` does,
     or (``per_client``) each client's figure in id order; NaN (a client without a trained class
     among the tested samples) counts as null and is left out of the mean."""
-    tested = {cid: r["eval"][0].tolist() for cid, r in reports.items() if r["eval"].shape[0]}
+    tested = evaluation_rows(reports)
     columns: dict[str, Any] = {}
     for offset, weighting in enumerate(WEIGHTINGS, start=4):
         values = [tested[cid][offset] for cid in sorted(tested)]
