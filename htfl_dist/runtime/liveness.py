@@ -38,6 +38,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from htfl_dist.atomic import publish_bytes
+from htfl_dist.errors import HtflError
+
 T = TypeVar("T")
 
 STORE_OP_TIMEOUT_S = 10.0
@@ -68,17 +71,18 @@ def open_store(address: StoreAddress, rank: int, world_size: int, timeout_s: flo
 def tell_torchrun(line: str) -> None:
     """Put our one line into torchrun's per-rank error file, so the failure summary torchrun
     prints after it shows the reason instead of "To enable traceback see: ...". Best effort:
-    outside torchrun the variable is unset, and an unwritable file must not mask the error."""
+    outside torchrun the variable is unset, and an unwritable file must not mask the error.
+    Published whole (temp file, then rename): the agent parses this file as soon as it sees the
+    rank fail, and a SIGTERM (the agent ending the other ranks) between truncating and writing
+    left it empty, which torchrun cannot parse: it crashed instead of restarting the job."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    try:
-        with open(path, "w") as file:
-            # torchrun's own record format: its summary shows py_callstack as the traceback
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                  "timestamp": str(int(time.time()))}}}, file)
-    except OSError:
-        pass
+    # torchrun's own record format: its summary shows py_callstack as the traceback
+    record = {"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                         "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(HtflError):
+        publish_bytes(path, json.dumps(record).encode())
 
 
 def machine_identity() -> str:

@@ -227,3 +227,31 @@ def test_only_an_unsupervised_mpi_rank_needs_a_supervisor():
     assert needs_supervisor({"PMI_RANK": "0"}) and needs_supervisor({"OMPI_COMM_WORLD_RANK": "3"})
     assert not needs_supervisor({"PMI_RANK": "0", SUPERVISOR_ENV: "12:5"})
     assert not needs_supervisor({"RANK": "0", "WORLD_SIZE": "2"})  # torchrun: its agent names lost ranks
+
+
+def test_torchruns_error_file_is_never_seen_empty_or_half_written(tmp_path, monkeypatch):
+    """torchrun parses a failed rank's error file as soon as it sees the rank fail, and a rank
+    can be ended (SIGTERM from the agent) between any two lines of Python: at every line of the
+    write, the file is either the previous whole record or the new one, never empty (an empty
+    file crashed the agent instead of restarting the job)."""
+    import json
+
+    from htfl_dist.runtime.liveness import tell_torchrun
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    tell_torchrun("first failure")
+    seen: list[str] = []
+
+    def at_every_line(frame, event, arg):
+        seen.append(json.loads(error_file.read_text())["message"]["message"])
+        return at_every_line
+
+    sys.settrace(at_every_line)
+    try:
+        tell_torchrun("rank 2 stopped answering")
+    finally:
+        sys.settrace(None)
+    assert set(seen) == {"first failure", "rank 2 stopped answering"}
+    assert json.loads(error_file.read_text())["message"]["extraInfo"]["py_callstack"] == "rank 2 stopped answering"
+    assert [p.name for p in tmp_path.iterdir()] == ["error.json"]  # no temp file left
