@@ -1,6 +1,6 @@
-"""Compare runs: ``python -m htfl_dist.report RUN_DIR [RUN_DIR ...] [--metric M] [--plot F.png] [--csv F.csv]
-[--margins F.png] [--prototypes F.png] [--clients F.png] [--rounds R ...]``; follow one as it
-goes: ``python -m htfl_dist.report --follow RUN_OR_STUDY``.
+"""Compare runs: ``python -m htfl_dist.report RUN_DIR [RUN_DIR ...] [--metric M] [--plot F.png] [--x KEY]
+[--time-to ACC ...] [--csv F.csv] [--margins F.png] [--prototypes F.png] [--clients F.png] [--rounds R ...]``;
+follow one as it goes: ``python -m htfl_dist.report --follow RUN_OR_STUDY``.
 
 Prints a Markdown table (one row per run) on stdout, so it can be pasted or redirected into notes;
 optionally writes learning curves and every run's rounds as CSV. Finished and running runs alike.
@@ -54,6 +54,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--x", default="round", metavar="KEY",
                         help="the curves' x axis: round (default) or a numeric key of the rows, e.g. sim_clock_s "
                              "(accuracy against simulated time, participation.clock=true)")
+    parser.add_argument("--time-to", type=float, nargs="+", default=[], metavar="ACC",
+                        help="per accuracy ACC (test_acc, in percent), a column with the --x value (round, or "
+                             "sim_clock_s) at which each run first reached it: time-to-accuracy, e.g. sync "
+                             "against async rounds on one simulated clock")
     parser.add_argument("--csv", type=Path, metavar="FILE.csv", help="write every run's per-round rows here")
     parser.add_argument("--margins", type=Path, metavar="FILE.png",
                         help="FedTGP Fig. 1: per class, global prototype margin vs the best client's (fedtgp runs)")
@@ -75,8 +79,11 @@ def run(argv: list[str] | None = None) -> int:
         if not args.interval > 0:
             raise ReportError(f"--interval must be a number of seconds above 0, got {args.interval:g}")
         return follow(args.runs[0], args.interval)
+    bad = [target for target in args.time_to if not 0 < target <= 100]
+    if bad:
+        raise ReportError(f"--time-to takes accuracies in percent, above 0 and at most 100; got {bad[0]:g}")
     runs = [read_run(path) for path in args.runs]
-    table = report_table(runs, None if args.metric == DEFAULT_METRIC else args.metric)
+    table = report_table(runs, None if args.metric == DEFAULT_METRIC else args.metric, args.time_to, args.x)
     try:
         if args.plot:
             for labels in plot_curves(runs, args.metric, out=args.plot, x=args.x):

@@ -223,19 +223,37 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def report_table(runs: Sequence[RunRecord], metric: str | None = None) -> str:
-    """One row per run (see :func:`summarise`); ``metric`` adds a column with its last logged value."""
+def report_table(runs: Sequence[RunRecord], metric: str | None = None,
+                 time_to: Sequence[float] = (), x: str = "round") -> str:
+    """One row per run (see :func:`summarise`); ``metric`` adds a column with its last logged value;
+    each ``time_to`` accuracy (in percent) a column with the ``x`` at which the run first reached
+    it (:func:`time_to_reach`), "-" for a run that never did."""
     if metric is not None:
         check_metric(runs, metric)
-    header = [*TABLE_COLUMNS, *([f"last {metric}"] if metric else [])]
+    if time_to and x != "round":
+        check_metric(runs, x)
+    header = [*TABLE_COLUMNS, *([f"last {metric}"] if metric else []),
+              *(f"{x} to {target:g} %" for target in time_to)]
     rows = []
     for label, run in zip(run_labels(runs), runs, strict=True):
         cells = _table_cells(summarise(run))
         cells[0] = label
         if metric:
             cells.append(_format_metric(metric, last_value(run.rows, metric)))
+        cells += [_number(time_to_reach(run.rows, target / 100.0, x), ".4g") for target in time_to]
         rows.append(cells)
     return markdown_table(header, rows)
+
+
+def time_to_reach(rows: Sequence[dict[str, Any]], accuracy: float, x: str = "round") -> float | None:
+    """The ``x`` (round, or e.g. ``sim_clock_s``) of the first row whose ``test_acc`` is at least
+    ``accuracy`` (a fraction), or None if no row reached it. Time-to-accuracy is how
+    asynchronous and synchronous federations compare on one clock (FedBuff §5): the same
+    accuracy, reached after how many simulated seconds."""
+    for row in rows:
+        if _is_number(row.get("test_acc")) and row["test_acc"] >= accuracy and _is_number(row.get(x)):
+            return float(row[x])
+    return None
 
 
 def _table_cells(s: dict[str, Any]) -> list[str]:

@@ -227,6 +227,8 @@ def test_cli_prints_the_table_and_writes_csv(tmp_path):
 @pytest.mark.parametrize("args,needles", [
     (["{tmp}/nowhere"], ["{tmp}/nowhere is not a run directory", "metrics.jsonl"]),
     (["{run}", "--metric", "margin"], ["unknown metric 'margin'", "test_acc"]),
+    (["{run}", "--time-to", "0"], ["--time-to takes accuracies in percent", "got 0"]),
+    (["{run}", "--time-to", "60", "--x", "sim_clock_s"], ["unknown metric 'sim_clock_s'"]),
 ])
 def test_cli_user_errors_are_one_line_and_exit_code_2(tmp_path, args, needles):
     run = _write_run(tmp_path / "proto", ROWS)
@@ -237,6 +239,21 @@ def test_cli_user_errors_are_one_line_and_exit_code_2(tmp_path, args, needles):
     assert len(lines) == 1 and lines[0].startswith("htfl_dist: error: "), result.stderr
     for needle in needles:
         assert needle.format(tmp=tmp_path) in lines[0]
+
+
+def test_time_to_accuracy_is_the_first_crossing_on_the_chosen_axis(tmp_path):
+    """Sync against async on one simulated clock: the x of the first row at or above each target,
+    "-" for a target never reached; a dip after the crossing does not move it."""
+    rows = [_row(1, 0.50, 0.6, 2.0, 0.5, 1000, 900, sim_clock_s=0.5),
+            _row(2, 0.62, 0.7, 4.0, 1.0, 1100, 1000, sim_clock_s=1.25),
+            _row(3, 0.55, 0.7, 3.0, 0.0, 1200, 1000, sim_clock_s=2.0),
+            _row(4, 0.70, 0.7, 3.0, 0.0, 1200, 1000, sim_clock_s=3.5)]
+    run = read_run(_write_run(tmp_path / "async", rows))
+    header, _, row = report_table([run], time_to=(50, 60, 70, 90), x="sim_clock_s").splitlines()
+    assert header.endswith("| sim_clock_s to 50 % | sim_clock_s to 60 % | sim_clock_s to 70 % | sim_clock_s to 90 % |")
+    assert row.endswith("| 0.5 | 1.25 | 3.5 | - |")
+    header, _, row = report_table([run], time_to=(60,)).splitlines()
+    assert header.endswith("| round to 60 % |") and row.endswith("| 2 |")
 
 
 def test_a_started_run_without_rows_is_listed(tmp_path):
