@@ -151,6 +151,7 @@ def server_round(official: Path, pfllib: Path, clients: int = 6, seed: int = 3, 
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)
     official_clone, pfllib_clone = Path(sys.argv[1]), Path(sys.argv[2])
     client_round(official_clone)
     for seed, scale in enumerate((1.0, 0.1, 0.03)):
