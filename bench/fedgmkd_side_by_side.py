@@ -351,6 +351,82 @@ def training_differences(reference: SimpleNamespace) -> dict[str, float]:
             "ours unclipped": off(trained(clip_grad_norm=None))}
 
 
+def one_client_rounds(reference: SimpleNamespace, rounds: int = 4) -> list[tuple[float, float, float, float]]:
+    """(4): ``rounds`` whole rounds of the official ``ServerFedGMKD.train`` with one official client
+    against ours with ``prototype=standardised_mixture normalise=participants`` and a fresh Adam each
+    round, as the official client builds one. Per round: |ours − official|; the same with the
+    optimiser kept across rounds, as the runtime keeps it; ours for that round alone, from the
+    official parameters of the round before and given the official global knowledge; and the same
+    with the official prototypes (≈ 5e-8, float32 rounding of 0) set to exact 0, as ours. With one
+    client the official model averaging is the identity, and its defects cannot act: its
+    prototypes are 0, so every discrepancy, its class-0 numerators and round-2 scalar included, is
+    the same for every class and each weight is 1."""
+    x, y = client_data()
+    official = reference_client(reference, x, y)
+    snapshots: list[dict[str, torch.Tensor]] = []
+    received: list[dict[str, torch.Tensor]] = []
+    for name in ("update_weights", "update_weights_GMKD"):
+        setattr(official, name, recorded(getattr(official, name), official.model, snapshots, received))
+    args = SimpleNamespace(num_epochs=rounds, sampling_rate=1, num_clients=1, num_classes=CLASSES, temp=TEMP,
+                           upload_model=True, lam=0.06, gamma=0.06)
+    server = reference.server(args, GMKDReferenced(small_model(0)), None, None, [(x, y)], None, "cpu")
+    server.LocalModels = [official]
+    with quiet():
+        server.train()
+    fresh, kept = our_rounds(x, y, rounds, fresh=True), our_rounds(x, y, rounds, fresh=False)
+    alone = [fresh[0]] + [our_round_from(x, y, snapshots[r - 1], received[r - 1], r) for r in range(1, rounds)]
+    zeroed = [fresh[0]] + [our_round_from(x, y, snapshots[r - 1], {**received[r - 1], "protos": 0 * received[r - 1][
+        "protos"]}, r) for r in range(1, rounds)]
+    return [tuple(max(float((ours[r][name] - p).abs().max()) for name, p in snapshots[r].items())  # type: ignore[misc]
+                  for ours in (fresh, kept, alone, zeroed)) for r in range(rounds)]
+
+
+def recorded(update: Any, model: nn.Module, snapshots: list, received: list) -> Any:
+    """``update``, also recording the model's parameters after each call and the global knowledge
+    it was given, if any, as our payload."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = update(*args, **kwargs)
+        snapshots.append({name: p.detach().clone() for name, p in model.named_parameters()})
+        if "global_features" in kwargs:
+            protos, soft = kwargs["global_features"], kwargs["global_soft_prediction"]
+            ids = torch.tensor(sorted(protos))
+            received.append({"class_ids": ids, "protos": rows(protos, ids).float(), "soft": rows(soft, ids).float()})
+        return result
+    return wrapper
+
+
+def our_round_from(x: torch.Tensor, y: torch.Tensor, start: dict[str, torch.Tensor], knowledge: dict,
+                   round_index: int) -> dict[str, torch.Tensor]:
+    """Ours for one round from the parameters ``start``, given ``knowledge``, with a fresh Adam."""
+    algorithm, client = our_client(x, y, prototype="standardised_mixture", normalise="participants")
+    model = GMKDReferenced(client.model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(start[name])
+    algorithm.train(client, knowledge, round_index, torch.Generator().manual_seed(0))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def our_rounds(x: torch.Tensor, y: torch.Tensor, rounds: int, fresh: bool) -> list[dict[str, torch.Tensor]]:
+    """Ours for one client: the parameters after each round (``fresh``: a new Adam every round)."""
+    options = {"prototype": "standardised_mixture", "normalise": "participants"}
+    algorithm, client = our_client(x, y, **options)
+    entry = get_algorithm("fedgmkd")
+    server = entry.server(AlgorithmContext(
+        num_classes=CLASSES, feature_dim=WIDTH, seed=0, train=TrainConfig(), num_clients=1, model_group="mlp",
+        options=parse_options(entry, {"temperature": TEMP, **options})))
+    knowledge = server.download()
+    snapshots = []
+    for r in range(rounds):
+        if fresh:
+            client.optimizer = torch.optim.Adam(client.model.parameters(), lr=LR)
+        server.update({0: algorithm.train(client, knowledge, r, torch.Generator().manual_seed(0)).upload}, r,
+                      torch.Generator())
+        knowledge = server.download()
+        snapshots.append({name: p.detach().clone() for name, p in GMKDReferenced(client.model).named_parameters()})
+    return snapshots
+
+
 def main(official: Path) -> None:
     torch.set_num_threads(1)
     reference = load_reference(official)
@@ -363,6 +439,15 @@ def main(official: Path) -> None:
                   f"the official defects replayed: {replayed:.2e})")
     training = training_differences(reference)
     print("client round: " + ", ".join(f"{name} {value:.2e}" for name, value in training.items()))
+    columns = list(zip(*one_client_rounds(reference), strict=True))
+    print(f"one client, rounds 1..{len(columns[0])}: parameters " + listed(columns[0])
+          + " (optimiser kept across rounds: " + listed(columns[1])
+          + "; each round alone from the official state and knowledge: " + listed(columns[2])
+          + ", the same with the official prototypes set to exact 0: " + listed(columns[3]) + ")")
+
+
+def listed(values: tuple[float, ...]) -> str:
+    return ", ".join(f"{value:.2e}" for value in values)
 
 
 if __name__ == "__main__":

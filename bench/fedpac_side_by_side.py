@@ -21,8 +21,11 @@ Prints the largest absolute difference of each.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
+import io
 import sys
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -150,9 +153,65 @@ def server_round(official: Path, pfllib: Path, clients: int = 6, seed: int = 3, 
           f"(largest weight off 0 and 1: {float(ours[(ours > 0) & (ours < 1)].max()):.3f})")
 
 
+def one_client_rounds(official: Path, rounds: int = 4) -> None:
+    """``rounds`` whole rounds of one client: the official ``running.train_round_fedpac``
+    (statistics, local training, prototype aggregation, base-model update; ``agg_g=0``, since one
+    client's combined head is its own and the official weights call the removed ``torch.eig``)
+    against ``FedPACClient.train`` and ``FedPACServer.update``, ours given a fresh SGD each round
+    as the official code builds one (control: the optimiser kept across rounds, as the runtime
+    keeps it). With one client the official extractor averaging is the identity, so what carries
+    across rounds (the prototypes as next round's targets, the trained model) is compared."""
+    sys.path.insert(0, str(official))
+    from methods.fedpac import LocalUpdate_FedPAC
+    from running import train_round_fedpac
+
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(SAMPLES, 12, generator=generator)
+    y = torch.tensor([0, 1, 1, 2, 2, 3] * (SAMPLES // 6))  # every class: the official update_global_protos needs all
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+    args = SimpleNamespace(num_classes=CLASSES, device="cpu", lr=LR, lam=LAM, num_users=1, frac=1.0, epochs=rounds,
+                           local_epoch=EPOCHS, agg_g=0)
+    reference = LocalUpdate_FedPAC(0, args, loader, loader, Referenced(small_model(0)))
+    fresh, kept = our_rounds(x, y, rounds, fresh=True), our_rounds(x, y, rounds, fresh=False)
+    differences = []
+    for r in range(rounds):
+        with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the official torch.tensor(tensor) copy
+            train_round_fedpac(args, None, [reference], r)
+        theirs = {name: p.detach() for name, p in reference.local_model.named_parameters()}
+        differences.append(tuple(max(float((ours[r][name] - p).abs().max()) for name, p in theirs.items())
+                                 for ours in (fresh, kept)))
+    print(f"one client, rounds 1..{rounds}: parameters " + ", ".join(f"{a:.2e}" for a, _ in differences)
+          + " (optimiser kept across rounds: " + ", ".join(f"{b:.2e}" for _, b in differences) + ")")
+
+
+def our_rounds(x: torch.Tensor, y: torch.Tensor, rounds: int, fresh: bool) -> list[dict[str, torch.Tensor]]:
+    """Ours for one client on ``small_model(0)``: the parameters after each round (``fresh``: a new
+    SGD every round, as the official client; else one kept throughout)."""
+    entry = get_algorithm("fedpac")
+    context = AlgorithmContext(num_classes=CLASSES, feature_dim=WIDTH, seed=0, num_clients=1, model_group="mlp",
+                               train=TrainConfig(batch_size=BATCH, lr=LR, local_epochs=EPOCHS, momentum=0.5,
+                                                 weight_decay=5e-4, batch_order="fixed"),
+                               options=parse_options(entry, {"lam": LAM, "head_lr": 0.1}))
+    model, server, algorithm = small_model(0), entry.server(context), entry.client(context)
+    knowledge = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, WIDTH),
+                 "head_ids": torch.empty(0, dtype=torch.int64), "heads": torch.empty(0, WIDTH * CLASSES + CLASSES)}
+    optimizer, snapshots = None, []
+    for r in range(rounds):
+        if fresh or optimizer is None:
+            optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.5, weight_decay=5e-4)
+        client = ClientState(0, "mlp", model, optimizer, x, y, x, y, torch.device("cpu"))
+        server.update({0: algorithm.train(client, knowledge, r, torch.Generator().manual_seed(0)).upload}, r,
+                      torch.Generator())
+        knowledge = server.download()
+        snapshots.append({name: p.detach().clone() for name, p in Referenced(model).named_parameters()})
+    return snapshots
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     official_clone, pfllib_clone = Path(sys.argv[1]), Path(sys.argv[2])
     client_round(official_clone)
     for seed, scale in enumerate((1.0, 0.1, 0.03)):
         server_round(official_clone, pfllib_clone, seed=seed, scale=scale)
+    one_client_rounds(official_clone)

@@ -4,8 +4,8 @@ import modules the script stands in for. The fake's server mixes positions and c
 real one does (so it needs the participants in id order), weighs by (n_i + b) over all
 participants (FedGMKD's rule at a = 0, without the real code's defects), its client uploads the
 standardised mean (0) and the mean soft prediction, and does not train. So the script must find
-ours at a = 0 equal to it, ours at a = 0.4 not, both prototypes equal, and ours in one round
-exactly as far from it as from the start."""
+ours at a = 0 equal to it, ours at a = 0.4 not, both prototypes equal, ours in one round
+exactly as far from it as from the start, and one record per round of its whole loop."""
 from __future__ import annotations
 
 import importlib
@@ -46,6 +46,10 @@ FAKE = {
                         soft.setdefault(label, []).append(soft_predict(Z, temp)[i].detach())
                 return ({k: [torch.zeros(self.args.code_len)] for k in features},
                         {k: [torch.stack(v).mean(dim=0)] for k, v in soft.items()})
+            def get_nk_dk(self):
+                return len(self.trainloader.dataset), {}
+            def update_weights(self, global_round):
+                return self.model.state_dict(), 0.0
             def update_weights_GMKD(self, global_features, global_soft_prediction, lam, gamma, temp, global_round):
                 return self.model.state_dict(), 0.0
         ''',
@@ -127,3 +131,13 @@ def test_one_round_is_measured_against_the_reference_weights(reference: object) 
     assert differences["moved"] > 1e-2
     assert differences["parameters"] == pytest.approx(differences["moved"], abs=1e-7)  # the fake does not train
     assert abs(differences["ours unclipped"] - differences["parameters"]) > 1e-3  # the clip acts
+
+
+def test_whole_rounds_record_each_round_and_its_knowledge(reference: object) -> None:
+    rounds = script.one_client_rounds(reference, rounds=3)
+    assert len(rounds) == 3
+    fresh, kept, alone, zeroed = zip(*rounds, strict=True)
+    assert fresh[0] > 1e-3 and fresh[0] == kept[0]  # the fake does not train; round 1 starts one optimiser
+    assert kept[1] != fresh[1]  # Adam's state kept from round 1 moves round 2
+    assert alone == zeroed  # the fake's prototypes are exactly 0
+    assert all(a > 1e-3 for a in alone[1:])
