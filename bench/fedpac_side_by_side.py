@@ -14,7 +14,9 @@ github.com/TsingZ0/PFLlib (d832e76); nothing of theirs is copied here. The refer
 2. the server's prototypes (official ``tools.protos_aggregation``) and the heads' combination
    weights (PFLlib ``serverpac.solve_quadratic``, cvxpy, renormalised as the official
    ``agg_classifier_weighted_p`` does; the official ``get_head_agg_weight`` calls ``torch.eig``,
-   which current torch no longer has, and is otherwise the same code) for random uploads.
+   which current torch no longer has, and is otherwise the same code) for random uploads;
+3. 4 whole rounds of one client through the official ``running.train_round_fedpac`` against
+   ours with a fresh SGD each round, as the official client builds one (``one_client_rounds``).
 
 Prints the largest absolute difference of each.
 """
