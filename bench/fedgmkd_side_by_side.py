@@ -153,9 +153,17 @@ def rows(table: dict, class_ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([table[int(k)][0].detach().double() for k in class_ids])
 
 
+def unstandardise(row: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """A row of the official code's standardised space mapped back to feature space, as sklearn's
+    ``StandardScaler().fit(features).inverse_transform`` does (the official fit standardises
+    so): row·σ + μ, σ the population standard deviation per dimension, 1 where it is 0. Written
+    out so the script (and its test) need no scikit-learn."""
+    scale = features.std(dim=0, unbiased=False)
+    return row * torch.where(scale == 0, torch.ones_like(scale), scale) + features.mean(dim=0)
+
+
 def knowledge_differences(reference: SimpleNamespace) -> dict[str, float]:
     """(1): the uploaded prototypes and soft predictions of the same untrained model."""
-    from sklearn.preprocessing import StandardScaler  # type: ignore[import-untyped]
     x, y = client_data()
     with quiet():
         their_protos, their_soft = reference_client(reference, x, y).generate_knowledge(TEMP)
@@ -166,8 +174,7 @@ def knowledge_differences(reference: SimpleNamespace) -> dict[str, float]:
     ids = mixture["class_ids"]
     with torch.no_grad():
         features = client.model.forward_with_features(x)[0].double()
-    mapped = torch.stack([torch.from_numpy(StandardScaler().fit(features[y == k].numpy()).inverse_transform(
-        their_protos[int(k)][0].detach().double().numpy()[None])[0]) for k in ids])
+    mapped = torch.stack([unstandardise(their_protos[int(k)][0].detach().double(), features[y == k]) for k in ids])
     return {"standardised prototypes": float((rows(their_protos, ids) - standardised["protos"].double()).abs().max()),
             "largest official prototype entry": float(rows(their_protos, ids).abs().max()),
             "mapped-back prototypes": float((mapped - mixture["protos"].double()).abs().max()),
