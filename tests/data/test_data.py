@@ -651,7 +651,7 @@ def test_dirichlet_gives_up_after_max_tries():
     start = time.perf_counter()
     with pytest.raises(DataError) as exc:
         partition_dirichlet(labels, 50, 0.01, 10, np.random.default_rng(0))
-    assert time.perf_counter() - start < 5.0
+    assert time.perf_counter() - start < 30.0  # ~1 s alone; a bound on a runaway loop, not a timing (loaded CI)
     assert _one_line(exc) == (
         "Dirichlet partition (beta=0.01) left a client with fewer than 10 samples after 1000 "
         "tries; raise data.beta, lower num_clients or data.min_samples_per_client"
