@@ -84,7 +84,9 @@ METHODS: dict[str, Method] = {
                         "fmnist_htcnn8_protonorm_dirichlet.yaml",
                         ("algo.proto_from=pre_update", "algo.proto_samples=full_batches"),
                         source="regulationLee/ProtoNorm at e816cef (its main.py lacks HCNNs8: the user adds "
-                               "HtFLlib 728e52a's eight lines to the clone)", classes_flag="-nb"),
+                               "HtFLlib 728e52a's eight lines to the clone; for its models to start from "
+                               "HtFLlib's weights, as ours do, also uncomment clientbase.py's "
+                               "torch.manual_seed(0))", classes_flag="-nb"),
     "fedorgp": Method("FedOrth", ("-clam", "10", "-slam", "1", "-gam", "10", "-se", "1"),
                       "fmnist_htcnn8_fedorgp_dirichlet.yaml", ("algo.compat=reference",),
                       source="wisheverybodyhapi/FedORGP at ff4a036", data_name="Fashion", classes_flag="-nb",
