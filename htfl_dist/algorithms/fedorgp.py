@@ -14,13 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from htfl_dist.algorithms.fedoc import FedOCClient, FedOCOptions, FedOCServer, InterNorm, cosine_table
+from htfl_dist.algorithms.fedproto import ProtoSamples
 from htfl_dist.algorithms.interface import ClientState
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
 from htfl_dist.config import bounded
 
 OutlierFilter = Literal["adaptive", "none"]
 LossWeights = Literal["sigmoid", "uniform"]
-ProtoSamples = Literal["all", "full_batches"]
 SIGMOID_THRESHOLD, SIGMOID_TEMPERATURE = 0.3, 0.5
 """τ and T of the weights w(x) = 1 + σ((x − τ)/T) (fixed in the reference code)."""
 SMALL_CLASS = 2

@@ -6,6 +6,7 @@ nearest global prototype.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -39,10 +40,14 @@ from htfl_dist.algorithms.training import (
     weighted_mean,
 )
 from htfl_dist.config import bounded
+from htfl_dist.config.rules import Identity, declared
+from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Field, Payload, PayloadSpec
 
 ClientRegulariser = Literal["paper", "htfllib"]
 PrototypeSource = Literal["post_update", "pre_update", "during_training"]
+ProtoSamples = Literal["all", "full_batches"]
+"""Which training samples a client's uploaded means cover (``proto_samples``)."""
 DEFAULT_REG_WEIGHT = {"paper": 0.1, "htfllib": 10.0}
 
 
@@ -57,10 +62,19 @@ class PrototypeOptions:
     """λ; default 0.1 for client_reg=paper, 10 for client_reg=htfllib."""
     proto_from: PrototypeSource = "post_update"
     """post_update (paper) | pre_update (HtFLlib FedTGP) | during_training (HtFLlib FedProto)."""
+    proto_samples: ProtoSamples = declared("all", identity=Identity(added_later=True))
+    """Which training samples the uploaded means cover: all of them (the papers' class means), or
+    full_batches, the samples of the full batches in stored order, as HtFLlib's ``collect_protos``
+    reads its ``DataLoader(shuffle=False, drop_last=True)`` (FedTGP: TsingZ0/HtFLlib@728e52a
+    ``clienttgp.py``; a client without one full batch uploads nothing). Goes with a pass before or
+    after training (``proto_from``), not with during_training."""
 
     def validate(self) -> None:
         if self.reg_weight is None:
             self.reg_weight = DEFAULT_REG_WEIGHT[self.client_reg]
+        if self.proto_samples == "full_batches" and self.proto_from == "during_training":
+            raise ConfigError("algo.proto_samples=full_batches takes the prototypes in one pass before or after "
+                              "training; with algo.proto_from=during_training set algo.proto_samples=all")
 
 
 @dataclass
@@ -152,7 +166,8 @@ class PrototypeClient(ClientAlgorithm):
         after. Returns (class ids, prototypes, loss sum, samples) per client."""
         num_classes = self.context.num_classes
         source = self.options.proto_from
-        pre_update = [class_prototypes(c, num_classes) for c in clients] if source == "pre_update" else None
+        views, silent = self.prototype_views(clients)
+        pre_update = [class_prototypes(c, num_classes) for c in views] if source == "pre_update" else None
         seen_features = GroupClassMeans(len(clients), num_classes, self.context.feature_dim, clients[0].device) \
             if source == "during_training" else None
         on_batch = (lambda batch: seen_features.add(batch.features, batch.labels, batch.weights)) \
@@ -163,8 +178,23 @@ class PrototypeClient(ClientAlgorithm):
         elif seen_features is not None:
             rows = seen_features.rows()
         else:
-            rows = [class_prototypes(client, num_classes) for client in clients]
+            rows = [class_prototypes(view, num_classes) for view in views]
+        rows = [(ids[:0], protos[:0]) if empty else (ids, protos)
+                for (ids, protos), empty in zip(rows, silent, strict=True)]
         return [(*row, *total) for row, total in zip(rows, totals, strict=True)]
+
+    def prototype_views(self, clients: list[ClientState]) -> tuple[list[ClientState], list[bool]]:
+        """The clients as the uploaded means see them, and which upload nothing: themselves, or
+        with ``proto_samples=full_batches`` views of their first full batches (the same model;
+        a client without one full batch uploads nothing, as the reference's empty loader gives
+        nothing). Training always sees every sample."""
+        if self.options.proto_samples == "all":
+            return clients, [False] * len(clients)
+        batch = self.context.train.batch_size
+        kept = [client.train_y.shape[0] // batch * batch for client in clients]
+        views = [dataclasses.replace(client, train_x=client.train_x[:n], train_y=client.train_y[:n]) if n else client
+                 for client, n in zip(clients, kept, strict=True)]
+        return views, [n == 0 for n in kept]
 
     def make_upload(self, client: ClientState, class_ids: torch.Tensor, protos: torch.Tensor) -> Payload:
         return {"class_ids": class_ids, "protos": protos}

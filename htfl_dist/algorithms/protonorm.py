@@ -26,10 +26,8 @@ docs/algorithms.md.
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,16 +38,13 @@ from htfl_dist.algorithms.fedproto import (
     FedProtoClient,
     FedProtoOptions,
     FedProtoServer,
+    ProtoSamples,
     PrototypeSource,
 )
-from htfl_dist.algorithms.interface import ClientState
 from htfl_dist.algorithms.registry import ConformanceHints, register_algorithm
-from htfl_dist.algorithms.training import Batch
 from htfl_dist.config import bounded
-from htfl_dist.errors import ConfigError
 from htfl_dist.payload import Payload
 
-ProtoSamples = Literal["all", "full_batches"]
 REPULSION_EPS = 1e-10
 """ε in the repulsion's denominator (the reference code's)."""
 LR_DECAY, LR_DECAY_EVERY = 0.95, 10
@@ -93,12 +88,6 @@ class ProtoNormOptions(FedProtoOptions):
     nothing); or all of them, FedProto's definition (a departure: no sample left out), the one
     value that goes with proto_from=during_training."""
 
-    def validate(self) -> None:
-        super().validate()
-        if self.proto_samples == "full_batches" and self.proto_from == "during_training":
-            raise ConfigError("algo.proto_samples=full_batches (the default) takes the prototypes in one pass "
-                              "before or after training; with algo.proto_from=during_training set "
-                              "algo.proto_samples=all")
 
 
 def repulsion_forces(units: torch.Tensor) -> torch.Tensor:
@@ -165,22 +154,6 @@ class ProtoNormClient(FedProtoClient):
     ``proto_from`` says, cover the full batches only."""
 
     capturable_step = False  # a loss of its own, not checked for host syncs
-
-    def prototypes_around(self, clients: list[ClientState],
-                          train: Callable[[Callable[[Batch], None] | None], list[tuple[float, int]]]
-                          ) -> list[tuple[torch.Tensor, torch.Tensor, float, int]]:
-        if self.options.proto_samples == "all":
-            return super().prototypes_around(clients, train)
-        batch = self.context.train.batch_size
-        kept = [client.train_y.shape[0] // batch * batch for client in clients]
-        # the means are taken on views of the first full batches (the same model); training, which
-        # ``train`` does on the clients themselves, sees every sample
-        views = [dataclasses.replace(client, train_x=client.train_x[:n], train_y=client.train_y[:n]) if n else client
-                 for client, n in zip(clients, kept, strict=True)]
-        outcomes = super().prototypes_around(views, train)
-        # not one full batch: the reference's loader is empty, and nothing goes up
-        return [(ids, protos, loss_sum, seen) if n else (ids[:0], protos[:0], loss_sum, seen)
-                for (ids, protos, loss_sum, seen), n in zip(outcomes, kept, strict=True)]
 
 
 class ProtoNormServer(FedProtoServer):

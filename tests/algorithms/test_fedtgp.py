@@ -293,3 +293,28 @@ def test_htfllib_init_draws_the_trainable_prototypes_as_htfllib_does():
     torch.manual_seed(2)
     per_client = entry.server(dataclasses.replace(context, model_init="per_client")).global_prototypes()
     assert torch.equal(per_client, trainable_prototypes(2, 3, 4))
+
+
+def test_full_batch_prototypes_as_htfllib_collects_them():
+    """proto_samples=full_batches (the paper-table configs): 12 samples, batch 10, HtFLlib's
+    drop_last loader sees the first 10, so class 1 (samples 11 and 12 only) is not uploaded and
+    class 0's mean is over samples 1-10; pre_update takes them from the model the round began
+    with (an identity extractor here: the means of x). The paper's default covers every sample."""
+    from helpers import tiny_identity_client
+
+    x = [[float(i), 1.0] for i in range(10)] + [[50.0, 50.0], [60.0, 60.0]]
+    y = [0] * 10 + [1, 1]
+    empty = {"class_ids": torch.empty(0, dtype=torch.int64), "protos": torch.empty(0, 2)}
+    entry = get_algorithm("fedtgp")
+    uploads = {}
+    for samples in ("full_batches", "all"):
+        context = AlgorithmContext(num_classes=2, feature_dim=2, seed=0, train=TrainConfig(batch_size=10),
+                                   options=parse_options(entry, {"proto_from": "pre_update", "proto_samples": samples}))
+        client = tiny_identity_client(x, y)
+        uploads[samples] = entry.client(context).train(client, empty, 0, torch_generator(0, "t")).upload
+    assert uploads["full_batches"]["class_ids"].tolist() == [0]
+    torch.testing.assert_close(uploads["full_batches"]["protos"], torch.tensor([[4.5, 1.0]]))
+    assert uploads["all"]["class_ids"].tolist() == [0, 1]
+    torch.testing.assert_close(uploads["all"]["protos"], torch.tensor([[4.5, 1.0], [55.0, 55.0]]))
+    with pytest.raises(ConfigError, match="proto_samples=full_batches takes"):
+        parse_options(entry, {"proto_from": "during_training", "proto_samples": "full_batches"})

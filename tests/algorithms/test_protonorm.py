@@ -255,7 +255,7 @@ def test_defaults_are_the_reference_codes():
     ({"thomson_momentum": 1.0}, r"^config key 'algo.thomson_momentum' must be in \[0, 1\), got 1.0$"),
     ({"thomson_iterations": 0}, r"^config key 'algo.thomson_iterations' must be >= 1, got 0$"),
     ({"proto_from": "during_training"},
-     r"^algo.proto_samples=full_batches \(the default\) .* set algo.proto_samples=all$"),
+     r"^algo.proto_samples=full_batches takes .* set algo.proto_samples=all$"),
 ])
 def test_option_errors_are_one_line(options, message):
     with pytest.raises(ConfigError, match=message):

@@ -18,17 +18,10 @@ UNCHANGED_SINCE_2026_11_24 = {
     "cifar100_htfe8_fedktl_dirichlet": "8bd3db30c4077592",
     "cifar100_htfe8_fedktl_pathological": "167bed49f44a2b62",
     "cifar100_htfe8_fedsa_dirichlet": "8bb883fa4b1bec7e",
-    "cifar100_htfe8_fedtgp_dirichlet": "6ce33fb8b3935729",
-    "cifar100_htfe8_fedtgp_pathological": "f9142fe13d7a8092",
     "cifar100_htfe8_fml_dirichlet": "a2d8f14c3ffecce7",
     "cifar100_htfe8_lgfedavg_dirichlet": "f76d1d0fcddfb86d",
-    "cifar100_htfe8htc4_fedtgp_dirichlet": "923e85371a9b432b",
-    "cifar100_res34htc4_fedtgp_dirichlet": "42712ed7a44f3f76",
     "cifar10_htfe8_fedktl_dirichlet": "2a39b07bfa376338",
     "cifar10_htfe8_fedktl_pathological": "b8c652892da66979",
-    "cifar10_htfe8_fedtgp_dirichlet": "9c5f363cbe4626f9",
-    "cifar10_htfe8_fedtgp_pathological": "f33b55424b0dbb84",
-    "flowers102_htfe8_fedtgp_dirichlet": "745fa7adb50a844b",
     "fmnist_htcnn8_feddistill_dirichlet": "4980b3456929827e",
     "fmnist_htcnn8_feddistill_pathological": "7a281656c36cce3b",
     "fmnist_htcnn8_fedgen_dirichlet": "d2559fac043c3901",
@@ -39,8 +32,6 @@ UNCHANGED_SINCE_2026_11_24 = {
     "fmnist_htcnn8_fedproto_pathological": "219db59ff61bfa90",
     "fmnist_htcnn8_fedsa_dirichlet": "05ce036f0a23e297",
     "fmnist_htcnn8_fedsa_pathological": "cb79de2c90e7e25f",
-    "fmnist_htcnn8_fedtgp_dirichlet": "b1b598641f1d114e",
-    "fmnist_htcnn8_fedtgp_pathological": "02ced5697581d646",
     "fmnist_htcnn8_fml_dirichlet": "164d49043459eddc",
     "fmnist_htcnn8_fml_pathological": "91bcedf6a8fb0018",
     "fmnist_htcnn8_lgfedavg_dirichlet": "8f0f4ee82e0d6724",
@@ -48,7 +39,6 @@ UNCHANGED_SINCE_2026_11_24 = {
     "fmnist_htcnn8_local_dirichlet": "4097484a37bca1e9",
     "fmnist_htcnn8_local_pathological": "9a89320b3215f1c7",
     "smoke": "c29157722d092123",
-    "tinyimagenet_htfe8_fedtgp_dirichlet": "a5d49423a9d10625",
 }
 """Hashes these configs had before the config redesign (b82c02f): runs made then still resume."""
 
@@ -66,6 +56,16 @@ CHANGED_ON_PURPOSE = {
     "fmnist_htcnn8_protonorm_dirichlet": "ca1cb0e090cefd47",  # issue 47: prototypes as the code takes them
     "fmnist_htcnn8_fpl_dirichlet": "624d022878d8c2f1",  # issue 47: the last epoch's batch features, the code's
     "fmnist_htcnn8_fedpcl_dirichlet": "608c45ae309c1775",  # issue 47: every default PFLlib's (tau 1, clip 10)
+    "cifar100_htfe8_fedtgp_dirichlet": "268bc33b966c4b1b",  # issue 47: full-batch prototypes
+    "cifar100_htfe8_fedtgp_pathological": "bf2114beb8e715b0",  # issue 47: full-batch prototypes
+    "cifar100_htfe8htc4_fedtgp_dirichlet": "0226aafd105db946",  # issue 47: full-batch prototypes
+    "cifar100_res34htc4_fedtgp_dirichlet": "af235f02dee33c85",  # issue 47: full-batch prototypes
+    "cifar10_htfe8_fedtgp_dirichlet": "39f50cb72259ba63",  # issue 47: full-batch prototypes
+    "cifar10_htfe8_fedtgp_pathological": "ced427a5ba6c53d8",  # issue 47: full-batch prototypes
+    "flowers102_htfe8_fedtgp_dirichlet": "1d62ed5a49876bbf",  # issue 47: full-batch prototypes
+    "fmnist_htcnn8_fedtgp_dirichlet": "76e322cf927169db",  # issue 47: full-batch prototypes
+    "fmnist_htcnn8_fedtgp_pathological": "7b08b86f60a4a07a",  # issue 47: full-batch prototypes
+    "tinyimagenet_htfe8_fedtgp_dirichlet": "48262c7fcc9e9326",  # issue 47: full-batch prototypes
 }
 """Configs that now run what their table ran (see their headers), or the paper's text where no
 table claims them, or their method's one readable source (issue 47)."""
