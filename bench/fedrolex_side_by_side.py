@@ -50,7 +50,16 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))  # its siblings, also where a test loads this file by its path
 from htfllib_run import _missing, _refusing  # noqa: E402
-from side_by_side import cell, launch, machine, markdown, our_accuracies, reference_commit, table_rows  # noqa: E402,F401
+from side_by_side import (  # noqa: E402,F401
+    add_run_arguments,
+    cell,
+    launch,
+    machine,
+    markdown,
+    our_accuracies,
+    reference_commit,
+    table_rows,
+)
 
 SOURCE = "AIoT-MLSys-Lab/FedRolex at 8135109"
 CONFIG = REPO / "configs" / "cifar10_fedrolex_resnet18.yaml"
@@ -80,18 +89,9 @@ def refuse(message: str) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reference", type=Path, help="a clone of AIoT-MLSys-Lab/FedRolex (holds resnet_server.py)")
-    parser.add_argument("--out", type=Path, help="a new or empty directory: the split, the runs, the table")
     parser.add_argument("--slice", default="rolling", choices=tuple(SERVERS))
-    parser.add_argument("--fmnist-root", default=None, help="FMNIST's four IDX files (default: this machine's)")
-    parser.add_argument("--subsample", type=float, default=0.01)
-    parser.add_argument("--clients", type=int, default=10)
-    parser.add_argument("--dirichlet", type=float, default=0.1, help="β of the Dirichlet split")
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--reference-runs", type=int, default=2)
+    add_run_arguments(parser, subsample=0.01, clients=10)
     parser.add_argument("--seed", type=int, default=31, help="the reference's first seed (its README's)")
-    parser.add_argument("--lr", type=float, default=0.01)
-    parser.add_argument("--batch-size", type=int, default=10)
-    parser.add_argument("--local-epochs", type=int, default=1)
     args = parser.parse_args(argv)
     check_args(args)
     return args

@@ -110,22 +110,28 @@ def refuse(message: str) -> None:
     raise SystemExit(2)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("method", nargs="?", help="e.g. fedproto (--list: every method and its reference)")
-    parser.add_argument("--list", action="store_true", help="print the wired and the unwired methods and exit")
-    parser.add_argument("--reference", type=Path, help="a clone of the method's reference code (holds system/main.py)")
+def add_run_arguments(parser: argparse.ArgumentParser, subsample: float, clients: int) -> None:
+    """The options every side-by-side script shares: where, the split and the training sizes
+    (also read by bench/fedrolex_side_by_side.py, so both scripts take one spelling)."""
     parser.add_argument("--out", type=Path, help="a new or empty directory: the split, the runs, the table")
-    parser.add_argument("--data", default="fmnist", choices=("fmnist",))
     parser.add_argument("--fmnist-root", default=None, help="FMNIST's four IDX files (default: this machine's)")
-    parser.add_argument("--subsample", type=float, default=0.1)
-    parser.add_argument("--clients", type=int, default=20)
+    parser.add_argument("--subsample", type=float, default=subsample)
+    parser.add_argument("--clients", type=int, default=clients)
     parser.add_argument("--dirichlet", type=float, default=0.1, help="β of the Dirichlet split")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--reference-runs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--batch-size", type=int, default=10)
     parser.add_argument("--local-epochs", type=int, default=1)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("method", nargs="?", help="e.g. fedproto (--list: every method and its reference)")
+    parser.add_argument("--list", action="store_true", help="print the wired and the unwired methods and exit")
+    parser.add_argument("--reference", type=Path, help="a clone of the method's reference code (holds system/main.py)")
+    parser.add_argument("--data", default="fmnist", choices=("fmnist",))
+    add_run_arguments(parser, subsample=0.1, clients=20)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
     if args.list:
