@@ -187,8 +187,10 @@ class PrototypeClient(ClientAlgorithm):
         """The clients as the uploaded means see them, and which upload nothing: themselves, or
         with ``proto_samples=full_batches`` views of their first full batches (the same model;
         a client without one full batch uploads nothing, as the reference's empty loader gives
-        nothing). Training always sees every sample."""
-        if self.options.proto_samples == "all":
+        nothing). Training always sees every sample. Options not built on ``PrototypeOptions``
+        (FedSA, FPL: their references take the means over every sample or during training) have
+        no such choice: all samples."""
+        if not isinstance(self.options, PrototypeOptions) or self.options.proto_samples == "all":
             return clients, [False] * len(clients)
         batch = self.context.train.batch_size
         kept = [client.train_y.shape[0] // batch * batch for client in clients]

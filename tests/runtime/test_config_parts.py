@@ -57,7 +57,7 @@ def test_a_bad_algorithm_option_is_refused_by_load_config_in_one_line(overrides,
 
 def test_an_unknown_option_or_algorithm_is_refused_by_load_config():
     assert _refusal(["algo.tau=1"]).startswith(  # smoke runs fedproto, which has no tau
-        "unknown config key 'algo.tau'; allowed keys here: client_reg, reg_weight, proto_from, weighted")
+        "unknown config key 'algo.tau'; allowed keys here: client_reg, reg_weight, proto_from, proto_samples, weighted")
     assert _refusal(["algorithm=fedfoo"]).startswith("config key 'algorithm' is 'fedfoo'; registered: ")
     with pytest.raises(ConfigError, match=r"^config key 'algo.ema_decay' must be in \[0, 1\], got 2.0$"):
         resolve(config_from_dict({"algorithm": "fedsa", "algo": {"ema_decay": 2.0}}))
