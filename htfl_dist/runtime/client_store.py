@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +183,8 @@ class ClientStore(Mapping[int, ClientState]):
         self._resident: OrderedDict[int, ClientState] = OrderedDict()
         self._parked: set[int] = set()
         self._unchanged: set[int] = set()
+        self._released: set[int] = set()
+        """Clients let go by :meth:`finished_with` (they kept nothing); rebuilt as zeroed shells."""
         self._parking: _HostParking | _DiskParking | None = None
         if self.bounded:
             in_memory = device.type == "cuda" if park_in_memory is None else park_in_memory
@@ -239,6 +241,7 @@ class ClientStore(Mapping[int, ClientState]):
         return client
 
     def _materialise(self, client_id: int) -> ClientState:
+        self._released.discard(client_id)
         if client_id not in self._parked:
             self.built += 1
             return self._fresh(client_id)
@@ -281,11 +284,39 @@ class ClientStore(Mapping[int, ClientState]):
         if self._evictions % self.limit == 0:  # once per K evictions: trimming every time cost 60 %
             _trim_heap()                       # of an evaluation round in page faults
 
+    def finished_with(self, client_ids: Iterable[int]) -> None:
+        """The caller holds these clients no longer (a trained group once its uploads are made, a
+        tested client). One that keeps nothing between uses leaves memory: every model entry is
+        replaced by the next download, and it has no optimizer state, no module state and no
+        privacy ledger (FedAvg over the whole model with plain SGD). It comes back as the zeroed
+        shell a fresh client is, about a millisecond to copy, where keeping it cost its whole
+        model: pfl-research's 1,000 CNNs held 6.4 GB once every client had been tested."""
+        if not self._may_skip_initial_weights:
+            return
+        for client_id in client_ids:
+            client = self._resident.get(client_id)
+            if client is None or not self._keeps_nothing(client):
+                continue
+            del self._resident[client_id]
+            self._unchanged.discard(client_id)
+            self._parked.discard(client_id)  # a parked record of it is stale now: it held nothing either
+            self._released.add(client_id)
+
+    def _keeps_nothing(self, client: ClientState) -> bool:
+        if client.private is not None or any(client.optimizer.state.values()):
+            return False
+        replaced = self._replaced_by_download(client)
+        if any(name not in replaced for name in client.model.state_dict()):
+            return False
+        return all(not module.state_dict() for module in client.modules.values())
+
     def record(self, client_id: int) -> ClientRecord:
         """The client's current record, without making it resident (checkpoints read every client)."""
         client = self._resident.get(client_id)
         if client is not None:
             return client_record(client)
+        if client_id in self._released:
+            return self.compact_record(self._fresh(client_id))
         if client_id in self._parked:
             return self._parking_area.get(client_id, torch.device("cpu"))
         return client_record(self._build(client_id, False))

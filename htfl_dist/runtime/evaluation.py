@@ -24,6 +24,7 @@ from htfl_dist.algorithms.optimizers import begin_local_training
 from htfl_dist.config import Config
 from htfl_dist.metrics.auc import micro_auc
 from htfl_dist.payload import Payload
+from htfl_dist.runtime.client_store import ClientStore
 from htfl_dist.runtime.startup import ClientFactory
 from htfl_dist.seeding import torch_generator
 
@@ -74,7 +75,7 @@ def class_weighted_accuracies(hits: torch.Tensor, tested: torch.Tensor, trained:
     return ratio(valid), ratio(share)
 
 
-def evaluate_clients(algorithm: ClientAlgorithm, clients: Any, knowledge: Payload, num_classes: int,
+def evaluate_clients(algorithm: ClientAlgorithm, clients: ClientStore, knowledge: Payload, num_classes: int,
                      tested: Collection[int] | None = None, installs_knowledge: bool = True
                      ) -> dict[int, list[float]]:
     """Every client of a rank's store (or those of them in ``tested``) on its test split, in eval
@@ -87,6 +88,7 @@ def evaluate_clients(algorithm: ClientAlgorithm, clients: Any, knowledge: Payloa
             continue
         client = clients[client_id] if installs_knowledge else clients.peek(client_id)
         rows[client_id] = test_client(algorithm, client, knowledge, num_classes)
+        clients.finished_with([client_id])
     return rows
 
 

@@ -70,6 +70,7 @@ class LocalTraining:
                     share.train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
                 share.theory_bytes += session.client_algorithm.theory_upload_floats(client) * 4
                 self.progress.client_done()
+            session.clients.finished_with(group)
         session.lending.give_back(moves, borrowed)
         return share
 

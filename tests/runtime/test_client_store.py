@@ -23,8 +23,9 @@ class _Builder:
     """Clients with a 3→2 linear model drawn from the client id (as the runtime draws from
     (seed, client id)), an SGD optimizer and, optionally, an algorithm module."""
 
-    def __init__(self, with_module: bool = False, architecture: str = "linear") -> None:
+    def __init__(self, with_module: bool = False, architecture: str = "linear", momentum: float = 0.9) -> None:
         self.with_module = with_module
+        self.momentum = momentum
         self.architecture = architecture
         self.calls: list[tuple[int, bool]] = []
 
@@ -39,7 +40,7 @@ class _Builder:
             model = nn.Linear(3, 2)
         data = torch.zeros(4, 3)
         client = ClientState(client_id=client_id, architecture=self.architecture, model=model,
-                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                             optimizer=torch.optim.SGD(model.parameters(), lr=0.1, momentum=self.momentum),
                              train_x=data, train_y=torch.zeros(4, dtype=torch.long), test_x=data,
                              test_y=torch.zeros(4, dtype=torch.long), device=CPU)
         if self.with_module:
@@ -247,7 +248,7 @@ def test_bounded_ranks_checkpoint_and_resume_like_one_uninterrupted_process(tmp_
 @pytest.mark.parametrize("init", ["htfllib", "per_client"])
 def test_every_client_starts_from_its_initial_model_however_it_is_built(init, tmp_path, cache_dir):
     """With model.init=htfllib a member's weights are drawn once and copied into the next clients
-    of that member (built on the meta device); every client must still hold exactly what
+    of that member (copied from the member's template); every client must still hold exactly what
     ``initial_client_model`` gives it, both with every client resident and when parked clients
     are rebuilt (12 clients: HtCNN8's members 0-3 twice)."""
     from htfl_dist.config import load_config
@@ -268,6 +269,65 @@ def test_every_client_starts_from_its_initial_model_however_it_is_built(init, tm
             assert list(got) == list(expected)
             assert all(torch.equal(got[name], expected[name]) for name in expected), (init, resident, client_id)
         session.clients.close()
+
+
+def test_a_copied_model_has_storage_of_its_own_and_keeps_its_ties():
+    """Shells and htfllib clients are copies of one template per architecture: a copy that shared
+    the template's storage would let one client's training move every later client's start."""
+    from htfl_dist.runtime.startup import copy_of_model
+
+    template = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2), torch.nn.Linear(2, 3))
+    template[2].weight = torch.nn.Parameter(template[0].weight.detach().t().clone())  # untied: own tensor
+    template[0].bias.requires_grad_(False)
+    with torch.no_grad():
+        template[1].running_mean.fill_(0.5)
+    for with_weights in (True, False):
+        copied = copy_of_model(template, with_weights=with_weights)
+        pairs = list(zip(template.state_dict().values(), copied.state_dict().values(), strict=True))
+        assert all(a.data_ptr() != b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype for a, b in pairs)
+        assert [p.requires_grad for p in copied.parameters()] == [True, False, True, True, True, True]
+        if with_weights:
+            assert all(torch.equal(a, b) for a, b in pairs)
+    copied = copy_of_model(template, with_weights=True)
+    assert torch.equal(copied[1].running_mean, torch.full((2,), 0.5))
+    tied = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    tied[1].weight = tied[0].weight
+    for with_weights in (True, False):
+        again = copy_of_model(tied, with_weights=with_weights)
+        assert again[1].weight is again[0].weight and again[0].weight is not tied[0].weight
+
+
+@pytest.mark.parametrize("resident", [0, 2])
+def test_a_client_that_keeps_nothing_leaves_memory_once_the_caller_is_finished_with_it(tmp_path, resident):
+    """FedAvg over the whole model with plain SGD: nothing of a client outlives the next download,
+    so finished_with lets it go; it comes back as a new zeroed shell, and a checkpoint's record of
+    it holds nothing but the list of replaced entries. Momentum, an entry the download leaves,
+    a module's state, or no declaration of what the download replaces keep the client as it is."""
+    everything = lambda client: frozenset({"weight", "bias"})  # noqa: E731
+    store = _store(tmp_path / "all", _Builder(momentum=0.0), resident=resident, replaced_by_download=everything)
+    first = store[0]
+    _train_step(first)
+    store.finished_with([0, 3])  # 3 was never built: nothing to let go
+    again = store[0]
+    assert again is not first and torch.equal(_weights(again), torch.zeros(8))
+    store.finished_with([0])
+    record = store.record(0)
+    assert record["model"] == {} and record["replaced_by_download"] == ["bias", "weight"]
+    assert record["optimizer"]["state"] == {}
+    keepers = {
+        "momentum": _store(tmp_path / "m", _Builder(), resident=resident, replaced_by_download=everything),
+        "bias kept": _store(tmp_path / "b", _Builder(momentum=0.0), resident=resident,
+                            replaced_by_download=lambda client: frozenset({"weight"})),
+        "module": _store(tmp_path / "x", _Builder(with_module=True, momentum=0.0), resident=resident,
+                         replaced_by_download=everything),
+        "undeclared": _store(tmp_path / "u", _Builder(momentum=0.0), resident=resident),
+    }
+    for why, kept in keepers.items():
+        client = kept[0]
+        _train_step(client)
+        trained = _weights(client)
+        kept.finished_with([0])
+        assert kept[0] is client and torch.equal(_weights(kept[0]), trained), why
 
 
 def test_a_parked_client_keeps_only_what_the_download_does_not_replace(tmp_path):
