@@ -89,12 +89,13 @@ class Federation:
 
     def run(self) -> dict[str, Any] | None:
         """Play the run to its end (or a stop); rank 0 returns summary.json's content."""
-        start_round = self.restore()
-        if self.records is not None:
-            self.records.begin(start_round + 1)
         try:
+            start_round = self.restore()
+            if self.records is not None:
+                self.records.begin(start_round + 1)
             return self._play_rounds(start_round)
         finally:
+            self.session.watchdog.stop()  # finished or failed: a round that raised left it armed
             if self.records is not None:
                 self.records.close()
             self.session.clients.close()

@@ -206,6 +206,15 @@ class Session:
         self.watchdog = RoundWatchdog(config.runtime.round_deadline_s, f"rank {self.rank}", transport.abort,
                                       waiting_for=self._blocked_on, delay_s=0.0 if self.is_server else CLIENT_DELAY_S)
         self.watchdog.arm(STARTUP)  # a rank stuck in data preparation or the handshake must not hang MPI
+        try:
+            self._set_up()
+        except BaseException:
+            self.watchdog.stop()  # in-process (a test, a notebook) an armed watchdog ends the interpreter later
+            raise
+
+    def _set_up(self) -> None:
+        """Everything a rank builds before its first round, in order, under the start-up deadline."""
+        run, config, transport = self.run, self.config, self.transport
         started = time.perf_counter()
         self.entry = get_algorithm(config.algorithm)
         options = parse_options(self.entry, config.algo)  # checked when the config was resolved

@@ -28,6 +28,7 @@ class RoundWatchdog:
         self._deadline_s, self._where, self._abort = deadline_s, where, abort
         self._waiting_for, self._delay_s = waiting_for, delay_s
         self._round: int | None = None
+        self._stopped = False
         self._armed_at = 0.0
         self._lock = threading.Lock()
         if deadline_s > 0:
@@ -46,10 +47,20 @@ class RoundWatchdog:
         with self._lock:
             self._round = None
 
+    def stop(self) -> None:
+        """The run is over, finished or failed: never fire again. A run that raised inside a
+        longer-lived process (a test, a notebook) would otherwise leave its watchdog armed, and
+        ``runtime.round_deadline_s`` later it would end that process with exit status 1."""
+        with self._lock:
+            self._round = None
+            self._stopped = True
+
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self._deadline_s / 4))
             with self._lock:
+                if self._stopped:
+                    return
                 late = (self._round is not None
                         and time.monotonic() - self._armed_at > self._deadline_s + self._delay_s)
                 round_number = self._round

@@ -257,6 +257,43 @@ def test_start_up_is_inside_the_deadline(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+FAILED_IN_PROCESS = """
+import sys, time
+from htfl_dist.runtime import local_training, session
+from htfl_dist.runtime.simulate import simulate
+
+def planted(*args, **kwargs):
+    raise RuntimeError("planted failure")
+
+smoke, cache, out = sys.argv[1:4]
+settings = ["data.cache_dir=" + cache, "rounds=1", "num_clients=4"]
+simulate(smoke, settings, out=out + "/warm")  # the partition cache: start-up well inside the deadline below
+for name, owner, method in (("start-up", session.Session, "_place"),
+                            ("round", local_training.LocalTraining, "train")):
+    original = getattr(owner, method)
+    setattr(owner, method, planted)
+    try:
+        simulate(smoke, [*settings, "runtime.round_deadline_s=4"], out=out + "/" + name)
+    except RuntimeError as error:
+        assert "planted" in str(error), error
+    else:
+        sys.exit("the planted failure did not fail the " + name)
+    setattr(owner, method, original)
+time.sleep(8.0)  # two deadlines: an armed watchdog would have ended this process with status 1
+print("alive")
+"""
+
+
+@pytest.mark.launch
+def test_a_run_that_fails_in_process_leaves_no_armed_deadline_behind(tmp_path, cache_dir):
+    """A run that raises in start-up or in a round, inside a process that lives on (a notebook,
+    a test worker), must not leave its round watchdog armed: round_deadline_s later it would end
+    that process with exit status 1 (what crashed a pytest worker an hour into the suite)."""
+    result = subprocess.run([sys.executable, "-c", FAILED_IN_PROCESS, str(SMOKE), str(cache_dir), str(tmp_path)],
+                            cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip().endswith("alive"), result.stdout + result.stderr
+
+
 BLOCKED_IN_GLOO = """
 import datetime, sys, time
 from htfl_dist.runtime import preemption
