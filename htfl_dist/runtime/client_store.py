@@ -259,15 +259,23 @@ class ClientStore(Mapping[int, ClientState]):
         if not self._may_skip_initial_weights or self._fully_replaced.get(architecture) is False:
             return self._build(client_id, False)
         shell = self._build(client_id, True)
-        state = shell.model.state_dict()
-        replaced = self._replaced_by_download(shell)
-        self._fully_replaced[architecture] = bool(state) and replaced >= set(state)
-        if not self._fully_replaced[architecture]:
+        if not self._download_replaces_whole_model(shell):
             return self._build(client_id, False)
         with torch.no_grad():
-            for value in state.values():
+            for value in shell.model.state_dict().values():
                 value.zero_()
         return shell
+
+    def _download_replaces_whole_model(self, client: ClientState) -> bool:
+        """Does the next download overwrite every model entry of ``client``? Asked once per
+        architecture (the answer is the architecture's), so the round loop pays it once."""
+        architecture = self._architecture_of(client.client_id)
+        answer = self._fully_replaced.get(architecture)
+        if answer is None:
+            state = client.model.state_dict()
+            answer = bool(state) and self._replaced_by_download(client) >= set(state)
+            self._fully_replaced[architecture] = answer
+        return answer
 
     def _park_oldest(self) -> None:
         """Evict the least recently used client; write its record unless it is unchanged since it
@@ -303,12 +311,9 @@ class ClientStore(Mapping[int, ClientState]):
             self._released.add(client_id)
 
     def _keeps_nothing(self, client: ClientState) -> bool:
-        if client.private is not None or any(client.optimizer.state.values()):
-            return False
-        replaced = self._replaced_by_download(client)
-        if any(name not in replaced for name in client.model.state_dict()):
-            return False
-        return all(not module.state_dict() for module in client.modules.values())
+        return (self._download_replaces_whole_model(client) and client.private is None
+                and not any(client.optimizer.state.values())
+                and all(not module.state_dict() for module in client.modules.values()))
 
     def record(self, client_id: int) -> ClientRecord:
         """The client's current record, without making it resident (checkpoints read every client)."""
