@@ -140,8 +140,9 @@ class Exchange:
         self.epsilon_budget = epsilon_budget
         """privacy.target_epsilon with privacy on: no client can truthfully report more ε spent."""
         self.within_process = transport.world_size == 1
-        """Server and clients share this process: payloads are copied, not encoded and decoded
-        (``wire.pass_within_process``), with the same checks and byte counts."""
+        """Server and clients share this process: payloads are not encoded and decoded
+        (``wire.pass_within_process``), with the same checks and byte counts; the download is
+        copied (the server keeps it), the uploads handed over (the train phase owns them)."""
         self.training_reported = epsilon_budget is None
         """Whether clients report their training rows (loss sum, samples). A private client's
         training loss and sample count are computed from its training records without noise, so
@@ -178,8 +179,8 @@ class Exchange:
         if not spec:
             return ({} if self.transport.rank == 0 else None), []  # nothing declared, nothing travels
         messages: Sequence[Encoded | tuple[dict[int, Payload], int]] | None
-        if self.within_process:  # rank 0's own clients: copied, not encoded and decoded
-            messages = [pass_within_process(spec, uploads)]
+        if self.within_process:  # rank 0's own clients: handed over (the train phase owns them), not encoded
+            messages = [pass_within_process(spec, uploads, owned=True)]
         else:
             messages = self.transport.gather(encode(spec, uploads), message_bounds(
                 self.transport, spec, lambda rank: sum(trainer_of(cid) == rank for cid in participants)))

@@ -3,8 +3,11 @@ this rank's share (its own participants and those lent to it), each client's bat
 its own stream (seed, client, round), so the numbers do not depend on where a client trains."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+import torch
 
 from htfl_dist.algorithms import ClientState, TrainResult
 from htfl_dist.algorithms.interface import release_gradients, seed_training
@@ -29,6 +32,28 @@ class TrainedShare:
     """[loss sum, samples] per trained client (none for a private client: they stay on it)."""
     theory_bytes: int = 0
     """The paper's count of this rank's upload bytes."""
+
+
+def owned_upload(upload: Payload, client: ClientState, knowledge: Payload) -> Payload:
+    """``upload`` with every tensor that shares storage with what outlives the round on this side
+    (the client's model, optimizer state and modules, the data, the round's knowledge) replaced by
+    a copy, so that whoever receives it may keep it while the client trains on: the exchange
+    within one process then hands uploads over instead of copying each (most uploads are fresh
+    already: a parameter row, a prototype table)."""
+    kept = _storages(client.model.state_dict(keep_vars=True).values(), knowledge.values(),
+                     (client.train_x, client.train_y, client.test_x, client.test_y),
+                     *(module.state_dict(keep_vars=True).values() for module in client.modules.values()),
+                     (value for state in client.optimizer.state.values() for value in state.values()))
+    return {name: tensor.detach().clone() if _storage_of(tensor) in kept else tensor
+            for name, tensor in upload.items()}
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[str, int]:
+    return str(tensor.device), tensor.untyped_storage().data_ptr()
+
+
+def _storages(*groups: Iterable[object]) -> set[tuple[str, int]]:
+    return {_storage_of(value) for group in groups for value in group if isinstance(value, torch.Tensor)}
 
 
 class LocalTraining:
@@ -65,7 +90,7 @@ class LocalTraining:
                        for client_id in group]
             for client, result in zip(clients, self._train_group(clients, knowledge, round_index), strict=True):
                 release_gradients(client)
-                share.uploads[client.client_id] = result.upload
+                share.uploads[client.client_id] = owned_upload(result.upload, client, knowledge)
                 if session.privacy_plan is None:  # a private client's loss and count stay on the client
                     share.train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
                 share.theory_bytes += session.client_algorithm.theory_upload_floats(client) * 4

@@ -95,19 +95,23 @@ def message_bytes(spec: PayloadSpec, entries: dict[int, Payload]) -> int:
                                    for payload in entries.values() for field in spec)
 
 
-def pass_within_process(spec: PayloadSpec, entries: dict[int, Payload], device: torch.device | str = "cpu"
-                        ) -> tuple[dict[int, Payload], int]:
+def pass_within_process(spec: PayloadSpec, entries: dict[int, Payload], device: torch.device | str = "cpu",
+                        owned: bool = False) -> tuple[dict[int, Payload], int]:
     """``decode(spec, encode(spec, entries), device)`` and the message's byte count, for a message
     that never leaves the process (world size 1): the same declaration checks and fresh tensors,
     so a receiver never aliases a sender's state, with one copy per tensor instead of packing
-    every upload into a byte buffer and slicing it out again (0.36 s a round for 50 pfl CNNs)."""
-    copied: dict[int, Payload] = {}
+    every upload into a byte buffer and slicing it out again (0.36 s a round for 50 pfl CNNs).
+    ``owned``: the sender holds no other reference to these tensors (the train phase copies any
+    upload tensor that shares storage with its client's state, ``local_training.owned_upload``),
+    so they are handed over, copied only to reach ``device`` or to be contiguous: the copy of 50
+    pfl CNN rows cost 0.1 s a round."""
+    passed: dict[int, Payload] = {}
     for entry_id in sorted(entries):
         payload = entries[entry_id]
         _check_declared(spec, payload, entry_id)
-        copied[entry_id] = {field.name: payload[field.name].detach().to(device, copy=True).contiguous()
+        passed[entry_id] = {field.name: payload[field.name].detach().to(device, copy=not owned).contiguous()
                             for field in spec}
-    return copied, message_bytes(spec, entries)
+    return passed, message_bytes(spec, entries)
 
 
 def decode(spec: PayloadSpec, message: Encoded, device: torch.device | str = "cpu") -> dict[int, Payload]:

@@ -137,7 +137,7 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
 
     def forge_uploads(federation: Federation) -> None:
         """The uploads that reach rank 0 are the forged ones; other messages pass through. In one
-        process they are copied, not sent (``wire.pass_within_process``): that copy is forged."""
+        process they are handed over, not sent (``wire.pass_within_process``): what it hands over is forged."""
         forged = {999: {"class_ids": torch.tensor([0]), "protos": torch.zeros(1, 2)}}
         gather_uploads, uploading = federation.session.exchange.gather_uploads, []
         passed = exchange_module.pass_within_process
@@ -150,7 +150,8 @@ def test_a_rank_uploading_for_a_client_it_does_not_host_is_left_out(monkeypatch,
                 uploading.clear()
 
         monkeypatch.setattr(exchange_module, "pass_within_process",
-                            lambda spec, entries, device="cpu": passed(spec, forged if uploading else entries, device))
+                            lambda spec, entries, device="cpu", owned=False:
+                            passed(spec, forged if uploading else entries, device, owned))
         monkeypatch.setattr(federation.session.exchange, "gather_uploads", uploads_then_flag)
 
     federation = _federation(monkeypatch, tmp_path)

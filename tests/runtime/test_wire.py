@@ -137,3 +137,39 @@ def test_a_message_within_one_process_is_copied_checked_and_counted_as_encoded()
         pass_within_process(spec, {0: {"class_ids": torch.tensor([1]), "protos": torch.ones(1, 3).double()}})
     with pytest.raises(PayloadDeclarationError, match="undeclared"):
         pass_within_process(spec, {0: sent[4] | {"extra": torch.ones(1)}})
+    handed, _ = pass_within_process(spec, sent, owned=True)  # the train phase owns uploads: no copy
+    assert handed[4]["protos"] is not sent[4]["protos"]
+    assert handed[4]["protos"].data_ptr() == sent[4]["protos"].data_ptr()
+    strided = {0: {"class_ids": torch.tensor([3]), "protos": torch.arange(6.0).reshape(3, 2).t()[:1]}}
+    handed, _ = pass_within_process(spec, strided, owned=True)  # contiguous on arrival, as decoded
+    assert handed[0]["protos"].is_contiguous() and torch.equal(handed[0]["protos"], torch.tensor([[0.0, 2.0, 4.0]]))
+    with pytest.raises(PayloadDeclarationError, match="undeclared"):
+        pass_within_process(spec, {0: sent[4] | {"extra": torch.ones(1)}}, owned=True)
+
+
+def test_an_upload_that_shares_storage_with_what_its_client_keeps_is_copied_before_it_leaves():
+    """Uploads are handed over within one process, so the train phase copies every upload tensor
+    that shares storage with what outlives the round on the client's side (model, optimizer
+    state, modules, data, the round's knowledge); a tensor made for the upload is passed as is."""
+    from helpers import make_client, make_context
+
+    from htfl_dist.runtime.local_training import owned_upload
+
+    _, context = make_context("FedProto")
+    client = make_client(context)
+    client.modules["extra"] = torch.nn.Linear(2, 2)
+    head = client.model.head
+    client.optimizer = torch.optim.SGD(client.model.parameters(), lr=0.1, momentum=0.9)
+    client.model(client.train_x).sum().backward()
+    client.optimizer.step()
+    momentum = client.optimizer.state[head.weight]["momentum_buffer"]
+    knowledge = {"protos": torch.ones(3, 4)}
+    fresh = torch.ones(2)
+    upload = {"weight": head.weight.detach().reshape(1, -1), "bias_view": head.bias[1:], "fresh": fresh,
+              "momentum": momentum[0], "module": client.modules["extra"].weight, "protos": knowledge["protos"][:1],
+              "data": client.train_x[0, 0, 0]}
+    owned = owned_upload(upload, client, knowledge)
+    assert owned["fresh"] is fresh
+    for name in ("weight", "bias_view", "momentum", "module", "protos", "data"):
+        assert owned[name].untyped_storage().data_ptr() != upload[name].untyped_storage().data_ptr(), name
+        assert torch.equal(owned[name], upload[name]), name
