@@ -166,7 +166,8 @@ class ClientStore(Mapping[int, ClientState]):
                  resident: int, device: torch.device, rank: int, scratch_dir: Path | None = None,
                  park_in_memory: bool | None = None,
                  replaced_by_download: Callable[[ClientState], frozenset[str]] | None = None,
-                 architecture_of: Callable[[int], str] | None = None) -> None:
+                 architecture_of: Callable[[int], str] | None = None,
+                 recycle: Callable[[ClientState], None] | None = None) -> None:
         self.client_ids = sorted(client_ids)
         self._replaced_by_download = replaced_by_download or (lambda client: frozenset())
         self._architecture_of = architecture_of or (lambda client_id: "")
@@ -176,6 +177,8 @@ class ClientStore(Mapping[int, ClientState]):
         self._may_skip_initial_weights = replaced_by_download is not None
         """The algorithm's ``replaced_by_download``: what a parked record leaves out (FedAvg's whole
         model: its parked record holds the optimizer and buffers only)."""
+        self._recycle = recycle or (lambda client: None)
+        """Given each client :meth:`finished_with` lets go (the factory reuses its model as a shell)."""
         self._ids = set(self.client_ids)
         self._build = build
         self.limit = resident
@@ -297,8 +300,10 @@ class ClientStore(Mapping[int, ClientState]):
         tested client). One that keeps nothing between uses leaves memory: every model entry is
         replaced by the next download, and it has no optimizer state, no module state and no
         privacy ledger (FedAvg over the whole model with plain SGD). It comes back as the zeroed
-        shell a fresh client is, about a millisecond to copy, where keeping it cost its whole
-        model: pfl-research's 1,000 CNNs held 6.4 GB once every client had been tested."""
+        shell a fresh client is, where keeping it cost its whole model: pfl-research's 1,000 CNNs
+        held 6.4 GB once every client had been tested. Its model goes to ``recycle`` (the factory
+        makes it the next shell of its architecture): the caller's uploads never share its storage
+        (``local_training.owned_upload``)."""
         if not self._may_skip_initial_weights:
             return
         for client_id in client_ids:
@@ -309,6 +314,7 @@ class ClientStore(Mapping[int, ClientState]):
             self._unchanged.discard(client_id)
             self._parked.discard(client_id)  # a parked record of it is stale now: it held nothing either
             self._released.add(client_id)
+            self._recycle(client)
 
     def _keeps_nothing(self, client: ClientState) -> bool:
         return (self._download_replaces_whole_model(client) and client.private is None

@@ -241,6 +241,50 @@ def copy_of_model(model: SplitModel, with_weights: bool) -> SplitModel:
     return copy.deepcopy(model, memo)
 
 
+_MODULE_TENSORS = ("_parameters", "_buffers", "_modules", "training")
+"""The entries of a module's ``__dict__`` that :func:`same_structure` does not compare by value."""
+
+
+def same_structure(model: torch.nn.Module, template: torch.nn.Module) -> bool:
+    """Is ``model`` what a copy of ``template`` is, apart from its tensors' values and train/eval
+    mode: the same module types and attributes (no hook, no attribute added or changed), the
+    same parameters and buffers (names, shapes, dtypes, ``requires_grad``, which are tied)? Only
+    such a model may stand in for a fresh copy of the template. One walk over the modules: the
+    check runs for every client let go (0.1 ms for pfl's CNN)."""
+    mine, theirs = list(model.modules()), list(template.modules())
+    if len(mine) != len(theirs):
+        return False
+    my_ties: dict[int, int] = {}
+    their_ties: dict[int, int] = {}
+    for module, reference in zip(mine, theirs, strict=True):
+        if type(module) is not type(reference) or module.__dict__.keys() != reference.__dict__.keys():
+            return False
+        for key, value in module.__dict__.items():
+            if key in _MODULE_TENSORS:
+                continue
+            try:
+                if not bool(value == reference.__dict__[key]):
+                    return False
+            except (RuntimeError, TypeError, ValueError):  # e.g. a tensor kept outside the state dict
+                return False
+        for kind in ("_parameters", "_buffers"):
+            held, expected = module.__dict__[kind], reference.__dict__[kind]
+            if held.keys() != expected.keys():
+                return False
+            for name, tensor in held.items():
+                other = expected[name]
+                if (tensor is None) != (other is None):
+                    return False
+                if tensor is None:
+                    continue
+                if (tensor.shape != other.shape or tensor.dtype != other.dtype
+                        or tensor.requires_grad != other.requires_grad
+                        or my_ties.setdefault(id(tensor), len(my_ties)) != their_ties.setdefault(id(other),
+                                                                                               len(their_ties))):
+                    return False
+    return True
+
+
 class ClientFactory:
     """Builds this rank's clients on demand (the client store calls ``build``): data, initial
     model, optimizer, the algorithm's per-client state and, with privacy, the ledger."""
@@ -255,6 +299,9 @@ class ClientFactory:
         self._splits: dict[int, tuple[torch.Tensor, ...]] = {}
         self._global_test: tuple[torch.Tensor, torch.Tensor] | None = None
         self._templates: dict[str, SplitModel | None] = {}
+        self._spares: dict[str, SplitModel] = {}
+        """Per architecture, one model of a client the store let go (``take_back``): the next shell
+        of that architecture is this model, not a new copy of the template."""
         self._widths_checked: set[str] = set()
 
     def split(self, client_id: int) -> tuple[torch.Tensor, ...]:
@@ -296,11 +343,27 @@ class ClientFactory:
         is always built in full."""
         config = self.config
         member = architecture_for_client(config.model.group, client_id)
+        if shell and member in self._spares:
+            return self._spares.pop(member)
         if shell or config.model.init == "htfllib":
             template = self._template(member, client_id)
             if template is not None:
                 return copy_of_model(template, with_weights=not shell)
         return self._built_model(client_id)
+
+    def take_back(self, client: ClientState) -> None:
+        """A client the store let go (it kept nothing): its model becomes the next shell of its
+        architecture, unless one is spare already or the model is no longer what a copy of the
+        template is (an algorithm changed it). Copying the template cost ~5 ms a pfl CNN client,
+        most of it ``copy.deepcopy`` and the page faults of new storage: a quarter of a second in
+        each round of 50 new clients, which a released client's model saves outright."""
+        template = self._templates.get(client.architecture)
+        if template is None or client.architecture in self._spares or not same_structure(client.model, template):
+            return
+        for parameter in client.model.parameters():
+            parameter.grad = None
+        client.model.train(template.training)
+        self._spares[client.architecture] = client.model
 
     def _built_model(self, client_id: int) -> SplitModel:
         """The client's model drawn from its seed, on this rank's device, ``model.pretrained``
@@ -368,6 +431,7 @@ def client_store(config: Config, factory: ClientFactory, client_ids: list[int], 
     factory.load_splits(client_ids)
     store = ClientStore(client_ids, factory.build, resident=runtime.resident_clients, device=device, rank=rank,
                         scratch_dir=scratch, replaced_by_download=factory.algorithm.replaced_by_download,
+                        recycle=factory.take_back,
                         architecture_of=lambda client_id: architecture_for_client(config.model.group, client_id))
     first_of_architecture: dict[str, int] = {}
     for client_id in client_ids:

@@ -364,3 +364,75 @@ def test_a_fresh_client_whose_whole_model_the_download_replaces_is_a_zeroed_shel
     assert torch.equal(store[0].model.bias, _Builder()(0, False).model.bias)
     store[1]
     assert partly.calls == [(0, True), (0, False), (1, False)]
+
+
+def test_only_a_model_still_shaped_like_its_template_may_stand_in_for_a_copy_of_it():
+    """A released client's model is reused as the next shell only if it is what a copy of the
+    template is: a hook, an attribute added or changed, a frozen parameter or a tie an algorithm
+    made would otherwise pass to a client that never had them."""
+    from htfl_dist.runtime.startup import copy_of_model, same_structure
+
+    template = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.BatchNorm1d(4), nn.Linear(4, 4))
+
+    def copied() -> nn.Sequential:
+        model = copy_of_model(template, with_weights=True)
+        with torch.no_grad():
+            for value in model.state_dict().values():
+                value.add_(1)  # values and train/eval mode never matter
+        return model.eval()
+
+    assert same_structure(copied(), template)
+    changes = {
+        "a hook": lambda m: m[0].register_forward_hook(lambda *args: None),
+        "an attribute changed": lambda m: setattr(m[1], "p", 0.1),
+        "an attribute added": lambda m: setattr(m[3], "scale", 2.0),
+        "a frozen parameter": lambda m: m[3].bias.requires_grad_(False),
+        "a tie": lambda m: setattr(m[3], "bias", m[2].bias),
+        "a tensor outside the state dict": lambda m: setattr(m[2], "cache", torch.zeros(4)),
+        "another shape": lambda m: m.append(nn.ReLU()),
+    }
+    for what, change in changes.items():
+        model = copied()
+        change(model)
+        assert not same_structure(model, template), what
+
+
+class _CountedCopies:
+    def __init__(self, copy) -> None:
+        self.copy, self.calls = copy, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.copy(*args, **kwargs)
+
+
+@pytest.mark.integration
+def test_a_let_go_clients_model_is_the_next_shell_and_the_numbers_do_not_move(tmp_path, cache_dir, monkeypatch):
+    """FedAvg over the whole model with plain SGD (clients keep nothing): each client the store
+    lets go gives its model to the next fresh client of its architecture instead of a new copy
+    of the template, and the run's numbers are those of a run that copies every time."""
+    from fedper_parts import FedPerClient, FedPerOptions, FedPerServer
+
+    from htfl_dist.algorithms import register_algorithm, registry
+    from htfl_dist.algorithms.blocks.model_part import WHOLE_MODEL
+    from htfl_dist.runtime import startup
+    from htfl_dist.runtime.simulate import simulate
+
+    monkeypatch.setattr(registry, "_REGISTRY", registry._REGISTRY.copy())
+    register_algorithm("whole_fedavg", server=type("Server", (FedPerServer,), {"part": WHOLE_MODEL}),
+                       client=type("Client", (FedPerClient,), {"part": WHOLE_MODEL}), options=FedPerOptions,
+                       summary="FedAvg over the whole model", shares_parameters=True,
+                       evaluation_installs_knowledge=True)
+    run = ["algorithm=whole_fedavg", "model.group=cnn", "rounds=2", "num_clients=6", "join_ratio=0.5",
+           "train.momentum=0", f"data.cache_dir={cache_dir}"]
+    copies = _CountedCopies(startup.copy_of_model)
+    monkeypatch.setattr(startup, "copy_of_model", copies)
+    recycled = simulate(SMOKE, run, out=tmp_path / "recycled")
+    recycled_copies = copies.calls
+    monkeypatch.setattr(startup.ClientFactory, "take_back", lambda self, client: None)
+    copies.calls = 0
+    copied = simulate(SMOKE, run, out=tmp_path / "copied")
+    # copied: the template's probe, client 0 at start-up, round 1's first new client (none let go yet)
+    assert recycled_copies == 3 and copies.calls >= 3 + 6  # then every new client and every test of one
+    keys = ("train_loss", "test_acc", "test_auc", "model_change")
+    assert [[row[key] for key in keys] for row in recycled] == [[row[key] for key in keys] for row in copied]
