@@ -83,17 +83,72 @@ def fraction_bits(participants: int) -> int:
 def to_fixed(values: torch.Tensor, exponent: int, bits: int) -> torch.Tensor:
     """``values`` (float64) as int64 multiples of 2^(exponent − bits), rounded to nearest (ties to
     even): a function of the value alone, so every rank writes a client's contribution alike."""
-    scaled = torch.ldexp(values.double(), torch.tensor(bits - exponent, dtype=torch.float64))
-    return torch.round(scaled).to(torch.int64)
+    total = torch.zeros(values.shape, dtype=torch.int64)
+    add_fixed(total, values, exponent, bits)
+    return total
+
+
+def add_fixed(total: torch.Tensor, values: torch.Tensor, exponent: int, bits: int) -> None:
+    """``total += to_fixed(values, exponent, bits)``, a cache-sized chunk at a time through two
+    preallocated buffers: the whole-tensor form allocated four 8-byte copies of every upload, and
+    pre-summing 25 pfl CNNs a rank cost more than sending them."""
+    flat, out = values.reshape(-1), total.view(-1)
+    scale = _powers_of_two(bits - exponent)
+    size = min(_FIXED_CHUNK, flat.numel())
+    scaled = torch.empty(size, dtype=torch.float64)
+    fixed = torch.empty(size, dtype=torch.int64)
+    for start in range(0, flat.numel(), _FIXED_CHUNK):
+        end = min(start + _FIXED_CHUNK, flat.numel())
+        chunk = scaled[: end - start]
+        chunk.copy_(flat[start:end])
+        for factor in scale:  # exact: a power of two, in range at every step
+            chunk.mul_(factor)
+        integers = fixed[: end - start]
+        integers.copy_(chunk.round_())  # whole numbers below 2^62: converted exactly
+        out[start:end].add_(integers)
 
 
 def from_fixed(total: torch.Tensor, exponent: int, bits: int) -> torch.Tensor:
-    return torch.ldexp(total.double(), torch.tensor(exponent - bits, dtype=torch.float64))
+    """The float64 values of int64 multiples of 2^(exponent − bits) (exact where float64 holds them)."""
+    values = total.double()
+    for factor in _powers_of_two(exponent - bits):
+        values.mul_(factor)
+    return values
+
+
+_FIXED_CHUNK = 1 << 15
+"""Elements per chunk of :func:`add_fixed`: 256 KiB of float64 and of int64, in a core's L2."""
+
+
+def _powers_of_two(shift: int) -> list[float]:
+    """2^shift as factors that float64 holds (|exponent| ≤ 1000 each): 2^(bits − e) for an all-zero
+    field (e = −1074) is 2^1130, which overflows to inf, and 0 · inf is NaN."""
+    factors = []
+    while abs(shift) > 1000:
+        step = 1000 if shift > 0 else -1000
+        factors.append(math.ldexp(1.0, step))
+        shift -= step
+    return [*factors, math.ldexp(1.0, shift)]
 
 
 def largest_exponent(tensor: torch.Tensor) -> int:
     """e with max |entry| ≤ 2^e (the smallest such power; −1074 for an all-zero tensor)."""
-    peak = float(tensor.abs().max()) if tensor.numel() else 0.0
+    exponent = finite_exponent(tensor)
+    if exponent is None:
+        raise ValueError("NaN or Inf has no exponent")
+    return exponent
+
+
+def finite_exponent(tensor: torch.Tensor) -> int | None:
+    """:func:`largest_exponent`, or None when an entry is NaN or ±Inf, in one pass over the tensor
+    (``aminmax`` propagates NaN and allocates nothing: ``isfinite(t).all()`` then ``abs().max()``
+    took 7 ms a pfl CNN, on the critical path of every pre-summed round)."""
+    if not tensor.numel():
+        return -1074
+    low, high = (float(value) for value in torch.aminmax(tensor))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    peak = max(-low, high)
     return math.frexp(peak)[1] if peak > 0 else -1074
 
 
@@ -114,16 +169,19 @@ class PresummedUploads:
         """Rank 0: the round's summed fields and how many uploads they sum; None elsewhere
         (``arrivals`` is not consulted: the start refuses the simulated participation)."""
         contributions = {cid: self.entry.server.contribution(self.context, uploads[cid]) for cid in sorted(uploads)}
+        mine = dict.fromkeys(self.fields, -1074)
         for cid, parts in contributions.items():
             for name, tensor in parts.items():
-                if not bool(torch.isfinite(tensor).all()):
+                exponent = finite_exponent(tensor)
+                if exponent is None:
                     raise ProtocolError(f"client {cid}'s contribution {name!r} holds NaN or Inf")
-        exponents = self._agree_exponents(contributions, traffic)
+                mine[name] = max(mine[name], exponent)
+        exponents = self._agree_exponents(mine, traffic)
         bits = fraction_bits(len(participants))
         local = {name: torch.zeros(shape, dtype=torch.int64) for name, shape in self.fields.items()}
         for parts in contributions.values():
             for name, tensor in parts.items():
-                local[name] += to_fixed(tensor, exponents[name], bits)
+                add_fixed(local[name], tensor, exponents[name], bits)
         spec = self._sum_spec()
         entry = {**{name: local[name].reshape(1, -1) for name in self.fields},
                  "uploaders": torch.tensor([len(contributions)], dtype=torch.int64)}
@@ -168,17 +226,14 @@ class PresummedUploads:
         assert entry is not None
         return entry["exponents"][0]
 
-    def _agree_exponents(self, contributions: dict[int, dict[str, torch.Tensor]],
-                         traffic: RoundTraffic) -> dict[str, int]:
+    def _agree_exponents(self, mine: dict[str, int], traffic: RoundTraffic) -> dict[str, int]:
         """Every rank learns, per field, the largest exponent any participant's contribution has:
-        each rank's own up, their maximum down."""
+        each rank's own (``mine``, over its participants) up, their maximum down."""
         names = list(self.fields)
-        mine = [max((largest_exponent(parts[name]) for parts in contributions.values()), default=-1074)
-                for name in names]
         spec: PayloadSpec = (Field("exponents", torch.int64, (len(names),), max_rows=1),)
         bounds = message_bounds(self.transport, spec, lambda rank: 1)
-        messages = self.transport.gather(encode(spec, {self.transport.rank: {"exponents": torch.tensor([mine])}}),
-                                         bounds)
+        local = torch.tensor([[mine[name] for name in names]])
+        messages = self.transport.gather(encode(spec, {self.transport.rank: {"exponents": local}}), bounds)
         agreed = None
         if messages is not None:
             rows = [self._exponents_of(spec, message, rank) for rank, message in enumerate(messages)]

@@ -28,6 +28,56 @@ def test_fixed_point_by_hand():
     assert fraction_bits(1000) == 52 and fraction_bits(2) == 61 and fraction_bits(6) == 59
 
 
+def test_an_all_zero_or_subnormal_field_is_written_and_read_back_exactly():
+    """e = −1074 for a field every participant holds at zero: the scale 2^(k − e) is 2^1130, past
+    float64's range, and 0 · inf would have been NaN (written as int64's minimum). Subnormal
+    entries come back exactly: 1e-310 is a multiple of 2^-1074, far above 2^(e − k)."""
+    zeros = torch.zeros(5, dtype=torch.float64)
+    assert to_fixed(zeros, -1074, 56).tolist() == [0] * 5
+    assert from_fixed(torch.zeros(5, dtype=torch.int64), -1074, 56).tolist() == [0.0] * 5
+    tiny = torch.tensor([1e-310, -3e-312, 0.0], dtype=torch.float64)
+    exponent = largest_exponent(tiny)
+    assert exponent == -1029 and torch.equal(from_fixed(to_fixed(tiny, exponent, 56), exponent, 56), tiny)
+
+
+def test_adding_in_chunks_equals_the_whole_tensor_written_at_once():
+    """``add_fixed`` converts a cache-sized chunk at a time: across the chunks' edges (3 chunks and
+    a part), added to a running total, it writes what one conversion of the whole tensor writes."""
+    from htfl_dist.runtime.presum import _FIXED_CHUNK, add_fixed
+
+    generator = torch.Generator().manual_seed(1)
+    values = torch.randn(3 * _FIXED_CHUNK + 7, generator=generator)  # float32, as uploads are
+    exponent, bits = largest_exponent(values), fraction_bits(50)
+    whole = torch.round(values.double() * 2.0 ** (bits - exponent)).to(torch.int64)
+    total = torch.full((values.numel(),), 5, dtype=torch.int64)
+    add_fixed(total, values, exponent, bits)
+    assert torch.equal(total, whole + 5)
+
+
+def test_nan_or_inf_in_a_contribution_is_refused_naming_the_client():
+    """One pass (aminmax) both finds the field's exponent and refuses a non-finite entry; the
+    gather names the client whose contribution holds it, before any sum is made."""
+    from helpers import make_context
+
+    from htfl_dist.errors import ProtocolError
+    from htfl_dist.runtime.exchange import RoundTraffic
+    from htfl_dist.runtime.presum import PresummedUploads, finite_exponent
+    from htfl_dist.runtime.transport import LocalTransport
+
+    assert finite_exponent(torch.tensor([0.75, -1.3])) == 1 and finite_exponent(torch.zeros(0)) == -1074
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        assert finite_exponent(torch.tensor([0.5, bad, 2.0])) is None
+    entry, context = make_context("FedProto")  # sums Σ prototype rows per class and their weights
+    summing = PresummedUploads(LocalTransport(), entry, context, lambda rank: f"rank {rank}")
+    upload = {"class_ids": torch.tensor([0, 2]), "protos": torch.ones(2, 4)}
+    poisoned = {"class_ids": torch.tensor([1]), "protos": torch.tensor([[0.0, float("nan"), 1.0, 1.0]])}
+    with pytest.raises(ProtocolError, match=r"^client 7's contribution 'row_sums' holds NaN or Inf$"):
+        summing.gather({3: upload, 7: poisoned}, [3, 7], {3: 0, 7: 0}, 0, RoundTraffic())
+    summed = summing.gather({3: upload}, [3], {3: 0}, 0, RoundTraffic())
+    assert summed is not None and summed.uploaders == 1
+    assert torch.equal(summed.sums["row_sums"][[0, 2]], torch.ones(2, 4, dtype=torch.float64))
+
+
 def test_the_sum_is_the_same_however_the_clients_are_split():
     """Fixed-point sums of 50 contributions spanning 12 orders of magnitude: any order, any split
     into per-rank partial sums, the same bits; within 2^-k of the largest entry of the float sum."""

@@ -309,7 +309,8 @@ class PartAveragingServer(PartServer):
     def contribution(cls, context: AlgorithmContext, upload: Payload) -> dict[str, torch.Tensor]:
         weighted = getattr(context.options, cls.average_option) == "sample_weighted"
         weight = float(upload["num_samples"][0]) if weighted else 1.0
-        return {cls.part.name: upload[cls.part.name].double().cpu() * weight,
+        row = upload[cls.part.name].cpu()  # unweighted: the float32 row itself (x · 1.0 in float64 is x)
+        return {cls.part.name: row.double() * weight if weighted else row,
                 "weight": torch.tensor([weight], dtype=torch.float64)}
 
     def update_from_sums(self, sums: dict[str, torch.Tensor], uploaders: int, round_index: int,
