@@ -8,6 +8,8 @@ sides paired in one invocation on one machine, one thread each:
 - ``ours2`` ours with 2 training workers: torchrun, 3 ranks (rank 0 server, 2 client ranks);
 - ``ours2h`` ours with 2 training workers in 2 processes: torchrun, 2 ranks, rank 0 serving and
   training (``runtime.server_hosts_clients=true``), as pfl2's two workers.
+Both multi-rank sides pre-sum (``runtime.presum_uploads=true``): each rank adds its clients'
+models in exact fixed point and sends rank 0 one sum, as pfl's workers all-reduce one.
 
 Workload (pfl's benchmarks/image_classification/configs/baseline.yaml, apple/pfl-research
 c9d1f32f6e84): 1,000 clients, 50 sampled a round, 50 samples each, local batch 10, one local
@@ -299,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
             ranks = {"ours": 1, "ours2": 3, "ours2h": 2}[side]
             launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone",
                                               f"--nproc_per_node={ranks}"]
-            transport = [] if ranks == 1 else ["runtime.backend=gloo"]
+            # with several ranks each sums its own clients' models and rank 0 receives one sum a rank,
+            # as pfl's workers all-reduce one (FedAvg's server needs only the sum: registry.sums_only)
+            transport = [] if ranks == 1 else ["runtime.backend=gloo", "runtime.presum_uploads=true"]
             if side == "ours2h":
                 transport.append("runtime.server_hosts_clients=true")
             command = [python, *launcher, "-m", "htfl_dist.main", "--config", str(config_path), "--out", str(out),
