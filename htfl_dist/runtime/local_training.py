@@ -39,7 +39,8 @@ def owned_upload(upload: Payload, client: ClientState, knowledge: Payload) -> Pa
     (the client's model, optimizer state and modules, the data, the round's knowledge) replaced by
     a copy, so that whoever receives it may keep it while the client trains on: the exchange
     within one process then hands uploads over instead of copying each (most uploads are fresh
-    already: a parameter row, a prototype table)."""
+    already: a parameter row, a prototype table), and on any world size a client the store lets
+    go may give its model to the next one before its upload is encoded (``ClientStore.finished_with``)."""
     kept = _storages(client.model.state_dict(keep_vars=True).values(), knowledge.values(),
                      (client.train_x, client.train_y, client.test_x, client.test_y),
                      *(module.state_dict(keep_vars=True).values() for module in client.modules.values()),

@@ -80,18 +80,12 @@ def fraction_bits(participants: int) -> int:
     return FIXED_POINT_BITS - max(1, math.ceil(math.log2(max(participants, 2))))
 
 
-def to_fixed(values: torch.Tensor, exponent: int, bits: int) -> torch.Tensor:
-    """``values`` (float64) as int64 multiples of 2^(exponent − bits), rounded to nearest (ties to
-    even): a function of the value alone, so every rank writes a client's contribution alike."""
-    total = torch.zeros(values.shape, dtype=torch.int64)
-    add_fixed(total, values, exponent, bits)
-    return total
-
-
 def add_fixed(total: torch.Tensor, values: torch.Tensor, exponent: int, bits: int) -> None:
-    """``total += to_fixed(values, exponent, bits)``, a cache-sized chunk at a time through two
-    preallocated buffers: the whole-tensor form allocated four 8-byte copies of every upload, and
-    pre-summing 25 pfl CNNs a rank cost more than sending them."""
+    """``total +=`` ``values`` as int64 multiples of 2^(exponent − bits), rounded to nearest (ties
+    to even): a function of the value alone, so every rank writes a client's contribution alike.
+    A cache-sized chunk at a time through two preallocated buffers: the whole-tensor form allocated
+    four 8-byte copies of every upload, and pre-summing 25 pfl CNNs a rank cost more than sending
+    them."""
     flat, out = values.reshape(-1), total.view(-1)
     scale = _powers_of_two(bits - exponent)
     size = min(_FIXED_CHUNK, flat.numel())
@@ -131,18 +125,11 @@ def _powers_of_two(shift: int) -> list[float]:
     return [*factors, math.ldexp(1.0, shift)]
 
 
-def largest_exponent(tensor: torch.Tensor) -> int:
-    """e with max |entry| ≤ 2^e (the smallest such power; −1074 for an all-zero tensor)."""
-    exponent = finite_exponent(tensor)
-    if exponent is None:
-        raise ValueError("NaN or Inf has no exponent")
-    return exponent
-
-
 def finite_exponent(tensor: torch.Tensor) -> int | None:
-    """:func:`largest_exponent`, or None when an entry is NaN or ±Inf, in one pass over the tensor
-    (``aminmax`` propagates NaN and allocates nothing: ``isfinite(t).all()`` then ``abs().max()``
-    took 7 ms a pfl CNN, on the critical path of every pre-summed round)."""
+    """e with max |entry| ≤ 2^e (the smallest such power; −1074 for an all-zero tensor), or None
+    when an entry is NaN or ±Inf, in one pass over the tensor (``aminmax`` propagates NaN and
+    allocates nothing: ``isfinite(t).all()`` then ``abs().max()`` took 7 ms a pfl CNN, on the
+    critical path of every pre-summed round)."""
     if not tensor.numel():
         return -1074
     low, high = (float(value) for value in torch.aminmax(tensor))

@@ -267,21 +267,28 @@ def same_structure(model: torch.nn.Module, template: torch.nn.Module) -> bool:
                     return False
             except (RuntimeError, TypeError, ValueError):  # e.g. a tensor kept outside the state dict
                 return False
-        for kind in ("_parameters", "_buffers"):
-            held, expected = module.__dict__[kind], reference.__dict__[kind]
-            if held.keys() != expected.keys():
+        if not all(_same_tensors(module.__dict__[kind], reference.__dict__[kind], my_ties, their_ties)
+                   for kind in ("_parameters", "_buffers")):
+            return False
+    return True
+
+
+def _same_tensors(held: dict[str, torch.Tensor | None], expected: dict[str, torch.Tensor | None],
+                  my_ties: dict[int, int], their_ties: dict[int, int]) -> bool:
+    """One module's own parameters (or buffers) against the template's: names, shapes, dtypes,
+    ``requires_grad``, and the same tie pattern (each tensor numbered at its first sighting)."""
+    if held.keys() != expected.keys():
+        return False
+    for name, tensor in held.items():
+        other = expected[name]
+        if tensor is None or other is None:
+            if tensor is not other:
                 return False
-            for name, tensor in held.items():
-                other = expected[name]
-                if (tensor is None) != (other is None):
-                    return False
-                if tensor is None:
-                    continue
-                if (tensor.shape != other.shape or tensor.dtype != other.dtype
-                        or tensor.requires_grad != other.requires_grad
-                        or my_ties.setdefault(id(tensor), len(my_ties)) != their_ties.setdefault(id(other),
-                                                                                               len(their_ties))):
-                    return False
+            continue
+        if (tensor.shape, tensor.dtype, tensor.requires_grad) != (other.shape, other.dtype, other.requires_grad):
+            return False
+        if my_ties.setdefault(id(tensor), len(my_ties)) != their_ties.setdefault(id(other), len(their_ties)):
+            return False
     return True
 
 
@@ -360,9 +367,7 @@ class ClientFactory:
         template = self._templates.get(client.architecture)
         if template is None or client.architecture in self._spares or not same_structure(client.model, template):
             return
-        for parameter in client.model.parameters():
-            parameter.grad = None
-        client.model.train(template.training)
+        client.model.train(template.training)  # its gradients went after training (release_gradients)
         self._spares[client.architecture] = client.model
 
     def _built_model(self, client_id: int) -> SplitModel:

@@ -388,6 +388,7 @@ def test_only_a_model_still_shaped_like_its_template_may_stand_in_for_a_copy_of_
         "an attribute added": lambda m: setattr(m[3], "scale", 2.0),
         "a frozen parameter": lambda m: m[3].bias.requires_grad_(False),
         "a tie": lambda m: setattr(m[3], "bias", m[2].bias),
+        "a parameter dropped": lambda m: m[3].register_parameter("bias", None),
         "a tensor outside the state dict": lambda m: setattr(m[2], "cache", torch.zeros(4)),
         "another shape": lambda m: m.append(nn.ReLU()),
     }

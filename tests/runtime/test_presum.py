@@ -10,21 +10,28 @@ import torch
 
 from conftest import SMOKE, run_smoke
 from htfl_dist.errors import ConfigError
-from htfl_dist.runtime.presum import fraction_bits, from_fixed, largest_exponent, to_fixed
+from htfl_dist.runtime.presum import add_fixed, finite_exponent, fraction_bits, from_fixed
 from htfl_dist.runtime.session import checked_config
 from htfl_dist.runtime.simulate import simulate
 
 PRESUM = ("runtime.presum_uploads=true",)
 
 
+def to_fixed(values: torch.Tensor, exponent: int, bits: int) -> torch.Tensor:
+    """One contribution alone in fixed point: added to a zero total."""
+    total = torch.zeros(values.shape, dtype=torch.int64)
+    add_fixed(total, values, exponent, bits)
+    return total
+
+
 def test_fixed_point_by_hand():
     """e = 1 (|x| ≤ 2), k = 4 bits below it: a unit of 2^(1−4) = 1/8; 0.75 → 6, −1.3 → −10.4 → −10,
     0.0625 → 0.5 → 0 (ties to even), 0.1875 → 1.5 → 2."""
     values = torch.tensor([0.75, -1.3, 0.0625, 0.1875], dtype=torch.float64)
-    assert largest_exponent(values) == 1
+    assert finite_exponent(values) == 1
     assert to_fixed(values, 1, 4).tolist() == [6, -10, 0, 2]
     assert from_fixed(torch.tensor([6, -10]), 1, 4).tolist() == [0.75, -1.25]
-    assert largest_exponent(torch.zeros(3)) == -1074 and largest_exponent(torch.tensor([1.0])) == 1
+    assert finite_exponent(torch.zeros(3)) == -1074 and finite_exponent(torch.tensor([1.0])) == 1
     assert fraction_bits(1000) == 52 and fraction_bits(2) == 61 and fraction_bits(6) == 59
 
 
@@ -36,18 +43,18 @@ def test_an_all_zero_or_subnormal_field_is_written_and_read_back_exactly():
     assert to_fixed(zeros, -1074, 56).tolist() == [0] * 5
     assert from_fixed(torch.zeros(5, dtype=torch.int64), -1074, 56).tolist() == [0.0] * 5
     tiny = torch.tensor([1e-310, -3e-312, 0.0], dtype=torch.float64)
-    exponent = largest_exponent(tiny)
+    exponent = finite_exponent(tiny)
     assert exponent == -1029 and torch.equal(from_fixed(to_fixed(tiny, exponent, 56), exponent, 56), tiny)
 
 
 def test_adding_in_chunks_equals_the_whole_tensor_written_at_once():
     """``add_fixed`` converts a cache-sized chunk at a time: across the chunks' edges (3 chunks and
     a part), added to a running total, it writes what one conversion of the whole tensor writes."""
-    from htfl_dist.runtime.presum import _FIXED_CHUNK, add_fixed
+    from htfl_dist.runtime.presum import _FIXED_CHUNK
 
     generator = torch.Generator().manual_seed(1)
     values = torch.randn(3 * _FIXED_CHUNK + 7, generator=generator)  # float32, as uploads are
-    exponent, bits = largest_exponent(values), fraction_bits(50)
+    exponent, bits = finite_exponent(values), fraction_bits(50)
     whole = torch.round(values.double() * 2.0 ** (bits - exponent)).to(torch.int64)
     total = torch.full((values.numel(),), 5, dtype=torch.int64)
     add_fixed(total, values, exponent, bits)
@@ -61,7 +68,7 @@ def test_nan_or_inf_in_a_contribution_is_refused_naming_the_client():
 
     from htfl_dist.errors import ProtocolError
     from htfl_dist.runtime.exchange import RoundTraffic
-    from htfl_dist.runtime.presum import PresummedUploads, finite_exponent
+    from htfl_dist.runtime.presum import PresummedUploads
     from htfl_dist.runtime.transport import LocalTransport
 
     assert finite_exponent(torch.tensor([0.75, -1.3])) == 1 and finite_exponent(torch.zeros(0)) == -1074
@@ -84,7 +91,7 @@ def test_the_sum_is_the_same_however_the_clients_are_split():
     generator = torch.Generator().manual_seed(0)
     rows = [torch.randn(1000, generator=generator, dtype=torch.float64) * 10.0 ** torch.randint(-6, 6, (1,)).item()
             for _ in range(50)]
-    exponent, bits = max(largest_exponent(row) for row in rows), fraction_bits(50)
+    exponent, bits = max(finite_exponent(row) for row in rows), fraction_bits(50)
     fixed = [to_fixed(row, exponent, bits) for row in rows]
     in_order = from_fixed(torch.stack(fixed).sum(dim=0), exponent, bits)
     split = [sum(fixed[i] for i in part) for part in (range(0, 50, 3), range(1, 50, 3), range(2, 50, 3))]
