@@ -5,8 +5,11 @@ still leaves its figures. Run it through ``bench/gpu_suite.sh DIR OUT`` (docs/ru
 Steps (the figures each gives):
 1. side by side: HtFLlib's FedProto (unmodified, ``bench/htfllib_run.py``) and ours on the same
    PFLlib FMNIST Dirichlet split (20 HtCNN8 clients): s/round, GPU utilisation and memory; ours as
-   1 process, torchrun with 3 and 5 ranks sharing the GPU, and ``train.client_batching=vmap``.
-2. determinism: the 1-process and 3-rank runs of step 1, round by round (equal or not).
+   1 process (eager; recorded steps; recorded steps with clients side by side, auto width; 4
+   clients side by side, eager; compiled), torchrun with 3 and 5 ranks sharing the GPU, and
+   ``train.client_batching=vmap``.
+2. determinism: the 1-process run of step 1 against its 3-rank, recorded and side-by-side runs,
+   round by round (equal or not).
 3. paper-size models: HtFE8 on generated CIFAR-100-sized data (20 clients, 100 classes): each
    member's step time and peak memory, FedTGP's s/round on 5 ranks sharing the GPU, and a
    projection (stated as such) of FedTGP Table 1's CIFAR-100 1000-round run on one 8-GPU node.
@@ -339,7 +342,9 @@ def step_side_by_side(suite: Suite, cap_s: float) -> None:
     else:
         table.append("| HtFLlib FedProto | not prepared (gpu_prepare.sh --no-reference) | | | | |")
     # issue 45 items 4 and 6 first: recorded steps and the compiled forward beside eager, one process
-    graphs = [("ours_graphs", 1, ["train.cuda_graphs=auto"])]
+    graphs = [("ours_graphs", 1, ["train.cuda_graphs=auto"]),  # item 5 next: clients side by side on streams
+              ("ours_graphs_concurrent", 1, ["train.cuda_graphs=auto", "train.concurrent_clients=0"]),
+              ("ours_concurrent4", 1, ["train.concurrent_clients=4"])]
     if not (suite.args.tiny and suite.args.device == "cpu"):  # Inductor's build: minutes on a CPU dry run
         graphs.append(("ours_compiled", 1, ["train.compile=reduce-overhead"]))
     variants = [("ours_1proc", 1, []), *graphs, (f"ours_{suite.sizes.ranks[0]}ranks", suite.sizes.ranks[0], []),
@@ -379,8 +384,10 @@ def step_graphs_equal_eager(suite: Suite, cap_s: float) -> None:
     tests = suite.launch("1_graphs_equal_eager", [
         suite.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
         str(REPO / "tests" / "algorithms" / "test_step_graphs.py"),
-        str(REPO / "tests" / "algorithms" / "test_compiled_step.py")], cap_s=cap_s / 2, cwd=REPO)
-    lines = [f"- tests/algorithms/test_step_graphs.py and test_compiled_step.py on {suite.args.device}: "
+        str(REPO / "tests" / "algorithms" / "test_compiled_step.py"),
+        str(REPO / "tests" / "runtime" / "test_concurrent_clients.py")], cap_s=cap_s / 2, cwd=REPO)
+    lines = [f"- tests/algorithms/test_step_graphs.py, test_compiled_step.py and "
+             f"tests/runtime/test_concurrent_clients.py on {suite.args.device}: "
              f"rc {tests.rc} ({'passed' if tests.ok else 'FAILED'}; logs/1_graphs_equal_eager.log says which "
              f"ran and which were skipped)"]
     if suite.args.tiny and suite.args.device == "cpu":
@@ -406,18 +413,25 @@ def speedups(results: dict[str, dict]) -> list[str]:
 
 
 def step_determinism(suite: Suite, cap_s: float) -> None:
-    one, many = suite.rows("1_ours_1proc"), suite.rows(f"1_ours_{suite.sizes.ranks[0]}ranks")
+    one = suite.rows("1_ours_1proc")
+    others = [f"ours_{suite.sizes.ranks[0]}ranks", "ours_graphs", "ours_graphs_concurrent", "ours_concurrent4"]
+    verdicts = {name: same_rows(one, suite.rows(f"1_{name}")) for name in others}
+    suite.results["determinism"] = verdicts
+    suite.add_section(f"2. Determinism: 1 process against {suite.sizes.ranks[0]} ranks, recorded steps and "
+                      f"clients side by side (issue 45 item 7)", [
+        "Step 1's ours_1proc against each (deterministic kernels are always on):", "",
+        *[f"- {name}: {verdict}" for name, verdict in verdicts.items()]])
+
+
+def same_rows(one: list[dict], other: list[dict]) -> str:
+    """Whether two runs' rows agree round by round, in words."""
     keys = ("test_acc", "test_acc_head", "train_loss")
-    if not one or not many:
-        verdict = "not compared: a run of step 1 is missing"
-    else:
-        differing = [(a["round"], k) for a, b in zip(one, many, strict=False) for k in keys if a.get(k) != b.get(k)]
-        verdict = ("identical: every round's " + ", ".join(keys) + f" equal ({len(one)} rounds)"
-                   if not differing and len(one) == len(many) else f"DIFFERENT at {differing[:5]} "
-                   f"({len(one)} vs {len(many)} rounds)")
-    suite.results["determinism"] = verdict
-    suite.add_section(f"2. Determinism: 1 process against {suite.sizes.ranks[0]} ranks", [
-        f"Step 1's ours_1proc and ours_{suite.sizes.ranks[0]}ranks (deterministic kernels are always on): {verdict}."])
+    if not one or not other:
+        return "not compared: a run of step 1 is missing"
+    differing = [(a["round"], k) for a, b in zip(one, other, strict=False) for k in keys if a.get(k) != b.get(k)]
+    if not differing and len(one) == len(other):
+        return "identical: every round's " + ", ".join(keys) + f" equal ({len(one)} rounds)"
+    return f"DIFFERENT at {differing[:5]} ({len(one)} vs {len(other)} rounds)"
 
 
 def step_paper_size(suite: Suite, cap_s: float) -> None:

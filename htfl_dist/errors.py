@@ -61,6 +61,15 @@ class PrivacyPlanError(HtflError):
     exit_status = EXIT_FAILURE
 
 
+class DrewWhileConcurrent(HtflError):
+    """A client training beside others (``train.concurrent_clients``) drew from torch's global
+    RNG, which the clients share, so its draws depended on timing: an algorithm's or a model's
+    defect against its declaration, not the user's; the job ends (status 1) with one line naming
+    the clients and the round rather than with numbers no other run would give."""
+
+    exit_status = EXIT_FAILURE
+
+
 class TrainingDiverged(HtflError):
     """Every participating client's loss was not finite for ``train.max_diverged_rounds`` rounds
     in a row: the run cannot recover, so it ends (status 1) with its last good checkpoint."""

@@ -129,7 +129,7 @@ def run(argv: list[str] | None = None) -> int:
     resume_from = resume_source(args.resume, out)
     # the device and what train.cuda_graphs can do on it: refusals come before the run directory
     device = pick_device(config.runtime, launch)
-    graphs = _step_graphs_note(config, device)
+    graphs = _training_note(config, device)
     refusal, lock = None, None
     if launch.rank == 0:
         try:
@@ -149,15 +149,22 @@ def run(argv: list[str] | None = None) -> int:
             lock.release()
 
 
-def _step_graphs_note(config, device) -> str:
-    """What the run line says of ``train.cuda_graphs`` (nothing when off)."""
+def _training_note(config, device) -> str:
+    """What the run line says of ``train.cuda_graphs`` and ``train.concurrent_clients`` (nothing at
+    their defaults, off and 1)."""
     from htfl_dist.algorithms import get_algorithm
-    from htfl_dist.runtime.startup import step_graphs
+    from htfl_dist.runtime.startup import concurrent_clients, step_graphs
 
-    if config.train.cuda_graphs == "off":
-        return ""
-    recorded, why_not = step_graphs(config, get_algorithm(config.algorithm), device)
-    return ", local steps as CUDA graphs" if recorded else f", local steps eager: {why_not}"
+    entry = get_algorithm(config.algorithm)
+    note = ""
+    if config.train.cuda_graphs != "off":
+        recorded, why_not = step_graphs(config, entry, device)
+        note = ", local steps as CUDA graphs" if recorded else f", local steps eager: {why_not}"
+    if config.train.concurrent_clients != 1:
+        width, why_not = concurrent_clients(config, entry, device)
+        note += {0: ", clients at once: as many as pays (measured)", 1: f", one client at a time: {why_not}"}.get(
+            width, f", up to {width} clients at once")
+    return note
 
 
 def _run_federation(config, launch, transport, device, out: Path, resume_from: Path | None, graphs: str) -> int:

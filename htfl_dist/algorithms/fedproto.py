@@ -115,6 +115,10 @@ class PrototypeClient(ClientAlgorithm):
     """FedProto's and FedTGP's loss has no host sync (written for vmap: torch.where and gathers);
     a subclass with a loss of its own says so again or not (FedOC, FPL, FedSA, ProtoNorm do not)."""
 
+    trains_concurrently = True
+    """Nothing of a client's training is kept on the algorithm object (the loss and the running
+    means are made per call); subclasses with a loss of their own do not claim it."""
+
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         return prototype_fields(context)

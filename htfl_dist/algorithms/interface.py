@@ -158,6 +158,13 @@ class ClientAlgorithm:
     that changes while the client trains a round. A step that claims it and is not is caught at
     its recording: the client trains eagerly and the run says so once."""
 
+    trains_concurrently: ClassVar[bool] = False
+    """Whether several clients may run ``train`` at once, each in a thread of its own
+    (``train.concurrent_clients``): ``train`` writes nothing on the algorithm object (nor anywhere
+    but the client it trains and what it returns) and changes nothing in the knowledge. Draws from
+    torch's global RNG need no declaration: the runtime finds them and trains such a client alone.
+    A subclass that changes ``train`` or its loss says so again or not."""
+
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context
         self.options = context.options

@@ -18,6 +18,7 @@ class LocalOptions:
 
 class LocalClient(ClientAlgorithm):
     capturable_step = True  # its loss has no host sync (written for vmap: torch.where and gathers)
+    trains_concurrently = True  # keeps nothing on self
 
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:

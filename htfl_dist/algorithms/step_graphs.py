@@ -29,8 +29,9 @@ simply runs the step; the CUDA backend is exercised by the GPU suite.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
@@ -60,11 +61,19 @@ class GraphBackend(Protocol):
 
 class CudaGraphs:
     """The real backend: a side stream for the warm-up, ``torch.cuda.graph`` for the recording,
-    every graph of the process drawing on one memory pool (a graph freed after its client's
-    round returns its blocks to the pool for the next)."""
+    every graph of a thread drawing on the thread's memory pool (a graph freed after its client's
+    round returns its blocks to the pool for the next).
 
-    _pool: Any = None
-    """The process's pool handle (``torch.cuda.graph_pool_handle()``), made on the first recording."""
+    Clients trained side by side (``train.concurrent_clients``) record in threads of their own:
+    graphs replayed at the same time must not share a pool, so each thread has one; recordings
+    take turns (one lock), since ``torch.cuda.graph`` synchronises the device and empties the
+    allocator's cache before it starts; and a pool thread records in ``thread_local`` mode, so the
+    other threads' allocations do not invalidate it (the main thread keeps CUDA's ``global``
+    check, which catches stray work of other threads)."""
+
+    _slots = threading.local()
+    """Per thread: its pool handle (``torch.cuda.graph_pool_handle()``), made on its first recording."""
+    _recording = threading.Lock()
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:
@@ -76,10 +85,12 @@ class CudaGraphs:
 
     def record(self, step: Callable[[], StepOutputs], clear_gradients: Callable[[], None]
                ) -> Callable[[], StepOutputs]:
-        if CudaGraphs._pool is None:
-            CudaGraphs._pool = torch.cuda.graph_pool_handle()
+        slots = CudaGraphs._slots
+        if getattr(slots, "pool", None) is None:
+            slots.pool = torch.cuda.graph_pool_handle()
+        mode = "global" if threading.current_thread() is threading.main_thread() else "thread_local"
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=CudaGraphs._pool):
+        with CudaGraphs._recording, torch.cuda.graph(graph, pool=slots.pool, capture_error_mode=mode):
             outputs = step()
 
         def replay() -> StepOutputs:

@@ -114,6 +114,17 @@ class TrainConfig:
     fedproto, fedtgp; no privacy, compile or client batching), eager elsewhere, and the run line says
     which; on: as auto, refused in one line where impossible; off: eager. Off by default until
     the GPU suite has shown it equal to eager on a lent GPU (it has not run there yet)."""
+    concurrent_clients: int = bounded(1, identity=PLUMBING, at_least=0, note="0 = auto")
+    """How many of a rank's participants train at once, each in a thread of its own (on a GPU, on
+    a CUDA stream of its own; htfl_dist/runtime/concurrent_training.py): on a GPU, batch-10 steps
+    of small CNNs leave it idle between launches, and several clients' steps fill it. 1: one after
+    the other; N: up to N at once; 0 (auto): one at a time on a CPU (a rank's thread count is
+    ``runtime.threads``; run more ranks instead), on a GPU as many as the measured time per step
+    keeps improving (1, 2, 4, 8). Only for algorithms whose client step is declared
+    ``trains_concurrently`` (local, fedproto, fedtgp); refused with privacy.enabled, train.compile
+    and client_batching=vmap. Never changes the results: a model whose training draws from torch's
+    global RNG (dropout) trains one at a time (the run says so once), and a draw by a client
+    training beside others ends the run naming it."""
     max_diverged_rounds: int = bounded(3, identity=PLUMBING, at_least=0, note="0 = never give up")
     """A run in which every participating client's loss is not finite (NaN or infinite: the
     learning rate is too large for the model) this many rounds in a row ends with one line and
@@ -162,6 +173,10 @@ class TrainConfig:
         if self.compile != "off" and self.client_batching == "vmap":
             raise ConfigError(f"train.compile={self.compile} compiles a client's own forward pass; "
                               f"train.client_batching=vmap trains through a batched one: use one of them")
+        if self.concurrent_clients > 1 and (self.client_batching != "off" or self.compile != "off"):
+            other = "train.client_batching=vmap" if self.client_batching != "off" else f"train.compile={self.compile}"
+            raise ConfigError(f"train.concurrent_clients={self.concurrent_clients} trains clients side by side in "
+                              f"threads; {other} cannot run in them: use one of them")
         if self.client_batching == "vmap" and (self.optimizer != "sgd" or self.momentum or self.weight_decay):
             raise ConfigError("train.client_batching=vmap steps plain SGD (p <- p - lr*g) and keeps no optimizer "
                               "state: it takes train.optimizer=sgd without momentum or weight decay; use "

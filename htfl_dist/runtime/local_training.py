@@ -3,7 +3,9 @@ this rank's share (its own participants and those lent to it), each client's bat
 its own stream (seed, client, round), so the numbers do not depend on where a client trains."""
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+import functools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,7 +18,9 @@ from htfl_dist.metrics.writer import TrainingProgress
 from htfl_dist.models import architecture_for_client
 from htfl_dist.payload import Payload
 from htfl_dist.privacy.startup import begin_round
+from htfl_dist.runtime.concurrent_training import WIDTHS, ConcurrentTraining
 from htfl_dist.runtime.placement import round_trainers
+from htfl_dist.runtime.startup import concurrent_clients
 from htfl_dist.seeding import torch_generator
 
 if TYPE_CHECKING:
@@ -65,6 +69,7 @@ class LocalTraining:
         self.config = session.config
         where = "" if session.world_size == 1 else f"rank {session.rank}"
         self.progress = TrainingProgress(self.config.output.progress_every_s, where)
+        self.concurrent = self._concurrent_training(where)
 
     def trainers(self, participants: list[int]) -> dict[int, int]:
         """The rank that trains each participant this round (``runtime.rebalance``)."""
@@ -86,12 +91,9 @@ class LocalTraining:
         borrowed = session.lending.lend(moves)
         mine = [client_id for client_id in sorted(trainers) if trainers[client_id] == session.rank]
         self.progress.start(round_index + 1, len(mine))
-        for group in self._groups(mine):
-            clients = [borrowed[client_id] if client_id in borrowed else session.clients[client_id]
-                       for client_id in group]
-            for client, result in zip(clients, self._train_group(clients, knowledge, round_index), strict=True):
-                release_gradients(client)
-                share.uploads[client.client_id] = owned_upload(result.upload, client, knowledge)
+        for group, results in self._trained_groups(mine, borrowed, knowledge, round_index):
+            for client, result in results:
+                share.uploads[client.client_id] = result.upload
                 if session.privacy_plan is None:  # a private client's loss and count stay on the client
                     share.train_rows[client.client_id] = [result.loss_sum, float(result.samples)]
                 share.theory_bytes += session.client_algorithm.theory_upload_floats(client) * 4
@@ -99,6 +101,59 @@ class LocalTraining:
             session.clients.finished_with(group)
         session.lending.give_back(moves, borrowed)
         return share
+
+    def _trained_groups(self, client_ids: list[int], borrowed: dict[int, ClientState], knowledge: Payload,
+                        round_index: int) -> Iterator[tuple[list[int], list[tuple[ClientState, TrainResult]]]]:
+        """Each group of ``client_ids`` (client-id order) with its clients and their results, the
+        gradients released and each upload owned (``owned_upload``): the groups of
+        :meth:`_groups`, or, with ``train.concurrent_clients``, the groups trained side by side."""
+        def client(client_id: int) -> ClientState:
+            return borrowed[client_id] if client_id in borrowed else self.session.clients[client_id]
+
+        def finished(member: ClientState, result: TrainResult) -> tuple[ClientState, TrainResult]:
+            release_gradients(member)
+            return member, dataclasses.replace(result, upload=owned_upload(result.upload, member, knowledge))
+
+        if self.concurrent is None:
+            for group in self._groups(client_ids):
+                clients = [client(client_id) for client_id in group]
+                results = self._train_group(clients, knowledge, round_index)
+                yield group, [finished(member, result) for member, result in zip(clients, results, strict=True)]
+            return
+        algorithm, pending = self.session.client_algorithm, list(client_ids)
+
+        def train_one(members: dict[int, ClientState], client_id: int) -> tuple[ClientState, TrainResult]:
+            generator = torch_generator(self.config.seed, "batches", client_id, round_index)
+            return finished(members[client_id], algorithm.train(members[client_id], knowledge, round_index, generator))
+
+        def seed_for(client_id: int) -> None:
+            seed_training(self.config.seed, client_id, round_index)
+
+        while pending:
+            group = self.concurrent.next_group(pending)
+            members = {client_id: client(client_id) for client_id in group}  # resolved here: the store is not threaded
+            begin_round(list(members.values()), round_index)
+            begin_local_training(list(members.values()), self.config.train, round_index, self.config.rounds)
+            yield group, self.concurrent.train(group, seed_for, functools.partial(train_one, members),
+                                               lambda outcome: outcome[1].samples, round_index)
+
+    def close(self) -> None:
+        """Let the training threads go (the run is over)."""
+        if self.concurrent is not None:
+            self.concurrent.close()
+
+    def _concurrent_training(self, where: str) -> ConcurrentTraining | None:
+        """The rank's training threads when ``train.concurrent_clients`` lets more than one client
+        train at once (None: one at a time, the groups of :meth:`_groups`)."""
+        session = self.session
+        width, _ = concurrent_clients(self.config, session.entry, session.device)
+        if width == 1:
+            return None
+        store = session.clients
+        cap = max(WIDTHS) if width == 0 else width
+        cap = min(cap, store.limit) if store.bounded else cap  # a group is held in memory at once
+        return ConcurrentTraining(width, cap, session.device,
+                                  lambda client_id: architecture_for_client(self.config.model.group, client_id), where)
 
     def _groups(self, client_ids: list[int]) -> list[list[int]]:
         """The clients that train together: each alone (``train.client_batching=off``), or this

@@ -99,6 +99,7 @@ class Federation:
             if self.records is not None:
                 self.records.close()
             self.session.clients.close()
+            self.training.close()
 
     def restore(self) -> int:
         """Load the newest complete checkpoint of ``resume_from`` and return the rounds it completed

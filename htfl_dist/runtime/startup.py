@@ -120,6 +120,34 @@ def step_graphs(config: Config, entry: AlgorithmEntry, device: torch.device) -> 
     return not obstacles, "; ".join(obstacles)
 
 
+def concurrent_clients(config: Config, entry: AlgorithmEntry, device: torch.device) -> tuple[int, str]:
+    """``train.concurrent_clients`` resolved for this run: (how many clients train at once, 0 for
+    "as many as the measured step time says" on a GPU; why one at a time, or ''), from the config,
+    the algorithm's declaration and the device alone. An explicit N > 1 where it cannot hold is one
+    ConfigError line before anything trains; auto settles on one at a time there."""
+    asked = config.train.concurrent_clients
+    if asked == 1:
+        return 1, ""
+    obstacles = []
+    if not entry.client.trains_concurrently:
+        able = [name for name in algorithm_names() if get_algorithm(name).client.trains_concurrently]
+        obstacles.append(f"{entry.name}'s client step is not declared trains_concurrently (these are: "
+                         f"{', '.join(able)})")
+    if config.privacy.enabled:
+        obstacles.append("privacy.enabled is on (DP-SGD trains through Opacus, one client at a time)")
+    if config.train.compile != "off" or config.train.client_batching != "off":  # N > 1: refused by TrainConfig
+        obstacles.append("train.compile or train.client_batching is on (neither runs in threads)")
+    if obstacles and asked > 1:
+        raise ConfigError(f"train.concurrent_clients={asked} cannot train clients side by side: "
+                          f"{'; '.join(obstacles)}; use train.concurrent_clients=1 or 0 (auto)")
+    if asked == 0 and not obstacles and device.type != "cuda":
+        obstacles.append(f"the device is {device.type}: a rank's threads serve one client at a time "
+                         f"(run more ranks)")
+    if obstacles:
+        return 1, "; ".join(obstacles)
+    return asked, ""
+
+
 def prepare_data(config: Config, transport: Transport):
     """Rank 0 builds the partition cache while the others wait; they then find it (or, on a
     node that does not share the cache directory, build the identical file themselves)."""

@@ -150,11 +150,12 @@ def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
     summary = (out / "summary.md").read_text()
 
     graphs = re.search(r"^## 1a\. .*?(?=^## |\Z)", summary, flags=re.M | re.S)
-    assert graphs and "test_compiled_step.py on cpu: rc 0 (passed" in graphs[0], summary
+    assert graphs and "test_concurrent_clients.py on cpu: rc 0 (passed" in graphs[0], summary
     assert "bench/compile_step.py: not in a CPU dry run" in graphs[0]
     assert "SKIPPED" in (out / "logs" / "1_graphs_equal_eager.log").read_text()  # the GPU test, saying why
     side = _section(summary, 1)
-    for run in ("ours_1proc", "ours_graphs", "ours_2ranks", "ours_vmap", "ours_3ranks"):
+    for run in ("ours_1proc", "ours_graphs", "ours_graphs_concurrent", "ours_concurrent4", "ours_2ranks", "ours_vmap",
+                "ours_3ranks"):
         row = re.search(rf"^\| {run} \| ([\d.]+) \| [\d.]+ \| n/a \| n/a \| ([\d., ]+) \(rc 0\) \|$", side, flags=re.M)
         assert row, f"{run} row missing or failed:\n{side}"
         assert len(row[2].split(",")) == 2  # accuracy after each of the 2 rounds
@@ -166,7 +167,9 @@ def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
         assert "× the reference's round" in side
     else:
         assert "| HtFLlib FedProto | not prepared" in side
-    assert "identical: every round's test_acc, test_acc_head, train_loss equal (2 rounds)" in _section(summary, 2)
+    determinism = _section(summary, 2)  # 2 ranks, recorded (eager on a CPU) and side by side (4 threads)
+    for run in ("ours_2ranks", "ours_graphs", "ours_graphs_concurrent", "ours_concurrent4"):
+        assert f"- {run}: identical: every round's test_acc, test_acc_head, train_loss equal (2 rounds)" in determinism
 
     paper = _section(summary, 3)
     assert len(re.findall(r"^\| (cnn|googlenet|mobilenet_v2|resnet\d+) \| [\d.]+ \| [\d.]+ M \| [\d.]+ \|", paper,
