@@ -9,7 +9,8 @@ It reads the same config as our run and takes from htfl_dist only what fixes the
 before the timed rounds: the clients' training splits (the partition cache), the sampled clients
 of each round, the initial global model (client 0's, as the model-part server starts) and the seed
 of each client's dropout draws. So with the same config its global model after round 1 equals
-ours within float tolerance (the bench checks it), and its time is what those steps cost alone."""
+ours within float tolerance (the bench checks it), and its time is what those steps cost alone.
+Under the bench's ``--lockstep`` each round waits for the driver's go first (bench/pfl_gate.py)."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +19,7 @@ import os
 import sys
 import time
 
+import pfl_gate
 import pfl_probe
 import pfl_workload  # noqa: F401  (registers pfl_cnn and the dataset, as --import does for our run)
 import torch
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = train.batch_size
     round_seconds, round_steps = [], []
     for round_index, cohort in enumerate(cohorts):
+        pfl_gate.ready(round_index)  # --lockstep: wait for the driver's go, outside the round's clock
         began, steps = time.perf_counter(), pfl_probe.steps()
         for tensor in total:
             tensor.zero_()
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                 torch.div(t, len(cohort), out=g)
         round_seconds.append(time.perf_counter() - began)
         round_steps.append(pfl_probe.steps() - steps)
+        pfl_gate.done(round_index)  # where the clock stopped: the dump below is outside it in both modes
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
             row = torch.cat([g.reshape(-1) for g in global_weights]).reshape(1, -1)

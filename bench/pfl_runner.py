@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 import pfl_data
+import pfl_gate
 import pfl_probe
 import torch
 from pfl_cnn import HIDDEN, pfl_cnn_layers
@@ -74,15 +75,19 @@ class PflCNN(torch.nn.Module):
 
 
 class RoundClock(TrainingProcessCallback):
-    """Wall time and local SGD steps of each central iteration, on this worker."""
+    """Wall time and local SGD steps of each central iteration, on this worker. Under the bench's
+    ``--lockstep`` (bench/pfl_gate.py) it also holds each iteration until the driver's go, and
+    starts the iteration's clock only then: the wait is in no round's seconds."""
 
-    def __init__(self) -> None:
+    def __init__(self, rounds: int) -> None:
+        self.rounds = rounds
         self.last = 0.0
         self.steps_before = 0
         self.seconds: list[float] = []
         self.steps: list[int] = []
 
     def on_train_begin(self, *, model) -> Metrics:
+        pfl_gate.ready(0)
         self.last, self.steps_before = time.perf_counter(), pfl_probe.steps()
         return Metrics()
 
@@ -90,7 +95,10 @@ class RoundClock(TrainingProcessCallback):
         now, steps = time.perf_counter(), pfl_probe.steps()
         self.seconds.append(now - self.last)
         self.steps.append(steps - self.steps_before)
-        self.last, self.steps_before = now, steps
+        pfl_gate.done(central_iteration)
+        if central_iteration + 1 < self.rounds:  # pfl asks no further iteration after the last
+            pfl_gate.ready(central_iteration + 1)
+        self.last, self.steps_before = (time.perf_counter() if pfl_gate.active() else now), steps
         return False, Metrics()
 
 
@@ -131,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     pfl_probe.exclude(central)  # the central step applies the average; it is no local SGD step
     model = PyTorchModel(model=network, local_optimizer_create=torch.optim.SGD, central_optimizer=central)
     backend = SimulatedBackend(training_data=data, val_data=None, postprocessors=[WeightByUser()])
-    clock = RoundClock()
+    clock = RoundClock(args.rounds)
     FederatedAveraging().run(
         algorithm_params=NNAlgorithmParams(central_num_iterations=args.rounds, evaluation_frequency=args.rounds + 1,
                                            train_cohort_size=args.per_round, val_cohort_size=0),

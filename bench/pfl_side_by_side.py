@@ -25,9 +25,27 @@ evaluation rounds only). When ``bare`` and
 weights and dropout seeds: equal within float tolerance) and their step totals must be equal;
 the exit status is 1 when they are not or a side fails.
 
+By default the sides run one after another, so a VM whose speed drifts (here up to 40 % within
+minutes) skews their ratios. ``--lockstep`` (the one-process sides pfl, bare and ours only; others
+are refused, exit status 2) starts them one after another, each start-up alone, and keeps them
+alive: each waits at a gate (bench/pfl_gate.py: two pipes a side, named in HTFL_PFL_BENCH_GATE)
+before every round, and the driver lets one side play one round at a time, round r in the sides'
+order rotated by r, so round k of every side runs seconds from round k of the others. A round's
+time is then measured by the driver, from the go it writes to the side's done (its exit, for the
+last round): the same clock for every side and never the wait at the gate. The done is where each
+side's own clock stops: bare's loop, pfl's ``after_central_iteration``; ours' is said when the next
+round first trains (its plugin's algorithm holds the gate: a plugin cannot add a round observer),
+so its time is a whole turn of the engine's loop, as pfl's is. The sides' own seconds are kept
+(``own_round_seconds``; ours' include the wait, the gate being inside its round); start-up is
+launch to the first SGD step less the wait before round 1; peak memory stays per side (each
+side's process tree). Besides each side's median the report gives the paired per-round ratios
+ours/bare, ours/pfl and bare/pfl of the timed rounds, their median and min..max. A side that
+dies, or is silent for GATE_TIMEOUT_S, is taken out of the rotation and fails; the rest go on.
+
     bash bench/pfl_setup.sh                      # once: pfl's venv
     python bench/pfl_side_by_side.py --out pfl.json
     python bench/pfl_side_by_side.py --sides bare,ours --rounds 2 --warmup 1 --clients 100
+    python bench/pfl_side_by_side.py --lockstep --sides pfl,bare,ours --out pfl-lockstep.json
 """
 from __future__ import annotations
 
@@ -35,18 +53,32 @@ import argparse
 import json
 import math
 import os
+import select
 import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 SIDES = ("pfl", "pfl2", "bare", "ours", "ours2", "ours2h")
+LOCKSTEP_SIDES = ("pfl", "bare", "ours")
+"""The one-process sides: each has one round loop for the gate to hold."""
+GATE_ENV = "HTFL_PFL_BENCH_GATE"
+"""bench/pfl_gate.py's variable: the side's ends of its two gate pipes."""
+GATE_TIMEOUT_S = 1800.0
+"""Longest the lockstep driver waits for one line of a side (a start-up, a round) before it
+gives that side up: far above a full-size round, below our run's round watchdog (3600 s)."""
+EXIT_GRACE_S = 5.0
+"""How long a side given up may take to exit by itself before it is killed."""
+PAIRS = (("ours/bare", "ours", "bare"), ("ours/pfl", "ours", "pfl"), ("bare/pfl", "bare", "pfl"))
+"""The paired per-round ratios ``--lockstep`` reports."""
 PFL_VENV_ENV = "HTFL_PFL_VENV"
 DEFAULT_PFL_VENV = Path.home() / ".cache" / "htfl_dist" / "pfl-venv"
 """bench/pfl_setup.sh's default."""
@@ -125,8 +157,22 @@ class TreeMemory:
         return sum(self.peaks.values())
 
 
-def run_side(name: str, command: list[str], env: dict[str, str], work: Path) -> dict[str, Any]:
-    """Launch one side, wait, and collect what its processes counted (bench/pfl_probe.py)."""
+@dataclass
+class Launched:
+    """A side's process on its way: what finishing it needs."""
+
+    name: str
+    command: list[str]
+    process: subprocess.Popen
+    memory: TreeMemory
+    launched: float
+    log: Path
+    probe_dir: Path
+
+
+def launch_side(name: str, command: list[str], env: dict[str, str], work: Path,
+                pass_fds: tuple[int, ...] = ()) -> Launched:
+    """Start one side, its peak memory polled from now on (``pass_fds``: the lockstep gate's pipes)."""
     probe_dir = work / "probes" / name
     probe_dir.mkdir(parents=True, exist_ok=True)
     for old in probe_dir.glob("probe-*.json"):
@@ -137,21 +183,178 @@ def run_side(name: str, command: list[str], env: dict[str, str], work: Path) -> 
     print(f"[{name}] {' '.join(command)}", flush=True)
     with open(log, "w") as output:
         launched = time.time()
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
-        memory = TreeMemory(process.pid)
-        code = process.wait()
-        wall = time.time() - launched
-    probes = [json.loads(path.read_text()) for path in sorted(probe_dir.glob("probe-*.json"))]
-    peak = memory.stop(probes)
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
+                                   pass_fds=pass_fds)
+    return Launched(name, command, process, TreeMemory(process.pid), launched, log, probe_dir)
+
+
+def finish_side(side: Launched, held_s: float = 0.0, timeout_s: float | None = None) -> dict[str, Any]:
+    """Wait for a side and collect what its processes counted (bench/pfl_probe.py). ``held_s``:
+    how long the lockstep gate held it before its first round, which is no start-up; past
+    ``timeout_s`` it is killed."""
+    try:
+        code = side.process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        print(f"[{side.name}] still running {timeout_s:.0f} s after its last round: killed", flush=True)
+        side.process.kill()
+        code = side.process.wait()
+    wall = time.time() - side.launched
+    probes = [json.loads(path.read_text()) for path in sorted(side.probe_dir.glob("probe-*.json"))]
+    peak = side.memory.stop(probes)
     firsts = [p["first_step"] for p in probes if p["first_step"] is not None]
-    result: dict[str, Any] = {"command": command, "returncode": code, "wall_s": wall, "log": str(log),
+    result: dict[str, Any] = {"command": side.command, "returncode": code, "wall_s": wall, "log": str(side.log),
                               "processes_counted": len(probes), "steps_total": sum(p["steps"] for p in probes),
-                              "startup_s": (min(firsts) - launched) if firsts else None,
+                              "startup_s": (min(firsts) - side.launched - held_s) if firsts else None,
                               "peak_rss_bytes": peak}
     if code != 0:
-        tail = log.read_text().splitlines()[-15:]
-        print(f"[{name}] failed with status {code}; the end of {log}:\n  " + "\n  ".join(tail), flush=True)
+        tail = side.log.read_text().splitlines()[-15:]
+        print(f"[{side.name}] failed with status {code}; the end of {side.log}:\n  " + "\n  ".join(tail),
+              flush=True)
     return result
+
+
+def run_side(name: str, command: list[str], env: dict[str, str], work: Path) -> dict[str, Any]:
+    """Launch one side, wait, and collect what its processes counted (bench/pfl_probe.py)."""
+    return finish_side(launch_side(name, command, env, work))
+
+
+# --------------------------------------------------------------------------- the lockstep gate
+
+
+class GateBroken(Exception):
+    """A gated side said something out of turn, went quiet too long, or ended early."""
+
+
+class GatedSide:
+    """One side under ``--lockstep``: its process and the driver's ends of the two pipes its
+    bench/pfl_gate.py reads and writes (passed down by number in HTFL_PFL_BENCH_GATE)."""
+
+    def __init__(self, name: str, command: list[str], env: dict[str, str], work: Path) -> None:
+        go_read, go_write = os.pipe()
+        say_read, say_write = os.pipe()
+        env = {**env, GATE_ENV: f"{go_read},{say_write}"}
+        try:
+            self.side = launch_side(name, command, env, work, pass_fds=(go_read, say_write))
+        finally:
+            os.close(go_read)  # the side's ends live in the side alone: its exit is our end-of-file
+            os.close(say_write)
+        self.name, self.go, self.say = name, go_write, say_read
+        self.buffer = b""
+        self.seconds: list[float] = []
+        """Go-to-done seconds of each round, on the driver's clock."""
+        self.held_s = 0.0
+        self.ready_at: float | None = None
+        self.failure = ""
+
+    def _line(self) -> str | None:
+        """The side's next line, None once it exited (end-of-file, or its process gone while a
+        child of it may still hold the pipe); GateBroken past GATE_TIMEOUT_S."""
+        deadline = time.monotonic() + GATE_TIMEOUT_S
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GateBroken(f"no word from it in {GATE_TIMEOUT_S:.0f} s")
+            readable, _, _ = select.select([self.say], [], [], min(left, 1.0))
+            if not readable and self.side.process.poll() is not None:
+                readable, _, _ = select.select([self.say], [], [], 0)  # what it wrote just before it exited
+                if not readable:
+                    return None
+            if readable:
+                chunk = os.read(self.say, 4096)
+                if not chunk:
+                    return None
+                self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode("ascii", "replace")
+
+    def await_ready(self, round_index: int) -> None:
+        """Until the side waits at the gate before round ``round_index``."""
+        line = self._line()
+        if line != f"ready {round_index}":
+            raise GateBroken(f"expected 'ready {round_index}', got " + ("its exit" if line is None else repr(line)))
+        self.ready_at = time.time()
+
+    def play(self, round_index: int, last: bool) -> None:
+        """Let the side play one round and time it from the go to its done (its exit ends the last)."""
+        if round_index > 0:
+            self.await_ready(round_index)
+        else:
+            assert self.ready_at is not None, "ready 0 is awaited at launch"
+            self.held_s = time.time() - self.ready_at
+        began = time.perf_counter()
+        try:
+            os.write(self.go, f"go {round_index}\n".encode())
+        except BrokenPipeError:
+            raise GateBroken(f"it exited before round {round_index}") from None
+        line = self._line()
+        ended = time.perf_counter()
+        if line != f"done {round_index}" and not (line is None and last):
+            raise GateBroken(f"expected 'done {round_index}', got " + ("its exit" if line is None else repr(line)))
+        self.seconds.append(ended - began)
+        if last and line is not None:  # its exit (results, teardown) overlaps no other side's round
+            line = self._line()
+            if line is not None:
+                raise GateBroken(f"expected its exit after its last round, got {line!r}")
+
+    def give_up(self, why: str) -> None:
+        """Out of the rotation: said, and its process ended so that no one waits on it."""
+        self.failure = why
+        print(f"[{self.name}] lockstep: {why}; stopped", flush=True)
+        try:
+            self.side.process.wait(EXIT_GRACE_S)  # one that is exiting keeps its own status
+        except subprocess.TimeoutExpired:
+            self.side.process.kill()
+
+    def finish(self) -> dict[str, Any]:
+        os.close(self.go)  # a side still at the gate reads end-of-file and ends
+        os.close(self.say)
+        measured = finish_side(self.side, self.held_s, GATE_TIMEOUT_S)
+        measured["go_to_done_s"] = self.seconds
+        if self.failure:
+            measured["lockstep_failure"] = self.failure
+            if measured["returncode"] == 0:
+                measured["returncode"] = f"lockstep: {self.failure}"
+        return measured
+
+
+def run_lockstep(plans: dict[str, tuple[list[str], dict[str, str]]], work: Path,
+                 total_rounds: int) -> dict[str, dict[str, Any]]:
+    """Launch the sides one after another (each start-up alone: the earlier ones wait at the gate),
+    then play round r of every side in turn, in the sides' order rotated by r, one side at a time."""
+    gated: list[GatedSide] = []
+    try:
+        for name, (command, env) in plans.items():
+            side = GatedSide(name, command, env, work)
+            gated.append(side)
+            _guarded(side, side.await_ready, 0)
+        for round_index in range(total_rounds):
+            turn = round_index % len(gated)
+            for side in gated[turn:] + gated[:turn]:
+                if not side.failure:
+                    _guarded(side, side.play, round_index, round_index == total_rounds - 1)
+    finally:
+        for side in gated:
+            if side.side.process.poll() is None and not side.failure and len(side.seconds) < total_rounds:
+                side.give_up("the driver stopped early")
+    return {side.name: side.finish() for side in gated}
+
+
+def _guarded(side: GatedSide, step: Callable[..., None], *args: Any) -> None:
+    """One gate step of a side; a broken gate takes that side out, never the driver."""
+    if side.failure:
+        return
+    try:
+        step(*args)
+    except GateBroken as exc:
+        side.give_up(str(exc))
+
+
+def paired(a: list[float], b: list[float]) -> dict[str, Any]:
+    """Per-round ratios a/b of two lockstep sides' timed rounds, and their median and range."""
+    ratios = [x / y for x, y in zip(a, b, strict=True) if y > 0]
+    if not ratios:
+        return {"per_round": [], "median": None, "min": None, "max": None}
+    return {"per_round": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def timed(seconds: list[float], warmup: int, rounds: int) -> dict[str, Any]:
@@ -234,6 +437,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the data and the runs (seed 0)")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--out", type=Path, help="JSON of the results")
+    parser.add_argument("--lockstep", action="store_true",
+                        help=f"run the sides ({', '.join(LOCKSTEP_SIDES)} only) at once, one round of one side at a "
+                             "time in rotating order, and report paired per-round ratios")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"data, caches, logs (default {DEFAULT_WORK})")
     parser.add_argument("--pfl-venv", type=Path, default=Path(os.environ.get(PFL_VENV_ENV, DEFAULT_PFL_VENV)),
                         help=f"pfl's venv (${PFL_VENV_ENV}, else {DEFAULT_PFL_VENV})")
@@ -248,6 +454,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [s for s in sides if s not in SIDES]
     if unknown or not sides:
         raise UsageError(f"--sides: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SIDES)}")
+    multi_rank = [s for s in sides if s not in LOCKSTEP_SIDES]
+    if args.lockstep and multi_rank:
+        raise UsageError(f"--lockstep runs the one-process sides only ({', '.join(LOCKSTEP_SIDES)}), "
+                         f"not {', '.join(multi_rank)}")
     args.side_list = sides
     return args
 
@@ -264,67 +474,21 @@ def main(argv: list[str] | None = None) -> int:
     config_path = work / f"ours-c{args.clients}-p{args.per_round}-n{args.samples}-r{total_rounds}.yaml"
     work.mkdir(parents=True, exist_ok=True)
     prepare(config, config_path, per_class=args.clients * (args.samples // 10 + 1))
-    python = sys.executable
-    ours_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), str(REPO)])}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        ours_env.pop(key, None)
-    pfl_python = args.pfl_venv / "bin" / "python"
     check = "bare" in sides and "ours" in sides
-    pfl_args = [str(BENCH / "pfl_runner.py"), "--clients", str(args.clients), "--per-round", str(args.per_round),
-                "--samples", str(args.samples), "--rounds", str(total_rounds), "--batch", str(args.batch),
-                "--lr", str(args.lr), "--seed", str(args.seed), "--layout", args.pfl_layout]
     results: dict[str, Any] = {}
+    plans: dict[str, tuple[list[str], dict[str, str]]] = {}
     for side in sides:
-        dump = work / "dump" / side
-        env = dict(ours_env)
-        if check and side in ("ours", "bare"):
-            dump.mkdir(parents=True, exist_ok=True)
-            env["HTFL_PFL_BENCH_DUMP"] = str(dump)
-        result_file = work / "results" / f"{side}.json"
-        result_file.parent.mkdir(parents=True, exist_ok=True)
-        for old in result_file.parent.glob(f"{side}.json*"):
-            old.unlink()
-        if side in ("pfl", "pfl2"):
-            if not pfl_python.is_file():
-                print(f"[{side}] skipped: pfl venv not found: run bench/pfl_setup.sh (looked for {pfl_python})")
-                results[side] = {"skipped": "pfl venv not found: run bench/pfl_setup.sh"}
-                continue
-            launcher = [] if side == "pfl" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")}
-            command = [str(pfl_python), *launcher, *pfl_args, "--result", str(result_file)]
-        elif side == "bare":
-            command = [python, str(BENCH / "pfl_bare.py"), "--config", str(config_path), "--result", str(result_file)]
-            if check:
-                command += ["--dump", str(dump)]
+        plan = side_plan(side, args, config_path, total_rounds, check)
+        if plan is None:
+            results[side] = {"skipped": "pfl venv not found: run bench/pfl_setup.sh"}
         else:
-            out = work / "runs" / side
-            ranks = {"ours": 1, "ours2": 3, "ours2h": 2}[side]
-            launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone",
-                                              f"--nproc_per_node={ranks}"]
-            # with several ranks each sums its own clients' models and rank 0 receives one sum a rank,
-            # as pfl's workers all-reduce one (FedAvg's server needs only the sum: registry.sums_only)
-            transport = [] if ranks == 1 else ["runtime.backend=gloo", "runtime.presum_uploads=true"]
-            if side == "ours2h":
-                transport.append("runtime.server_hosts_clients=true")
-            command = [python, *launcher, "-m", "htfl_dist.main", "--config", str(config_path), "--out", str(out),
-                       "--resume", "never", *transport, *args.ours_set]
-            if out.exists():
-                shutil.rmtree(out)
-        measured = run_side(side, command, env, work)
-        if measured["returncode"] == 0:
-            if side in ("ours", "ours2", "ours2h"):
-                rows = [json.loads(line) for line in (work / "runs" / side / "metrics.jsonl").read_text().splitlines()
-                        if line.strip()]
-                if len(rows) != total_rounds:
-                    measured["returncode"] = "no row for every round"
-                    print(f"[{side}] metrics.jsonl has {len(rows)} rows for {total_rounds} rounds", flush=True)
-                measured.update(timed([row["seconds"] for row in rows], args.warmup, args.rounds))
-            else:
-                ranks = [json.loads(path.read_text()) for path in sorted(result_file.parent.glob(f"{side}.json*"))]
-                measured.update(timed(ranks[0]["round_seconds"], args.warmup, args.rounds))
-                measured["round_steps"] = [sum(r["round_steps"][i] for r in ranks) for i in range(total_rounds)]
-            measured["steps_per_round"] = measured["steps_total"] / total_rounds
-        results[side] = measured
+            plans[side] = plan
+            if not args.lockstep:
+                results[side] = collect(side, run_side(side, *plan, work), work, args, total_rounds)
+    if args.lockstep and plans:
+        measured = run_lockstep(plans, work, total_rounds)
+        results = {side: results.get(side) or collect(side, measured[side], work, args, total_rounds)
+                   for side in sides}
     report = summarise(args, config, results, work if check else None)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -333,8 +497,101 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed or report.get("check", {}).get("ok") is False else 0
 
 
+def side_plan(side: str, args: argparse.Namespace, config_path: Path, total_rounds: int,
+              check: bool) -> tuple[list[str], dict[str, str]] | None:
+    """A side's command and environment, its old results and run directory cleared; None (said)
+    when it is pfl's and pfl's venv is missing."""
+    work = args.work
+    ours_env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH), str(REPO)])}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", GATE_ENV):  # the gate's pipes are run_lockstep's alone
+        ours_env.pop(key, None)
+    dump = work / "dump" / side
+    env = dict(ours_env)
+    if check and side in ("ours", "bare"):
+        dump.mkdir(parents=True, exist_ok=True)
+        env["HTFL_PFL_BENCH_DUMP"] = str(dump)
+    result_file = work / "results" / f"{side}.json"
+    result_file.parent.mkdir(parents=True, exist_ok=True)
+    for old in result_file.parent.glob(f"{side}.json*"):
+        old.unlink()
+    if side in ("pfl", "pfl2"):
+        pfl_python = args.pfl_venv / "bin" / "python"
+        if not pfl_python.is_file():
+            print(f"[{side}] skipped: pfl venv not found: run bench/pfl_setup.sh (looked for {pfl_python})")
+            return None
+        pfl_args = [str(BENCH / "pfl_runner.py"), "--clients", str(args.clients), "--per-round", str(args.per_round),
+                    "--samples", str(args.samples), "--rounds", str(total_rounds), "--batch", str(args.batch),
+                    "--lr", str(args.lr), "--seed", str(args.seed), "--layout", args.pfl_layout]
+        launcher = [] if side == "pfl" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH", GATE_ENV)}
+        return [str(pfl_python), *launcher, *pfl_args, "--result", str(result_file)], env
+    if side == "bare":
+        command = [sys.executable, str(BENCH / "pfl_bare.py"), "--config", str(config_path), "--result",
+                   str(result_file)]
+        return command + (["--dump", str(dump)] if check else []), env
+    out = work / "runs" / side
+    ranks = {"ours": 1, "ours2": 3, "ours2h": 2}[side]
+    launcher = [] if ranks == 1 else ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    # with several ranks each sums its own clients' models and rank 0 receives one sum a rank,
+    # as pfl's workers all-reduce one (FedAvg's server needs only the sum: registry.sums_only)
+    transport = [] if ranks == 1 else ["runtime.backend=gloo", "runtime.presum_uploads=true"]
+    if side == "ours2h":
+        transport.append("runtime.server_hosts_clients=true")
+    if out.exists():
+        shutil.rmtree(out)
+    return [sys.executable, *launcher, "-m", "htfl_dist.main", "--config", str(config_path), "--out", str(out),
+            "--resume", "never", *transport, *args.ours_set], env
+
+
+def collect(side: str, measured: dict[str, Any], work: Path, args: argparse.Namespace,
+            total_rounds: int) -> dict[str, Any]:
+    """A finished side's round seconds and steps, read from what it wrote. Under ``--lockstep`` the
+    timed figures are the driver's go-to-done seconds and the side's own are kept beside them."""
+    if measured["returncode"] != 0:
+        return measured
+    result_file = work / "results" / f"{side}.json"
+    if side in ("ours", "ours2", "ours2h"):
+        rows = [json.loads(line) for line in (work / "runs" / side / "metrics.jsonl").read_text().splitlines()
+                if line.strip()]
+        if len(rows) != total_rounds:
+            measured["returncode"] = "no row for every round"
+            print(f"[{side}] metrics.jsonl has {len(rows)} rows for {total_rounds} rounds", flush=True)
+        own = [row["seconds"] for row in rows]
+    else:
+        ranks = [json.loads(path.read_text()) for path in sorted(result_file.parent.glob(f"{side}.json*"))]
+        own = ranks[0]["round_seconds"]
+        measured["round_steps"] = [sum(r["round_steps"][i] for r in ranks) for i in range(total_rounds)]
+    if "go_to_done_s" in measured:
+        measured["own_round_seconds"] = own
+        measured.update(timed(measured["go_to_done_s"], args.warmup, args.rounds))
+    else:
+        measured.update(timed(own, args.warmup, args.rounds))
+    measured["steps_per_round"] = measured["steps_total"] / total_rounds
+    return measured
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def paired_ratios(results: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """``--lockstep``: the ratio of two sides' times of the same timed round (run seconds apart,
+    so the VM's drift cancels), for each pair that both finished; printed as median (min..max)."""
+    found: dict[str, Any] = {}
+    for label, mine, theirs in PAIRS:
+        a, b = results.get(mine, {}), results.get(theirs, {})
+        if a.get("returncode") == 0 and b.get("returncode") == 0:
+            found[label] = paired(a["timed_rounds"], b["timed_rounds"])
+    if found:
+        print(f"paired per-round ratios (lockstep), median (min..max) over {rounds} timed rounds:")
+    for label, ratio in found.items():
+        if ratio["median"] is None:
+            print(f"  {label:11} -")
+            continue
+        each = " ".join(f"{r:.3f}" for r in ratio["per_round"])
+        print(f"  {label:11} {ratio['median']:.3f}x ({ratio['min']:.3f}x..{ratio['max']:.3f}x)   per round: {each}")
+    return found
 
 
 def summarise(args: argparse.Namespace, config: dict[str, Any], results: dict[str, Any],
@@ -346,11 +603,13 @@ def summarise(args: argparse.Namespace, config: dict[str, Any], results: dict[st
                      "batch": args.batch, "lr": args.lr, "local_epochs": 1, "seed": args.seed,
                      "rounds_played": config["rounds"], "warmup": args.warmup, "timed_rounds": args.rounds,
                      "expected_steps_per_round": args.per_round * steps_a_client, "pfl_settings_from": PFL_SOURCE,
-                     "pfl_layout": args.pfl_layout, "ours_overrides": args.ours_set, "threads": 1},
+                     "pfl_layout": args.pfl_layout, "ours_overrides": args.ours_set, "threads": 1,
+                     "lockstep": args.lockstep},
         "sides": results}
     print(f"\npfl's CIFAR-10 workload: {args.clients} clients, {args.per_round} a round, {args.samples} samples, "
           f"batch {args.batch}, 1 epoch ({report['workload']['expected_steps_per_round']} SGD steps a round); "
-          f"median of {args.rounds} rounds after {args.warmup}")
+          f"median of {args.rounds} rounds after {args.warmup}"
+          + ("; lockstep: one round of one side at a time, rotating, timed from go to done" if args.lockstep else ""))
     print(f"{'side':6} {'s/round':>8} {'steps/round':>12} {'start-up s':>11} {'peak RSS GiB':>13}")
     for side, r in results.items():
         if "skipped" in r:
@@ -378,6 +637,8 @@ def summarise(args: argparse.Namespace, config: dict[str, Any], results: dict[st
             shown = ["-" if v is None else f"{v:.2f}x" for v in values.values()]
             print(f"  {label:11} {'  '.join(shown)}")
     report["ratios"] = ratios
+    if args.lockstep:
+        report["paired_ratios"] = paired_ratios(results, args.rounds)
     if check_dir is not None and results["bare"].get("returncode") == 0 and results["ours"].get("returncode") == 0:
         check = compare_round_one(check_dir)
         check["steps_equal"] = results["bare"]["steps_total"] == results["ours"]["steps_total"]

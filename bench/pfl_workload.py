@@ -22,7 +22,9 @@ Registers
 
 With HTFL_PFL_BENCH_PROBE set, each process counts its SGD steps (bench/pfl_probe.py), and with
 HTFL_PFL_BENCH_DUMP set the server saves the global model row after each round
-(``global-round-R.pt``), which the bench compares with the bare loop's.
+(``global-round-R.pt``), which the bench compares with the bare loop's; with
+HTFL_PFL_BENCH_GATE set (the bench's ``--lockstep``), each round waits for the bench's go
+(``LockstepRounds``).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import pfl_data
+import pfl_gate
 import pfl_probe
 import torch
 from pfl_cnn import pfl_cnn_layers
@@ -127,6 +130,30 @@ class PflFedAvgOptions:
     | sample_weighted (n_i / Σn, McMahan et al.'s FedAvg)."""
 
 
+class LockstepRounds:
+    """The bench's ``--lockstep`` gate (bench/pfl_gate.py) at the one point of each round this
+    plugin sees first: its first client's training. The engine's round observers would be the
+    natural place, but the plugin API (htfl_dist.api, docs/plugins.md) declares no way to add one,
+    so the gate sits in the algorithm, which the API does declare. Round R's "done" is said when
+    round R+1 first trains (the last round's by the process's exit): the driver's go-to-done time
+    is then one whole turn of the engine's loop (the rest of round R, its record and close, round
+    R+1's selection), as pfl's clock, which runs from one iteration's end to the next."""
+
+    def __init__(self) -> None:
+        self.current: int | None = None
+
+    def reached(self, round_index: int) -> None:
+        if not pfl_gate.active() or round_index == self.current:
+            return
+        if self.current is not None:
+            pfl_gate.done(self.current)
+        pfl_gate.ready(round_index)
+        self.current = round_index
+
+
+_LOCKSTEP = LockstepRounds()
+
+
 class PflFedAvgClient(PartSharingClient):
     part = WHOLE_MODEL
     algorithm_name = "pfl_fedavg"
@@ -134,6 +161,7 @@ class PflFedAvgClient(PartSharingClient):
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         """The block's local training; the steps it takes are what the bench's probe counts."""
+        _LOCKSTEP.reached(round_index)
         with pfl_probe.counting():
             return super().train(client, knowledge, round_index, generator)
 
