@@ -219,6 +219,8 @@ class PrototypeClient(ClientAlgorithm):
 
 
 class FedProtoClient(PrototypeClient):
+    trains_concurrently = True  # its upload adds class counts, made per call
+
     @classmethod
     def upload_fields(cls, context: AlgorithmContext) -> PayloadSpec:
         counts = (Field("counts", torch.int64, max_rows=context.num_classes),) if context.options.weighted else ()

@@ -163,7 +163,8 @@ class ClientAlgorithm:
     (``train.concurrent_clients``): ``train`` writes nothing on the algorithm object (nor anywhere
     but the client it trains and what it returns) and changes nothing in the knowledge. Draws from
     torch's global RNG need no declaration: the runtime finds them and trains such a client alone.
-    A subclass that changes ``train`` or its loss says so again or not."""
+    The claim is not inherited by a subclass that defines any method of its own
+    (``registry.vouched_concurrent``): it says so again or trains one at a time."""
 
     def __init__(self, context: AlgorithmContext) -> None:
         self.context = context

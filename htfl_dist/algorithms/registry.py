@@ -116,6 +116,19 @@ def has_batched_path(client: type[ClientAlgorithm]) -> bool:
     return group is not ClientAlgorithm and issubclass(group, defined_by(client, "train"))
 
 
+def vouched_concurrent(client: type[ClientAlgorithm]) -> bool:
+    """Whether ``client``'s ``trains_concurrently`` holds for it: the class whose body says True is
+    ``client`` itself or a base that no class below it changes (no method defined in between). A
+    subclass that rewrites ``train`` or its loss, and keeps state on ``self`` there, must not
+    inherit the claim: it says so again (FedProto's client does), or it trains one at a time."""
+    declarer = defined_by(client, "trains_concurrently")
+    if not vars(declarer)["trains_concurrently"]:
+        return False
+    below = client.__mro__[: client.__mro__.index(declarer)]
+    return not any(callable(value) or isinstance(value, (classmethod, staticmethod))
+                   for klass in below for name, value in vars(klass).items() if not name.startswith("__"))
+
+
 def sums_only(server: type[ServerAlgorithm]) -> bool:
     """Whether ``server`` needs only the sum of the round's contributions: it declares
     ``summed_fields`` and its ``update_from_sums`` is written at or below the class its ``update``

@@ -60,24 +60,44 @@ class GraphBackend(Protocol):
 
 
 class CudaGraphs:
-    """The real backend: a side stream for the warm-up, ``torch.cuda.graph`` for the recording,
-    every graph of a thread drawing on the thread's memory pool (a graph freed after its client's
-    round returns its blocks to the pool for the next).
+    """The real backend: warm-up and recording on a side stream of the thread's own, every graph
+    of a thread drawing on the thread's memory pool (a graph freed after its client's round
+    returns its blocks to the pool for the next).
 
-    Clients trained side by side (``train.concurrent_clients``) record in threads of their own:
-    graphs replayed at the same time must not share a pool, so each thread has one; recordings
-    take turns (one lock), since ``torch.cuda.graph`` synchronises the device and empties the
-    allocator's cache before it starts; and a pool thread records in ``thread_local`` mode, so the
-    other threads' allocations do not invalidate it (the main thread keeps CUDA's ``global``
-    check, which catches stray work of other threads)."""
+    Clients trained side by side (``train.concurrent_clients``) record in threads of their own,
+    and nothing of one thread's recording may touch another's:
+
+    - streams: ``torch.cuda.Stream()`` hands out one of a fixed set of pooled streams in turn (32
+      per priority), so a stream asked for per call would in time be another thread's, even the
+      one it records on; each thread's side stream is made once and kept (with the training
+      threads' own, a handful of the 32);
+    - memory: graphs replayed at the same time must not share a pool, so each thread has one;
+    - recording: ``capture_begin``/``capture_end`` on the side stream, not ``torch.cuda.graph``,
+      which synchronises the device and empties the allocator's cache before every recording
+      (once per client and round: it would drain every other thread's work); recordings still
+      take turns (one lock), and a pool thread records in ``thread_local`` mode, so the other
+      threads' allocations do not invalidate it (the main thread keeps CUDA's ``global`` check).
+
+    The warm-up's outputs are made on the side stream and read on the thread's stream, which
+    waits for it; the side stream waits for the thread's stream before its next use, so memory
+    freed from those outputs is not reused before they are read."""
 
     _slots = threading.local()
-    """Per thread: its pool handle (``torch.cuda.graph_pool_handle()``), made on its first recording."""
+    """Per thread: its side stream and pool handle (``torch.cuda.graph_pool_handle()``), made on
+    first use."""
     _recording = threading.Lock()
+
+    @staticmethod
+    def side_stream() -> torch.cuda.Stream:
+        """This thread's side stream (made once, kept)."""
+        slots = CudaGraphs._slots
+        if getattr(slots, "stream", None) is None:
+            slots.stream = torch.cuda.Stream()
+        return slots.stream
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:
-        side = torch.cuda.Stream()
+        side = self.side_stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             yield
@@ -88,10 +108,17 @@ class CudaGraphs:
         slots = CudaGraphs._slots
         if getattr(slots, "pool", None) is None:
             slots.pool = torch.cuda.graph_pool_handle()
+        side = self.side_stream()
+        side.wait_stream(torch.cuda.current_stream())  # the static inputs were written on the thread's stream
         mode = "global" if threading.current_thread() is threading.main_thread() else "thread_local"
         graph = torch.cuda.CUDAGraph()
-        with CudaGraphs._recording, torch.cuda.graph(graph, pool=slots.pool, capture_error_mode=mode):
-            outputs = step()
+        with CudaGraphs._recording, torch.cuda.stream(side):
+            graph.capture_begin(pool=slots.pool, capture_error_mode=mode)
+            try:
+                outputs = step()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
 
         def replay() -> StepOutputs:
             graph.replay()

@@ -44,9 +44,12 @@ GAIN_TO_GROW = 1.10
 """auto widens while the next width trains at least 10 % more samples a second; below that the
 extra threads' Python and memory buy too little."""
 
-OBSERVATIONS = 2
-"""Groups measured at each width before auto compares it (the median of them): a width's first
-group pays one-off costs (a CUDA graph's recording, allocator growth)."""
+WARMUP_GROUPS = 1
+"""Groups at each width left out of auto's measure: the first pays one-off costs (CUDA's and
+cuDNN's start, a graph pool's and the allocator's growth, new threads and streams)."""
+
+OBSERVATIONS = 3
+"""Groups measured at each width (after ``WARMUP_GROUPS``) before auto compares it, by their median."""
 
 
 def global_rng_state(device: torch.device) -> tuple[bytes, ...]:
@@ -61,16 +64,25 @@ def global_rng_state(device: torch.device) -> tuple[bytes, ...]:
 class WidthTuner:
     """How many clients train at once: a fixed width, or auto's choice from measured samples per
     second — 1, then 2, 4, 8 while each trains at least ``GAIN_TO_GROW`` times faster than the
-    best so far; the first width that does not is dropped and the best is kept for the run."""
+    best so far; the first width that does not is dropped and the best is kept for the run. A
+    round in which no group as wide as the width tried ran (fewer clients on the rank, or
+    architectures that train alone in between) ends the trial at the best so far.
+
+    Limits, said: groups of different widths hold different clients, and in a group of several
+    architectures their step costs differ, so a rate is the mix's; the median of
+    ``OBSERVATIONS`` groups after a warm-up is what keeps one group's mix from deciding."""
 
     def __init__(self, asked: int, cap: int) -> None:
         self.cap = max(1, cap)
         self.fixed = min(asked, self.cap) if asked > 0 else None
         self.candidates = [width for width in WIDTHS if width <= self.cap] or [1]
         self.trying = 0
+        self.groups: dict[int, int] = {}
+        """Groups seen at each width, warm-up included."""
         self.rates: dict[int, list[float]] = {}
         self.best: tuple[int, float] | None = None
         self.settled: int | None = self.fixed
+        self.full_group_this_round = False
 
     def width(self) -> int:
         return self.settled if self.settled is not None else self.candidates[self.trying]
@@ -78,6 +90,10 @@ class WidthTuner:
     def observe(self, width: int, samples: int, seconds: float) -> None:
         """One group of ``width`` clients trained ``samples`` samples in ``seconds``."""
         if self.settled is not None or width != self.width() or seconds <= 0:
+            return
+        self.full_group_this_round = True
+        self.groups[width] = self.groups.get(width, 0) + 1
+        if self.groups[width] <= WARMUP_GROUPS:
             return
         rates = self.rates.setdefault(width, [])
         rates.append(samples / seconds)
@@ -90,6 +106,13 @@ class WidthTuner:
             if self.trying < len(self.candidates):
                 return
         self.settled = self.best[0]
+
+    def round_over(self) -> None:
+        """A round ended: without a group as wide as the width tried, that width cannot be
+        measured on this rank, and auto keeps the best so far (one at a time if none)."""
+        if self.settled is None and not self.full_group_this_round:
+            self.settled = self.best[0] if self.best is not None else 1
+        self.full_group_this_round = False
 
 
 class ConcurrentTraining:
@@ -106,6 +129,7 @@ class ConcurrentTraining:
         self._pool: ThreadPoolExecutor | None = None
         self._slot = threading.local()
         self._said: set[str] = set()
+        self._round: int | None = None
 
     def next_group(self, pending: list[int]) -> list[int]:
         """Take the next clients to train together off the front of ``pending`` (client-id
@@ -122,6 +146,10 @@ class ConcurrentTraining:
               samples_of: Callable[[Outcome], int], round_index: int) -> list[Outcome]:
         """``train_one`` of each client of a group from :meth:`next_group`, in client-id order:
         one in this thread after ``seed_for`` it, or several side by side in the pool."""
+        if round_index != self._round:
+            if self._round is not None:
+                self.tuner.round_over()
+            self._round = round_index
         started = time.perf_counter()
         if len(client_ids) == 1:
             outcomes = [self._alone(client_ids[0], seed_for, train_one)]
@@ -177,12 +205,15 @@ class ConcurrentTraining:
                 return train_one(client_id)
             stream = self._stream()
             stream.wait_stream(main_stream)
-            with torch.cuda.stream(stream):
-                outcome = train_one(client_id)
-            stream.synchronize()
-            return outcome
+            try:
+                with torch.cuda.stream(stream):
+                    return train_one(client_id)
+            finally:
+                stream.synchronize()  # failed or not: nothing of it still runs when the group ends
 
     def _stream(self) -> torch.cuda.Stream:
+        """This thread's stream, made once and kept (``torch.cuda.Stream()`` hands out pooled
+        streams in turn: one asked for per client would in time be another thread's)."""
         if getattr(self._slot, "stream", None) is None:
             self._slot.stream = torch.cuda.Stream(self.device)
         return self._slot.stream
@@ -196,7 +227,7 @@ class ConcurrentTraining:
 
     def _say_width(self) -> None:
         tuner = self.tuner
-        if tuner.fixed is None and tuner.settled is not None and tuner.best is not None:
+        if tuner.fixed is None and tuner.settled is not None and tuner.rates:
             rates = ", ".join(f"{width}: {statistics.median(rates):.0f}" for width, rates in tuner.rates.items())
             self._say(f"train.concurrent_clients=auto: {tuner.settled} at once (samples/s by width: {rates})")
 

@@ -152,6 +152,8 @@ class LocalTraining:
         store = session.clients
         cap = max(WIDTHS) if width == 0 else width
         cap = min(cap, store.limit) if store.bounded else cap  # a group is held in memory at once
+        if cap == 1:
+            return None
         return ConcurrentTraining(width, cap, session.device,
                                   lambda client_id: architecture_for_client(self.config.model.group, client_id), where)
 

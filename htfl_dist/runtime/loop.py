@@ -98,8 +98,8 @@ class Federation:
             self.session.watchdog.stop()  # finished or failed: a round that raised left it armed
             if self.records is not None:
                 self.records.close()
+            self.training.close()  # first: no training thread may still hold a client of the store
             self.session.clients.close()
-            self.training.close()
 
     def restore(self) -> int:
         """Load the newest complete checkpoint of ``resume_from`` and return the rounds it completed

@@ -25,6 +25,7 @@ from htfl_dist.algorithms import (
     get_algorithm,
 )
 from htfl_dist.algorithms.optimizers import build_optimizer
+from htfl_dist.algorithms.registry import vouched_concurrent
 from htfl_dist.algorithms.training import batching_obstacle
 from htfl_dist.config import Config
 from htfl_dist.data import load_client_splits, prepare_partition
@@ -129,8 +130,8 @@ def concurrent_clients(config: Config, entry: AlgorithmEntry, device: torch.devi
     if asked == 1:
         return 1, ""
     obstacles = []
-    if not entry.client.trains_concurrently:
-        able = [name for name in algorithm_names() if get_algorithm(name).client.trains_concurrently]
+    if not vouched_concurrent(entry.client):
+        able = [name for name in algorithm_names() if vouched_concurrent(get_algorithm(name).client)]
         obstacles.append(f"{entry.name}'s client step is not declared trains_concurrently (these are: "
                          f"{', '.join(able)})")
     if config.privacy.enabled:

@@ -30,35 +30,62 @@ def training(asked: int = 3, cap: int = 8, architectures: dict[int, str] | None 
 # --------------------------------------------------------------------------- the width
 
 
+def observe(tuner: WidthTuner, width: int, *rates: float) -> None:
+    """A warm-up group (1 sample/s: left out, or it would decide) and then groups at ``rates``."""
+    for rate in (1.0, *rates):
+        tuner.observe(width, samples=rate, seconds=1.0)
+
+
 def test_auto_widens_while_each_width_trains_ten_percent_more_samples_a_second():
     tuner = WidthTuner(0, cap=8)
-    for width, rates in [(1, (100, 100)), (2, (150, 160)), (4, (200, 200)), (8, (210, 230))]:
+    for width, rates in [(1, (100, 90, 110)), (2, (150, 160, 990)), (4, (200, 200, 10)), (8, (210, 230, 215))]:
         assert tuner.width() == width
-        for rate in rates:
-            tuner.observe(width, samples=rate, seconds=1.0)
-    # 155 >= 1.1 * 100, 200 >= 1.1 * 155, but 220 < 1.1 * 200: four it is
+        observe(tuner, width, *rates)
+    # medians 100, 160 >= 1.1 * 100, 200 >= 1.1 * 160, but 215 < 1.1 * 200: four it is
     assert tuner.settled == 4 and tuner.width() == 4
 
 
 def test_auto_stays_at_one_when_two_gain_less_than_ten_percent_and_ignores_other_widths():
     tuner = WidthTuner(0, cap=8)
-    tuner.observe(1, samples=100, seconds=1.0)
+    observe(tuner, 1, 100, 100)
     tuner.observe(2, samples=500, seconds=1.0)  # not the width being tried: a round's last, smaller group
     tuner.observe(1, samples=100, seconds=1.0)
     assert tuner.width() == 2
-    tuner.observe(2, samples=105, seconds=1.0)
-    tuner.observe(2, samples=109, seconds=1.0)
+    observe(tuner, 2, 105, 109, 500)  # median 109 < 110
     assert tuner.settled == 1
+
+
+def test_the_first_group_at_each_width_is_left_out_of_its_measure():
+    tuner = WidthTuner(0, cap=8)
+    for rate in (100, 100, 100, 100):
+        tuner.observe(1, samples=rate, seconds=1.0)
+    for rate in (5, 120, 500, 500):  # a slow first group (recording, new threads): counted, it would decide
+        tuner.observe(2, samples=rate, seconds=1.0)
+    assert tuner.best == (2, 500) and tuner.width() == 4
 
 
 def test_auto_stops_at_the_cap_and_a_fixed_width_is_capped():
     tuner = WidthTuner(0, cap=3)
     for width in (1, 2):
-        tuner.observe(width, samples=100 * width, seconds=1.0)
-        tuner.observe(width, samples=100 * width, seconds=1.0)
+        observe(tuner, width, *[100.0 * width] * 3)
     assert tuner.settled == 2  # 4 is past the cap: the best tried
     assert WidthTuner(4, cap=2).width() == 2
     assert WidthTuner(3, cap=8).width() == 3
+
+
+def test_a_round_without_a_group_as_wide_as_the_width_tried_ends_the_trial():
+    tuner = WidthTuner(0, cap=8)
+    observe(tuner, 1, 100, 100, 100)
+    observe(tuner, 2, 300, 300, 300)
+    assert tuner.width() == 4
+    tuner.round_over()  # round with groups of 4 in it: nothing decided yet
+    assert tuner.settled is None
+    tuner.observe(4, samples=1, seconds=1.0)
+    tuner.round_over()  # a round with a group of 4 (its warm-up): still trying
+    assert tuner.settled is None
+    tuner.observe(3, samples=900, seconds=1.0)  # three clients a round on this rank from now on
+    tuner.round_over()
+    assert tuner.settled == 2
 
 
 # --------------------------------------------------------------------------- groups and threads
@@ -183,6 +210,26 @@ def test_auto_settles_on_one_where_an_explicit_width_is_refused():
     assert width == 1 and "fedoc's client step is not declared trains_concurrently" in why
 
 
+def test_a_subclass_that_changes_a_method_does_not_inherit_the_claim():
+    from htfl_dist.algorithms.fedproto import PrototypeClient
+    from htfl_dist.algorithms.registry import vouched_concurrent
+
+    class KeepsState(PrototypeClient):
+        def train(self, client, knowledge, round_index, generator):  # e.g. writes self.last_client
+            return super().train(client, knowledge, round_index, generator)
+
+    class VouchesAgain(KeepsState):
+        trains_concurrently = True
+
+    class ChangesNothing(PrototypeClient):
+        pass
+
+    assert vouched_concurrent(PrototypeClient) and vouched_concurrent(get_algorithm("fedproto").client)
+    assert not vouched_concurrent(KeepsState)
+    assert vouched_concurrent(VouchesAgain) and vouched_concurrent(ChangesNothing)
+    assert not vouched_concurrent(get_algorithm("fedoc").client)  # says False in its own body
+
+
 # --------------------------------------------------------------------------- real runs
 
 
@@ -198,12 +245,53 @@ def devices() -> list[str]:
     # a group no larger than the store holds; the round's learning rate set for a group too
     ("local", ("runtime.resident_clients=2", "train.lr_schedule=exponential", "train.lr_decay=0.5")),
 ])
-def test_clients_side_by_side_give_the_rows_of_one_at_a_time(algorithm, extra, device, tmp_path, cache_dir):
+def test_clients_side_by_side_give_the_rows_of_one_at_a_time(algorithm, extra, device, tmp_path, cache_dir,
+                                                                 monkeypatch):
     """Round 1 trains each architecture's first client alone (6 clients, 8 architectures), later
-    rounds three at a time; every row equals one at a time's, bit for bit."""
+    rounds three at a time (two with two resident clients); every row equals one at a time's, bit
+    for bit."""
     overrides = [f"data.cache_dir={cache_dir}", "rounds=3", f"algorithm={algorithm}", *extra]
     if device == "cuda":
         overrides.append("train.cuda_graphs=auto")
     alone = simulate(SMOKE, overrides, out=tmp_path / "alone", device=device)
+    groups = []
+    together_one = ConcurrentTraining._together
+
+    def counted(self, client_ids, train_one, round_index):
+        groups.append((round_index, len(client_ids)))
+        return together_one(self, client_ids, train_one, round_index)
+
+    monkeypatch.setattr(ConcurrentTraining, "_together", counted)
     together = simulate(SMOKE, [*overrides, "train.concurrent_clients=3"], out=tmp_path / "together", device=device)
     assert [[row[key] for key in ROW_KEYS] for row in together] == [[row[key] for key in ROW_KEYS] for row in alone]
+    width = 2 if "runtime.resident_clients=2" in extra else 3
+    assert groups == [(round_index, width) for round_index in (1, 2) for _ in range(6 // width)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU: the GPU suite runs it")
+def test_each_thread_trains_and_records_on_streams_no_other_thread_uses():
+    """``torch.cuda.Stream()`` hands out pooled streams in turn: a stream asked for per call would
+    in time be another thread's. Each training thread's stream and each thread's side stream
+    (warm-up, recording) are made once and are distinct, and none is the main thread's."""
+    from htfl_dist.algorithms.step_graphs import CudaGraphs
+
+    device = torch.device("cuda")
+    concurrent = ConcurrentTraining(4, 4, device, lambda client_id: "A")
+    concurrent.draws["A"] = False
+    seen: dict[int, tuple[int, int]] = {}
+    met = threading.Barrier(4, timeout=60)
+
+    def streams_of(client_id: int) -> int:
+        for _ in range(40):  # many warm-ups and clients: a stream made per call would come round again
+            side = CudaGraphs.side_stream()
+        seen[client_id] = (torch.cuda.current_stream().cuda_stream, side.cuda_stream)
+        met.wait()
+        return client_id
+
+    for round_index in range(3):
+        concurrent.train([0, 1, 2, 3], lambda client_id: None, streams_of, lambda outcome: 1, round_index)
+    handles = [handle for pair in seen.values() for handle in pair]
+    assert len(set(handles)) == 8
+    assert torch.cuda.current_stream().cuda_stream not in handles
+    assert CudaGraphs.side_stream().cuda_stream not in handles
+    concurrent.close()
