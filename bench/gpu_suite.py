@@ -469,7 +469,24 @@ def step_paper_size(suite: Suite, cap_s: float) -> None:
               f"{fmt(client_s)} s, server {fmt(server_s, '.3f')} s), GPU utilisation "
               f"{fmt(util, '.0f', ' %')}, peak GPU memory in use {fmt(run.gpu_mem_mib, '.0f', ' MiB')}.", ""]
     lines += projection(client_s, server_s, s_round, sizes.clients)
+    lines += fedtgp_one_process_graphs_concurrent(suite, overrides, ends)
     suite.add_section("3. Paper-size models: HtFE8, CIFAR-100 sizes", lines)
+
+
+def fedtgp_one_process_graphs_concurrent(suite: Suite, overrides: list[str], ends: float) -> list[str]:
+    """Issue 45's FedTGP goal (<= 10 s a round) the other way: one process, local steps recorded
+    and clients side by side (auto width), against the ranks above."""
+    name = "3_fedtgp_htfe8_1proc_graphs_concurrent"
+    if ends - time.monotonic() < 30:
+        return ["", f"{name}: skipped, the step's cap was reached."]
+    extra = ["train.cuda_graphs=auto", "train.concurrent_clients=0"]
+    run = suite.ours(name, FEDTGP_CIFAR100, overrides + extra, 1, ends - time.monotonic())
+    rows = suite.rows(name)
+    s_round = per_round_s([r["seconds"] for r in rows])
+    util = run.gpu_util(sum(r["seconds"] for r in rows[1:]) or None)
+    suite.results["paper_size_1proc_graphs_concurrent"] = {"rc": run.rc, "s_per_round": s_round, "gpu_util": util}
+    return ["", f"The same in one process with `{' '.join(extra)}` (rc {run.rc}): {fmt(s_round)} s/round, GPU "
+            f"utilisation {fmt(util, '.0f', ' %')}; logs/{name}.log says the width auto settled on."]
 
 
 def projection(client_s: float | None, server_s: float | None, s_round: float | None, clients: int) -> list[str]:

@@ -176,6 +176,8 @@ def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
                           flags=re.M)) == 8
     assert re.search(r"\(rc 0\): [\d.]+ s/round \(clients [\d.]+ s, server [\d.]+ s\)", paper), paper
     assert "**Projection, not a measurement**" in paper
+    assert re.search(r"one process with `train.cuda_graphs=auto train.concurrent_clients=0` \(rc 0\): [\d.]+ s/round",
+                     paper), paper
 
     server = _section(summary, 4)
     assert re.search(r"C=10 pairs=100 S=5 device=cpu: round 2: [\d.]+ s per update", server), server
