@@ -77,7 +77,10 @@ class PflCNN(torch.nn.Module):
 class RoundClock(TrainingProcessCallback):
     """Wall time and local SGD steps of each central iteration, on this worker. Under the bench's
     ``--lockstep`` (bench/pfl_gate.py) it also holds each iteration until the driver's go, and
-    starts the iteration's clock only then: the wait is in no round's seconds."""
+    starts the iteration's clock only then: the wait is in no round's seconds. With several
+    workers rank 0 alone talks to the gate, and after its go every worker meets at a barrier of
+    the process group pfl joined (``torch.distributed``, gloo, set up when pfl is imported under
+    torchrun), so no worker starts the next iteration before the driver lets the side go."""
 
     def __init__(self, rounds: int) -> None:
         self.rounds = rounds
@@ -87,7 +90,7 @@ class RoundClock(TrainingProcessCallback):
         self.steps: list[int] = []
 
     def on_train_begin(self, *, model) -> Metrics:
-        pfl_gate.ready(0)
+        self._hold(0)
         self.last, self.steps_before = time.perf_counter(), pfl_probe.steps()
         return Metrics()
 
@@ -97,9 +100,16 @@ class RoundClock(TrainingProcessCallback):
         self.steps.append(steps - self.steps_before)
         pfl_gate.done(central_iteration)
         if central_iteration + 1 < self.rounds:  # pfl asks no further iteration after the last
-            pfl_gate.ready(central_iteration + 1)
+            self._hold(central_iteration + 1)
         self.last, self.steps_before = (time.perf_counter() if pfl_gate.active() else now), steps
         return False, Metrics()
+
+    @staticmethod
+    def _hold(round_index: int) -> None:
+        """Until the driver's go for round ``round_index`` (rank 0's gate), then every worker meets."""
+        pfl_gate.ready(round_index)
+        if pfl_gate.active() and torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
 
 
 def federated_data(clients: int, samples: int, seed: int, nhwc: bool) -> FederatedDataset:

@@ -26,26 +26,32 @@ weights and dropout seeds: equal within float tolerance) and their step totals m
 the exit status is 1 when they are not or a side fails.
 
 By default the sides run one after another, so a VM whose speed drifts (here up to 40 % within
-minutes) skews their ratios. ``--lockstep`` (the one-process sides pfl, bare and ours only; others
-are refused, exit status 2) starts them one after another, each start-up alone, and keeps them
-alive: each waits at a gate (bench/pfl_gate.py: two pipes a side, named in HTFL_PFL_BENCH_GATE)
+minutes) skews their ratios. ``--lockstep`` (the sides pfl, pfl2, bare, ours and ours2h; ours2
+is refused, exit status 2) starts them one after another, each start-up alone, and keeps them
+alive: each waits at a gate (bench/pfl_gate.py: two named pipes a side under WORK/gate/SIDE,
+named in HTFL_PFL_BENCH_GATE, which torchrun's workers reach too; rank 0 alone talks to it)
 before every round, and the driver lets one side play one round at a time, round r in the sides'
 order rotated by r, so round k of every side runs seconds from round k of the others. A round's
 time is then measured by the driver, from the go it writes to the side's done (its exit, for the
-last round): the same clock for every side and never the wait at the gate. The done is where each
-side's own clock stops: bare's loop, pfl's ``after_central_iteration``; ours' is said when the next
-round first trains (its plugin's algorithm holds the gate: a plugin cannot add a round observer),
-so its time is a whole turn of the engine's loop, as pfl's is. The sides' own seconds are kept
-(``own_round_seconds``; ours' include the wait, the gate being inside its round); start-up is
-launch to the first SGD step less the wait before round 1; peak memory stays per side (each
-side's process tree). Besides each side's median the report gives the paired per-round ratios
-ours/bare, ours/pfl and bare/pfl of the timed rounds, their median and min..max. A side that
-dies, or is silent for GATE_TIMEOUT_S, is taken out of the rotation and fails; the rest go on.
+last round): the same clock for every side and never the wait at the gate. Where each side waits
+and what its round covers: bare, before each round's loop, done where its clock stops; pfl and
+pfl2, in ``RoundClock`` (``on_train_begin``, then ``after_central_iteration``: one iteration's
+end to the next), pfl2's rank 1 held at a ``torch.distributed`` barrier that both workers meet
+after rank 0's go; ours and ours2h, in the plugin server's ``download`` on rank 0, before the
+knowledge is broadcast (ours2h's rank 1 waits for the broadcast), done at the next download: one
+broadcast to the next, a whole turn of the engine's loop (a plugin cannot add a round observer).
+The sides' own seconds are kept (``own_round_seconds``; ours' include the wait, the gate being
+inside its round); start-up is launch to the first SGD step less the wait before round 1; peak
+memory stays per side (each side's process tree). Besides each side's median the report gives the
+paired per-round ratios (ours/bare, ours/pfl, bare/pfl, ours2h/pfl2, pfl2/pfl, ours2h/ours) of the
+timed rounds, their median and min..max. A side that dies, or is silent for GATE_TIMEOUT_S, is
+taken out of the rotation and fails; the rest go on.
 
     bash bench/pfl_setup.sh                      # once: pfl's venv
     python bench/pfl_side_by_side.py --out pfl.json
     python bench/pfl_side_by_side.py --sides bare,ours --rounds 2 --warmup 1 --clients 100
     python bench/pfl_side_by_side.py --lockstep --sides pfl,bare,ours --out pfl-lockstep.json
+    python bench/pfl_side_by_side.py --lockstep --sides pfl2,ours2h --out pfl-lockstep2.json
 """
 from __future__ import annotations
 
@@ -68,16 +74,20 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 SIDES = ("pfl", "pfl2", "bare", "ours", "ours2", "ours2h")
-LOCKSTEP_SIDES = ("pfl", "bare", "ours")
-"""The one-process sides: each has one round loop for the gate to hold."""
+LOCKSTEP_SIDES = ("pfl", "pfl2", "bare", "ours", "ours2h")
+"""The sides ``--lockstep`` holds: one round loop each, or (pfl2, ours2h) one a rank, rank 0's at
+the gate and the other rank held by it (ours2, 3 ranks, is not measured in lockstep)."""
 GATE_ENV = "HTFL_PFL_BENCH_GATE"
-"""bench/pfl_gate.py's variable: the side's ends of its two gate pipes."""
+"""bench/pfl_gate.py's variable: ``ROUNDS,DIR``, DIR holding the side's two named gate pipes."""
+GATE_GO, GATE_SAY = "go", "say"
+"""The named pipes' names (bench/pfl_gate.py's GO and SAY): the driver's lines, the side's."""
 GATE_TIMEOUT_S = 1800.0
 """Longest the lockstep driver waits for one line of a side (a start-up, a round) before it
 gives that side up: far above a full-size round, below our run's round watchdog (3600 s)."""
 EXIT_GRACE_S = 5.0
 """How long a side given up may take to exit by itself before it is killed."""
-PAIRS = (("ours/bare", "ours", "bare"), ("ours/pfl", "ours", "pfl"), ("bare/pfl", "bare", "pfl"))
+PAIRS = (("ours/bare", "ours", "bare"), ("ours/pfl", "ours", "pfl"), ("bare/pfl", "bare", "pfl"),
+         ("ours2h/pfl2", "ours2h", "pfl2"), ("pfl2/pfl", "pfl2", "pfl"), ("ours2h/ours", "ours2h", "ours"))
 """The paired per-round ratios ``--lockstep`` reports."""
 PFL_VENV_ENV = "HTFL_PFL_VENV"
 DEFAULT_PFL_VENV = Path.home() / ".cache" / "htfl_dist" / "pfl-venv"
@@ -170,9 +180,8 @@ class Launched:
     probe_dir: Path
 
 
-def launch_side(name: str, command: list[str], env: dict[str, str], work: Path,
-                pass_fds: tuple[int, ...] = ()) -> Launched:
-    """Start one side, its peak memory polled from now on (``pass_fds``: the lockstep gate's pipes)."""
+def launch_side(name: str, command: list[str], env: dict[str, str], work: Path) -> Launched:
+    """Start one side, its peak memory polled from now on."""
     probe_dir = work / "probes" / name
     probe_dir.mkdir(parents=True, exist_ok=True)
     for old in probe_dir.glob("probe-*.json"):
@@ -183,8 +192,7 @@ def launch_side(name: str, command: list[str], env: dict[str, str], work: Path,
     print(f"[{name}] {' '.join(command)}", flush=True)
     with open(log, "w") as output:
         launched = time.time()
-        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT,
-                                   pass_fds=pass_fds)
+        process = subprocess.Popen(command, cwd=REPO, env=env, stdout=output, stderr=subprocess.STDOUT)
     return Launched(name, command, process, TreeMemory(process.pid), launched, log, probe_dir)
 
 
@@ -226,19 +234,28 @@ class GateBroken(Exception):
 
 
 class GatedSide:
-    """One side under ``--lockstep``: its process and the driver's ends of the two pipes its
-    bench/pfl_gate.py reads and writes (passed down by number in HTFL_PFL_BENCH_GATE)."""
+    """One side under ``--lockstep``: its process and the driver's ends of the two named pipes
+    its bench/pfl_gate.py reads and writes (``WORK/gate/SIDE/go`` and ``say``, named with the
+    side's rounds in HTFL_PFL_BENCH_GATE), which every process of the side can reach, torchrun's
+    workers too. The driver holds both open read-write from before the launch to ``finish``, so
+    neither end's open ever blocks and the side reads end-of-file once the driver is gone; the
+    side's end it learns from its process (``_line`` polls it), never from the pipe."""
 
-    def __init__(self, name: str, command: list[str], env: dict[str, str], work: Path) -> None:
-        go_read, go_write = os.pipe()
-        say_read, say_write = os.pipe()
-        env = {**env, GATE_ENV: f"{go_read},{say_write}"}
+    def __init__(self, name: str, command: list[str], env: dict[str, str], work: Path, rounds: int) -> None:
+        self.gate = work / "gate" / name
+        self.gate.mkdir(parents=True, exist_ok=True)
+        for fifo in (self.gate / GATE_GO, self.gate / GATE_SAY):
+            fifo.unlink(missing_ok=True)
+            os.mkfifo(fifo, 0o600)
+        self.go = os.open(self.gate / GATE_GO, os.O_RDWR)  # on Linux a FIFO opened read-write never blocks
+        self.say = os.open(self.gate / GATE_SAY, os.O_RDWR | os.O_NONBLOCK)  # read after select alone
+        env = {**env, GATE_ENV: f"{rounds},{self.gate}"}
         try:
-            self.side = launch_side(name, command, env, work, pass_fds=(go_read, say_write))
-        finally:
-            os.close(go_read)  # the side's ends live in the side alone: its exit is our end-of-file
-            os.close(say_write)
-        self.name, self.go, self.say = name, go_write, say_read
+            self.side = launch_side(name, command, env, work)
+        except BaseException:
+            self._close()
+            raise
+        self.name = name
         self.buffer = b""
         self.seconds: list[float] = []
         """Go-to-done seconds of each round, on the driver's clock."""
@@ -247,8 +264,8 @@ class GatedSide:
         self.failure = ""
 
     def _line(self) -> str | None:
-        """The side's next line, None once it exited (end-of-file, or its process gone while a
-        child of it may still hold the pipe); GateBroken past GATE_TIMEOUT_S."""
+        """The side's next line, None once its process exited (and what it wrote before is read);
+        GateBroken past GATE_TIMEOUT_S."""
         deadline = time.monotonic() + GATE_TIMEOUT_S
         while b"\n" not in self.buffer:
             left = deadline - time.monotonic()
@@ -281,11 +298,10 @@ class GatedSide:
         else:
             assert self.ready_at is not None, "ready 0 is awaited at launch"
             self.held_s = time.time() - self.ready_at
+        if self.side.process.poll() is not None:
+            raise GateBroken(f"it exited before round {round_index}")
         began = time.perf_counter()
-        try:
-            os.write(self.go, f"go {round_index}\n".encode())
-        except BrokenPipeError:
-            raise GateBroken(f"it exited before round {round_index}") from None
+        os.write(self.go, f"go {round_index}\n".encode())  # into the pipe's buffer: never blocks
         line = self._line()
         ended = time.perf_counter()
         if line != f"done {round_index}" and not (line is None and last):
@@ -305,9 +321,15 @@ class GatedSide:
         except subprocess.TimeoutExpired:
             self.side.process.kill()
 
+    def _close(self) -> None:
+        """The driver's ends closed (a side still at the gate reads end-of-file and ends) and the
+        named pipes removed (a side yet to open them fails at once)."""
+        for fd in (self.go, self.say):
+            os.close(fd)
+        shutil.rmtree(self.gate, ignore_errors=True)
+
     def finish(self) -> dict[str, Any]:
-        os.close(self.go)  # a side still at the gate reads end-of-file and ends
-        os.close(self.say)
+        self._close()
         measured = finish_side(self.side, self.held_s, GATE_TIMEOUT_S)
         measured["go_to_done_s"] = self.seconds
         if self.failure:
@@ -324,7 +346,7 @@ def run_lockstep(plans: dict[str, tuple[list[str], dict[str, str]]], work: Path,
     gated: list[GatedSide] = []
     try:
         for name, (command, env) in plans.items():
-            side = GatedSide(name, command, env, work)
+            side = GatedSide(name, command, env, work, total_rounds)
             gated.append(side)
             _guarded(side, side.await_ready, 0)
         for round_index in range(total_rounds):
@@ -454,10 +476,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [s for s in sides if s not in SIDES]
     if unknown or not sides:
         raise UsageError(f"--sides: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SIDES)}")
-    multi_rank = [s for s in sides if s not in LOCKSTEP_SIDES]
-    if args.lockstep and multi_rank:
-        raise UsageError(f"--lockstep runs the one-process sides only ({', '.join(LOCKSTEP_SIDES)}), "
-                         f"not {', '.join(multi_rank)}")
+    not_gated = [s for s in sides if s not in LOCKSTEP_SIDES]
+    if args.lockstep and not_gated:
+        raise UsageError(f"--lockstep runs the sides {', '.join(LOCKSTEP_SIDES)} only, not {', '.join(not_gated)}")
     args.side_list = sides
     return args
 

@@ -23,8 +23,8 @@ Registers
 With HTFL_PFL_BENCH_PROBE set, each process counts its SGD steps (bench/pfl_probe.py), and with
 HTFL_PFL_BENCH_DUMP set the server saves the global model row after each round
 (``global-round-R.pt``), which the bench compares with the bare loop's; with
-HTFL_PFL_BENCH_GATE set (the bench's ``--lockstep``), each round waits for the bench's go
-(``LockstepRounds``).
+HTFL_PFL_BENCH_GATE set (the bench's ``--lockstep``), rank 0 waits for the bench's go before it
+sends each round's knowledge (``LockstepRounds``).
 """
 from __future__ import annotations
 
@@ -131,24 +131,38 @@ class PflFedAvgOptions:
 
 
 class LockstepRounds:
-    """The bench's ``--lockstep`` gate (bench/pfl_gate.py) at the one point of each round this
-    plugin sees first: its first client's training. The engine's round observers would be the
-    natural place, but the plugin API (htfl_dist.api, docs/plugins.md) declares no way to add one,
-    so the gate sits in the algorithm, which the API does declare. Round R's "done" is said when
-    round R+1 first trains (the last round's by the process's exit): the driver's go-to-done time
-    is then one whole turn of the engine's loop (the rest of round R, its record and close, round
-    R+1's selection), as pfl's clock, which runs from one iteration's end to the next."""
+    """The bench's ``--lockstep`` gate (bench/pfl_gate.py) where rank 0 is about to send the
+    clients their knowledge: the server's ``download``, which the engine's loop calls once a
+    round on rank 0 alone, before the broadcast (the round's start, or, as the bench evaluates
+    every round, the evaluation that ends the round before: the next round trains on that
+    knowledge). The engine's round observers would be the natural place, but the plugin API
+    (htfl_dist.api, docs/plugins.md) declares no way to add one, so the gate sits in the
+    algorithm, which the API does declare. Holding rank 0 before the broadcast holds every rank:
+    the others wait for it (with one process it is the same point). The round is the server's
+    updates so far: the knowledge for round R is downloaded after R updates, so another download
+    in between (an observer's snapshot) is the same round and passes. Round R's "done" is said
+    at the next download (the last round's by the process's exit, ``pfl_gate.ready`` passing a
+    round past the last): the driver's go-to-done time is one whole turn of the engine's loop,
+    from one broadcast to the next (round R-1's evaluation of one client, its record and close,
+    round R's selection, training, upload and average), as pfl's clock, which runs from one
+    iteration's end to the next."""
 
     def __init__(self) -> None:
         self.current: int | None = None
+        self.updates = 0
 
-    def reached(self, round_index: int) -> None:
-        if not pfl_gate.active() or round_index == self.current:
+    def downloading(self) -> None:
+        """Rank 0 is about to broadcast the knowledge for round ``self.updates``."""
+        if not pfl_gate.active() or self.updates == self.current:
             return
         if self.current is not None:
             pfl_gate.done(self.current)
-        pfl_gate.ready(round_index)
-        self.current = round_index
+        pfl_gate.ready(self.updates)
+        self.current = self.updates
+
+    def updated(self) -> None:
+        """The server's step of a round is done: the next download is the next round's."""
+        self.updates += 1
 
 
 _LOCKSTEP = LockstepRounds()
@@ -161,7 +175,6 @@ class PflFedAvgClient(PartSharingClient):
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:
         """The block's local training; the steps it takes are what the bench's probe counts."""
-        _LOCKSTEP.reached(round_index)
         with pfl_probe.counting():
             return super().train(client, knowledge, round_index, generator)
 
@@ -170,9 +183,15 @@ class PflFedAvgServer(PartAveragingServer):
     part = WHOLE_MODEL
     average_option = "avg"
 
+    def download(self) -> Payload:
+        """The block's download; under the bench's ``--lockstep`` it first waits at the gate."""
+        _LOCKSTEP.downloading()
+        return super().download()
+
     def update(self, uploads: dict[int, Any], round_index: int, generator: torch.Generator) -> dict[str, Any]:
         """The block's average; with HTFL_PFL_BENCH_DUMP set, the new global row saved as well."""
         metrics = super().update(uploads, round_index, generator)
+        _LOCKSTEP.updated()
         self._dump(round_index)
         return metrics
 
@@ -181,6 +200,7 @@ class PflFedAvgServer(PartAveragingServer):
         """The same from the round's sum (``runtime.presum_uploads``): defined beside ``update``, so
         the registry keeps this server sums-only."""
         metrics = super().update_from_sums(sums, uploaders, round_index, generator)
+        _LOCKSTEP.updated()
         self._dump(round_index)
         return metrics
 

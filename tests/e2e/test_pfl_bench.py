@@ -70,7 +70,7 @@ def test_lockstep_times_every_round_of_each_side_and_pairs_them(tmp_path):
     (["--per-round", "7", "--clients", "6"], "--per-round must be 1..--clients (6), not 7"),
     (["--sides", "bare,nope"], "--sides: unknown nope"),
     (["--lockstep", "--sides", "bare,ours2"],
-     "--lockstep runs the one-process sides only (pfl, bare, ours), not ours2"),
+     "--lockstep runs the sides pfl, pfl2, bare, ours, ours2h only, not ours2"),
 ])
 def test_bad_options_are_one_line_and_status_2(tmp_path, argv, said):
     command = [sys.executable, str(REPO / "bench" / "pfl_side_by_side.py"), "--work", str(tmp_path), *argv]
