@@ -102,6 +102,9 @@ def test_an_architectures_first_client_trains_alone_then_its_clients_go_by_the_w
     assert concurrent.next_group(pending) == [3]  # B draws: always alone
     assert concurrent.next_group(pending) == [4, 5, 6]
     assert pending == [7]
+    unknown_first = training(3, architectures={0: "C"})
+    unknown_first.draws["A"] = False
+    assert unknown_first.next_group([0, 1, 2]) == [0]  # C unknown: alone, even before clients that are known
 
 
 def test_a_group_trains_in_threads_at_once_and_comes_back_in_client_order():
