@@ -156,7 +156,6 @@ class FedOCClient(PrototypeClient):
     CE + λ_c·L_R; inference with the client's own head."""
 
     capturable_step = False  # a loss of its own, not checked for host syncs
-    trains_concurrently = False  # a loss of its own, not checked for state kept on self
 
     def train(self, client: ClientState, knowledge: Payload, round_index: int,
               generator: torch.Generator) -> TrainResult:

@@ -258,7 +258,6 @@ class FedSAClient(FedProtoClient):
     """FedProto's upload (P_i^c for the classes held, counts when ``weighted``), FedSA's losses."""
 
     capturable_step = False  # a loss of its own, not checked for host syncs
-    trains_concurrently = False  # a loss of its own, not checked for state kept on self
 
     def init_client(self, client: ClientState) -> None:
         client.modules[MEMORY] = PrototypeMemory(self.context.num_classes, self.context.feature_dim).to(client.device)

@@ -270,7 +270,6 @@ class FPLClient(PrototypeClient):
     own head."""
 
     capturable_step = False  # a loss of its own, not checked for host syncs
-    trains_concurrently = False  # a loss of its own, not checked for state kept on self
 
     def prototypes_around(self, clients: list[ClientState],
                           train: Callable[[Callable[[Batch], None] | None], list[tuple[float, int]]]

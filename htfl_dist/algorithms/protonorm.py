@@ -154,7 +154,6 @@ class ProtoNormClient(FedProtoClient):
     ``proto_from`` says, cover the full batches only."""
 
     capturable_step = False  # a loss of its own, not checked for host syncs
-    trains_concurrently = False  # a loss of its own, not checked for state kept on self
 
 
 class ProtoNormServer(FedProtoServer):

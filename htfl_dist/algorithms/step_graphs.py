@@ -59,6 +59,20 @@ class GraphBackend(Protocol):
         ...
 
 
+_THREAD_STREAMS = threading.local()
+
+
+def thread_stream(purpose: str, device: torch.device | None = None) -> torch.cuda.Stream:
+    """The calling thread's CUDA stream for ``purpose`` (on ``device``, else the current one),
+    made on first use and kept: ``torch.cuda.Stream()`` hands out one of a fixed set of pooled
+    streams in turn (32 per priority), so a stream asked for per call would in time be another
+    thread's. Made once per thread and purpose, a run's streams stay a handful of the 32."""
+    streams: dict[str, torch.cuda.Stream] = _THREAD_STREAMS.__dict__.setdefault("streams", {})
+    if purpose not in streams:
+        streams[purpose] = torch.cuda.Stream(device)
+    return streams[purpose]
+
+
 class CudaGraphs:
     """The real backend: warm-up and recording on a side stream of the thread's own, every graph
     of a thread drawing on the thread's memory pool (a graph freed after its client's round
@@ -83,17 +97,13 @@ class CudaGraphs:
     freed from those outputs is not reused before they are read."""
 
     _slots = threading.local()
-    """Per thread: its side stream and pool handle (``torch.cuda.graph_pool_handle()``), made on
-    first use."""
+    """Per thread: its pool handle (``torch.cuda.graph_pool_handle()``), made on first use."""
     _recording = threading.Lock()
 
     @staticmethod
     def side_stream() -> torch.cuda.Stream:
         """This thread's side stream (made once, kept)."""
-        slots = CudaGraphs._slots
-        if getattr(slots, "stream", None) is None:
-            slots.stream = torch.cuda.Stream()
-        return slots.stream
+        return thread_stream("graphs")
 
     @contextlib.contextmanager
     def warmup(self) -> Iterator[None]:

@@ -121,7 +121,7 @@ class TrainConfig:
     the other; N: up to N at once; 0 (auto): one at a time on a CPU (a rank's thread count is
     ``runtime.threads``; run more ranks instead), on a GPU as many as the measured time per step
     keeps improving (1, 2, 4, 8). Only for algorithms whose client step is declared
-    ``trains_concurrently`` (local, fedproto, fedtgp); refused with privacy.enabled, train.compile
+    ``trains_concurrently`` (local, fedproto, fedtgp, protonorm); refused with privacy.enabled, train.compile
     and client_batching=vmap. Never changes the results: a model whose training draws from torch's
     global RNG (dropout) trains one at a time (the run says so once), and a draw by a client
     training beside others ends the run naming it."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,6 +32,7 @@ from typing import TypeVar
 
 import torch
 
+from htfl_dist.algorithms.step_graphs import thread_stream
 from htfl_dist.errors import DrewWhileConcurrent
 
 Outcome = TypeVar("Outcome")
@@ -127,7 +127,6 @@ class ConcurrentTraining:
         self.draws: dict[str, bool] = {}
         """Per architecture: whether its first client's training drew from the global RNG."""
         self._pool: ThreadPoolExecutor | None = None
-        self._slot = threading.local()
         self._said: set[str] = set()
         self._round: int | None = None
 
@@ -203,20 +202,13 @@ class ConcurrentTraining:
         with torch.set_grad_enabled(grad_mode):
             if main_stream is None:
                 return train_one(client_id)
-            stream = self._stream()
+            stream = thread_stream("training", self.device)
             stream.wait_stream(main_stream)
             try:
                 with torch.cuda.stream(stream):
                     return train_one(client_id)
             finally:
                 stream.synchronize()  # failed or not: nothing of it still runs when the group ends
-
-    def _stream(self) -> torch.cuda.Stream:
-        """This thread's stream, made once and kept (``torch.cuda.Stream()`` hands out pooled
-        streams in turn: one asked for per client would in time be another thread's)."""
-        if getattr(self._slot, "stream", None) is None:
-            self._slot.stream = torch.cuda.Stream(self.device)
-        return self._slot.stream
 
     def _threads(self) -> ThreadPoolExecutor:
         if self._pool is None:

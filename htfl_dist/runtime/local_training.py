@@ -120,20 +120,17 @@ class LocalTraining:
                 results = self._train_group(clients, knowledge, round_index)
                 yield group, [finished(member, result) for member, result in zip(clients, results, strict=True)]
             return
-        algorithm, pending = self.session.client_algorithm, list(client_ids)
-
         def train_one(members: dict[int, ClientState], client_id: int) -> tuple[ClientState, TrainResult]:
-            generator = torch_generator(self.config.seed, "batches", client_id, round_index)
-            return finished(members[client_id], algorithm.train(members[client_id], knowledge, round_index, generator))
+            return finished(members[client_id], self._train_one(members[client_id], knowledge, round_index))
 
         def seed_for(client_id: int) -> None:
             seed_training(self.config.seed, client_id, round_index)
 
+        pending = list(client_ids)
         while pending:
             group = self.concurrent.next_group(pending)
             members = {client_id: client(client_id) for client_id in group}  # resolved here: the store is not threaded
-            begin_round(list(members.values()), round_index)
-            begin_local_training(list(members.values()), self.config.train, round_index, self.config.rounds)
+            self._begin(list(members.values()), round_index)
             yield group, self.concurrent.train(group, seed_for, functools.partial(train_one, members),
                                                lambda outcome: outcome[1].samples, round_index)
 
@@ -173,13 +170,24 @@ class LocalTraining:
     def _train_group(self, clients: list[ClientState], knowledge: Payload, round_index: int) -> list[TrainResult]:
         """One group's round of local training, each client's batches ordered by its own stream
         (seed, client, round); off: ``train`` of the one client, torch's global RNG seeded for it."""
-        seed = self.config.seed
-        algorithm = self.session.client_algorithm
-        generators = [torch_generator(seed, "batches", client.client_id, round_index) for client in clients]
-        begin_round(clients, round_index)  # privacy: each client's ledger decides whether it can afford the round
-        begin_local_training(clients, self.config.train, round_index, self.config.rounds)  # the round's client lr
+        self._begin(clients, round_index)
         if self.config.train.client_batching == "vmap":
-            return algorithm.train_group(clients, knowledge, round_index, generators)
-        (client,), (generator,) = clients, generators
-        seed_training(seed, client.client_id, round_index)
-        return [algorithm.train(client, knowledge, round_index, generator)]
+            generators = [self._batch_stream(client.client_id, round_index) for client in clients]
+            return self.session.client_algorithm.train_group(clients, knowledge, round_index, generators)
+        (client,) = clients
+        seed_training(self.config.seed, client.client_id, round_index)
+        return [self._train_one(client, knowledge, round_index)]
+
+    def _begin(self, clients: list[ClientState], round_index: int) -> None:
+        """Before a group trains: each private client's ledger decides whether it can afford the
+        round, and every optimizer takes the round's learning rate."""
+        begin_round(clients, round_index)
+        begin_local_training(clients, self.config.train, round_index, self.config.rounds)
+
+    def _train_one(self, client: ClientState, knowledge: Payload, round_index: int) -> TrainResult:
+        """``train`` of one client (torch's global RNG seeded for it by the caller)."""
+        generator = self._batch_stream(client.client_id, round_index)
+        return self.session.client_algorithm.train(client, knowledge, round_index, generator)
+
+    def _batch_stream(self, client_id: int, round_index: int) -> torch.Generator:
+        return torch_generator(self.config.seed, "batches", client_id, round_index)

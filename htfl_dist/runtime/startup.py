@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -107,14 +108,9 @@ def step_graphs(config: Config, entry: AlgorithmEntry, device: torch.device) -> 
     if device.type != "cuda":
         obstacles.append(f"the device is {device.type}, not a CUDA GPU")
     if not entry.client.capturable_step:
-        able = [name for name in algorithm_names() if get_algorithm(name).client.capturable_step]
-        obstacles.append(f"{entry.name}'s local step is not declared capturable (these are: {', '.join(able)})")
-    for key, value, eager in (("privacy.enabled", config.privacy.enabled, "DP-SGD steps through Opacus"),
-                              ("train.compile", config.train.compile != "off", "it compiles the forward instead"),
-                              ("train.client_batching", config.train.client_batching != "off",
-                               "batched clients step through vmap")):
-        if value:
-            obstacles.append(f"{key} is on ({eager})")
+        able = _algorithms_whose_client(lambda client: client.capturable_step)
+        obstacles.append(f"{entry.name}'s local step is not declared capturable (these are: {able})")
+    obstacles += _steps_of_their_own(config)
     if obstacles and mode == "on":
         raise ConfigError(f"train.cuda_graphs=on cannot record the local steps: {'; '.join(obstacles)}; "
                           f"use train.cuda_graphs=auto or off")
@@ -131,13 +127,9 @@ def concurrent_clients(config: Config, entry: AlgorithmEntry, device: torch.devi
         return 1, ""
     obstacles = []
     if not vouched_concurrent(entry.client):
-        able = [name for name in algorithm_names() if vouched_concurrent(get_algorithm(name).client)]
-        obstacles.append(f"{entry.name}'s client step is not declared trains_concurrently (these are: "
-                         f"{', '.join(able)})")
-    if config.privacy.enabled:
-        obstacles.append("privacy.enabled is on (DP-SGD trains through Opacus, one client at a time)")
-    if config.train.compile != "off" or config.train.client_batching != "off":  # N > 1: refused by TrainConfig
-        obstacles.append("train.compile or train.client_batching is on (neither runs in threads)")
+        able = _algorithms_whose_client(vouched_concurrent)
+        obstacles.append(f"{entry.name}'s client step is not declared trains_concurrently (these are: {able})")
+    obstacles += _steps_of_their_own(config)  # compile and vmap with N > 1 are refused by TrainConfig already
     if obstacles and asked > 1:
         raise ConfigError(f"train.concurrent_clients={asked} cannot train clients side by side: "
                           f"{'; '.join(obstacles)}; use train.concurrent_clients=1 or 0 (auto)")
@@ -147,6 +139,20 @@ def concurrent_clients(config: Config, entry: AlgorithmEntry, device: torch.devi
     if obstacles:
         return 1, "; ".join(obstacles)
     return asked, ""
+
+
+def _steps_of_their_own(config: Config) -> list[str]:
+    """The options that train through a step of their own, which neither a recorded step nor a
+    training thread runs: one phrase each."""
+    paths = (("privacy.enabled", config.privacy.enabled, "DP-SGD steps through Opacus"),
+             ("train.compile", config.train.compile != "off", "it compiles the forward"),
+             ("train.client_batching", config.train.client_batching != "off", "batched clients step through vmap"))
+    return [f"{key} is on ({why})" for key, on, why in paths if on]
+
+
+def _algorithms_whose_client(holds: Callable[[type[ClientAlgorithm]], bool]) -> str:
+    """The registered algorithms whose client class ``holds``, named for an error line."""
+    return ", ".join(name for name in algorithm_names() if holds(get_algorithm(name).client))
 
 
 def prepare_data(config: Config, transport: Transport):

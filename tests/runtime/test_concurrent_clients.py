@@ -192,7 +192,7 @@ def test_auto_is_one_at_a_time_on_a_cpu_and_an_explicit_width_is_kept():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (("algorithm=fedoc",), r"^train.concurrent_clients=2 cannot train clients side by side: fedoc's client step is "
-                           r"not declared trains_concurrently \(these are: .*fedproto"),
+                           r"not declared trains_concurrently \(these are: fedproto, fedtgp, local, protonorm\)"),
     (("privacy.enabled=true",), r"^train.concurrent_clients=2 cannot train clients side by side: privacy.enabled"),
 ])
 def test_what_cannot_train_side_by_side_is_refused_in_one_line(overrides, message):
@@ -230,7 +230,7 @@ def test_a_subclass_that_changes_a_method_does_not_inherit_the_claim():
     assert vouched_concurrent(PrototypeClient) and vouched_concurrent(get_algorithm("fedproto").client)
     assert not vouched_concurrent(KeepsState)
     assert vouched_concurrent(VouchesAgain) and vouched_concurrent(ChangesNothing)
-    assert not vouched_concurrent(get_algorithm("fedoc").client)  # says False in its own body
+    assert not vouched_concurrent(get_algorithm("fedoc").client)  # a loss of its own below the claim
 
 
 # --------------------------------------------------------------------------- real runs
@@ -245,6 +245,7 @@ def devices() -> list[str]:
 @pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize(("algorithm", "extra"), [
     ("fedproto", ()),
+    ("protonorm", ()),  # FedProto's client with ProtoNorm's options: the claim carries over, no method is changed
     # a group no larger than the store holds; the round's learning rate set for a group too
     ("local", ("runtime.resident_clients=2", "train.lr_schedule=exponential", "train.lr_decay=0.5")),
 ])
