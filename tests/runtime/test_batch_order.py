@@ -127,3 +127,24 @@ def test_model_init_default_keeps_the_hash_and_htfllib_changes_it():
     assert load_config(None, ["model.init=htfllib"]).config_hash() != base
     with pytest.raises(ConfigError, match=r"^config key 'model.init' is 'zero'; allowed: per_client, htfllib$"):
         load_config(None, ["model.init=zero"])
+
+
+@pytest.mark.integration
+def test_each_client_round_draws_its_batches_from_the_stream_of_its_id_and_the_round(tmp_path, cache_dir, monkeypatch):
+    """The runtime hands ``train`` the (seed, "batches", client, round) stream: the order is the
+    client's own and new every round, wherever and beside whom the client trains."""
+    from conftest import SMOKE
+    from htfl_dist.algorithms import training
+    from htfl_dist.runtime.simulate import simulate
+    from htfl_dist.seeding import derive_seed
+
+    seeds: list[int] = []
+    real = training.epoch_batches
+
+    def recorded(count, train, generator, device):
+        seeds.append(generator.initial_seed())
+        return real(count, train, generator, device)
+
+    monkeypatch.setattr(training, "epoch_batches", recorded)
+    simulate(SMOKE, [f"data.cache_dir={cache_dir}", "rounds=2"], out=tmp_path / "run")
+    assert seeds == [derive_seed(0, "batches", client, round_index) for round_index in (0, 1) for client in range(6)]
