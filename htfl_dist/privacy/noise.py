@@ -48,15 +48,20 @@ PRIVACY_EXTRA = "pip install 'htfl_dist[privacy]' (from a clone: pip install -e 
 """How to install what a private run needs (Opacus, and ``cryptography`` for the secret noise)."""
 
 
-def require_secure_noise() -> None:
-    """One line, at start-up, where the secret noise cannot be drawn: ``cryptography`` (its
-    ChaCha20) is not installed. Opacus does not bring it, and without this check a private run
-    would start and end in a traceback at its first DP-SGD step."""
+def require_cryptography(use: str) -> None:
+    """One line, at start-up, where ``use`` (a setting and what it does with the package) needs
+    ``cryptography`` and it is not installed: it is the privacy extra's, so a run without that
+    setting must start without it, and one with it must not end in a traceback mid-round."""
     try:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms  # noqa: F401
     except ImportError:
-        raise ConfigError(f"privacy.noise=secure draws its noise with the package 'cryptography' (ChaCha20), which "
-                          f"is not installed; install the privacy extra: {PRIVACY_EXTRA}") from None
+        raise ConfigError(f"{use}, which is not installed; install the privacy extra: {PRIVACY_EXTRA}") from None
+
+
+def require_secure_noise() -> None:
+    """The secret noise's check: Opacus does not bring ``cryptography``, and without this check a
+    private run would start and end in a traceback at its first DP-SGD step."""
+    require_cryptography("privacy.noise=secure draws its noise with the package 'cryptography' (ChaCha20)")
 
 
 def secure_bits(count: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,13 +30,13 @@ from htfl_dist.errors import ConfigError
 from htfl_dist.generators import generator_latent_dim
 from htfl_dist.metrics.writer import progress
 from htfl_dist.privacy.accounting import PrivacyPlan
+from htfl_dist.privacy.noise import require_cryptography
 from htfl_dist.privacy.startup import SEEDED_NOISE_WARNING, check_private_run, privacy_plan
 from htfl_dist.runtime.exchange import Exchange
 from htfl_dist.runtime.lending import Lending
 from htfl_dist.runtime.liveness import Liveness, describe_plain
 from htfl_dist.runtime.preemption import preemption_flag
 from htfl_dist.runtime.presum import PresummedUploads
-from htfl_dist.runtime.secure_exchange import SecureSums, guaranteed_contributors
 from htfl_dist.runtime.startup import (
     ClientFactory,
     build_server,
@@ -51,6 +51,9 @@ from htfl_dist.runtime.startup import (
 from htfl_dist.runtime.supervisor import tell_supervisor
 from htfl_dist.runtime.transport import Transport
 from htfl_dist.runtime.watchdog import CLIENT_DELAY_S, STARTUP, RoundWatchdog
+
+if TYPE_CHECKING:  # its module needs the privacy extra ('cryptography'), imported where a run asks for it
+    from htfl_dist.runtime.secure_exchange import SecureSums
 
 
 @dataclass
@@ -118,9 +121,14 @@ def _summing_possible(config: Config, world_size: int | None) -> None:
     """``privacy.secure_aggregation`` and ``runtime.presum_uploads``: a sums-only server, and what
     each cannot run with."""
     from htfl_dist.runtime.presum import check_presum
-    from htfl_dist.runtime.secure_exchange import check_secure_aggregation
 
-    check_secure_aggregation(config)
+    if config.privacy.secure_aggregation:
+        # imported only here and in summing(): the protocol's module needs the privacy extra
+        require_cryptography("privacy.secure_aggregation agrees keys, seals shares and draws masks with the package "
+                             "'cryptography' (X25519, ChaCha20-Poly1305)")
+        from htfl_dist.runtime.secure_exchange import check_secure_aggregation
+
+        check_secure_aggregation(config)
     check_presum(config)
 
 
@@ -148,6 +156,8 @@ def summing(config: Config, transport: Transport, entry: Any, context: Any, desc
     """How the round's uploads reach rank 0 as a sum (None: each upload travels); ``plan``: the
     privacy plan, whose distributed noise split the secure sums complete (privacy/distributed.py)."""
     if config.privacy.secure_aggregation:
+        from htfl_dist.runtime.secure_exchange import SecureSums, guaranteed_contributors
+
         return SecureSums(transport, entry, context, config.privacy, describe_rank,
                           contributors=guaranteed_contributors(config),
                           filler_std=0.0 if plan is None else plan.filler_std())

@@ -1,14 +1,17 @@
 """The package's layering, read from the source: no circle between its sub-packages (imports inside
 functions count: they are circles put off until run time), nothing imports the command-line module,
 the config layer imports nothing of the package but its errors, and the plugin API (``htfl_dist.api``)
-is the top layer: nothing in the package imports it."""
+is the top layer: nothing in the package imports it. And a run starts without an optional extra it
+does not use."""
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
-from tests.conftest import REPO
+from tests.conftest import REPO, SMOKE
 
 PACKAGE = REPO / "htfl_dist"
 
@@ -123,3 +126,33 @@ def test_nothing_imports_the_plugin_api():
                        if path.name != "api.py" and any(name == "htfl_dist.api" or name.startswith("htfl_dist.api.")
                                                         for name in _imports(path)))
     assert importers == []
+
+
+WITHOUT_CRYPTOGRAPHY = (
+    "import runpy, sys\n"
+    "sys.modules['cryptography'] = None  # every import of it fails, as where it is not installed\n"
+    "sys.argv = ['htfl_dist.main', *sys.argv[1:]]\n"
+    "runpy.run_module('htfl_dist.main', run_name='__main__')\n")
+
+
+def _run_without_cryptography(tmp_path: Path, cache_dir: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", WITHOUT_CRYPTOGRAPHY, "--config", str(SMOKE), "--out",
+                           str(tmp_path / "run"), f"data.cache_dir={cache_dir}", "rounds=1", "data.subsample=0.05",
+                           *overrides], capture_output=True, text=True, timeout=300, cwd=REPO)
+
+
+def test_a_run_starts_without_the_privacy_extra_and_secure_aggregation_says_what_it_lacks(tmp_path, cache_dir):
+    """``cryptography`` is the privacy extra's: a GPU machine's image lacked it and every run of
+    the GPU suite ended in a traceback at start-up, since the session imported the secure
+    aggregation's module whether or not the run asked for it. The process, not this one, shows
+    it: here the package is long imported."""
+    plain = _run_without_cryptography(tmp_path / "plain", cache_dir)
+    assert plain.returncode == 0, plain.stderr
+    assert "done: best test_acc" in plain.stdout
+    secure = _run_without_cryptography(tmp_path / "secure", cache_dir, "privacy.secure_aggregation=true")
+    assert secure.returncode == 2, secure.stderr
+    lines = [line for line in secure.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, secure.stderr
+    assert lines[0].startswith("htfl_dist: error: privacy.secure_aggregation ")
+    assert "'cryptography' (X25519, ChaCha20-Poly1305), which is not installed" in lines[0]
+    assert "pip install 'htfl_dist[privacy]'" in lines[0]
