@@ -133,3 +133,27 @@ def test_three_ranks_presummed_equal_one_process_bit_for_bit(tmp_path, cache_dir
     for key in ("test_acc", "test_acc_head", "train_loss"):
         assert [row[key] for row in rows] == [row[key] for row in single]
     assert all(row["bytes_up"] < alone["bytes_up"] for row, alone in zip(rows, plain, strict=True))
+
+
+@pytest.mark.parametrize("shift", [None, 100, 101, 150, -60])
+def test_float32_uploads_are_written_as_the_float64_path_writes_them(shift, monkeypatch):
+    """Float32 values are scaled and rounded in float32 where that is exact: against the widened
+    path on values with ties (k + ½ after scaling), subnormal and zero entries, and fields whose
+    largest entry is ordinary (None), tiny (shifts past the float32 path's edge of 100, and 2^150,
+    past float32's range) or huge (−60)."""
+    import htfl_dist.runtime.presum as presum
+
+    bits = fraction_bits(50)
+    values = torch.randn(5000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    exponent = finite_exponent(values) if shift is None else bits - shift
+    values = values * 2.0 ** (exponent - finite_exponent(values) - 1)  # |entry| ≤ 2^exponent
+    unit = 2.0 ** (exponent - bits)
+    values[:8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 0.0, -0.0], dtype=torch.float64) * unit  # ties
+    values[8:12] = torch.tensor([1e-45, -1e-44, 1e-40, 2.0 ** -126], dtype=torch.float64)  # subnormals, least normal
+    values = values.float()
+    assert finite_exponent(values) <= exponent
+    fast = to_fixed(values, exponent, bits)
+    monkeypatch.setattr(presum, "_float32_exact", lambda dtype, shift: False)
+    widened = to_fixed(values, exponent, bits)
+    assert torch.equal(fast, widened)
+    assert fast[:6].tolist() == [0, 2, 2, 0, -2, 4]  # ties to even
