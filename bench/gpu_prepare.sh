@@ -8,6 +8,7 @@
 #              (StyleGAN and Stable Diffusion: binaries, unused here), plus COMMIT naming it
 #   wheels/    Opacus, cryptography and its cffi for the suite's DP-SGD step (the GPU image lacks them;
 #              the suite unpacks them into its work folder, nothing is installed)
+#   pfl-wheels/ pfl-research 0.6.0 and the packages of its that the GPU image lacks (step 6)
 # SOURCE: a git URL (default https://github.com/TsingZ0/HtFLlib.git) or a local clone or bare
 # mirror of it. --no-reference leaves htfllib/ out (the suite then runs our side alone);
 # --no-wheels leaves wheels/ out (a machine whose Python already has Opacus and cryptography).
@@ -70,6 +71,14 @@ fi
 [ "$wheels" = 0 ] || "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d "$partial/wheels" "opacus==1.6.0" "cryptography==50.0.2" "cffi==2.0.0" "pycparser==2.23"
+
+# pfl-research 0.6.0 and those of its packages the GPU image lacks (it has numpy, scipy, absl-py,
+# attrs, mpmath, wrapt, packaging, wheel), for the suite's step 6: pfl beside ours on that GPU. They
+# are unpacked into a folder on pfl's PYTHONPATH alone, never htfl_dist's (~0.8 MiB).
+[ "$wheels" = 0 ] || "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d "$partial/pfl-wheels" "pfl==0.6.0" "dp-accounting==0.5.1" "dm-tree==0.1.10" "multiprocess==0.70.19" \
+  "dill==0.4.1" "prv-accountant==0.2.0"
 
 for part in "$partial"/*; do mv "$part" "$dir/"; done
 rmdir "$partial"

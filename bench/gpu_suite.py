@@ -18,6 +18,8 @@ Steps (the figures each gives):
 4. FedTGP's server update on the device, and its share of step 3's round.
 5. DP-SGD against plain training (client seconds per round), and study packing: 4 cells at once
    on one device against one after another.
+6. pfl-research beside ours and a bare loop on pfl's CIFAR-10 workload on the device, in lockstep
+   (bench/pfl_side_by_side.py), pfl from DIR/pfl-wheels.
 
 ``--tiny --device cpu`` runs every step at toy sizes on a CPU (the test suite's launch tier does,
 so the suite keeps working as the code changes); its figures mean nothing.
@@ -282,11 +284,12 @@ def reference_figures(log: Path) -> tuple[list[float], list[float]]:
     return log_seconds(text), log_accuracies(text)
 
 
-def unpack_wheels(prepared: Path, site: Path) -> bool:
-    """The privacy extra's packages (Opacus, cryptography) from DIR/wheels into a folder put on
-    PYTHONPATH for every step (not installed): the DP step needs them, and a test of step 1 checks
-    a refusal that names privacy.enabled, which needs Opacus to get that far."""
-    wheels = sorted((prepared / "wheels").glob("*.whl"))
+def unpack_wheels(folder: Path, site: Path) -> bool:
+    """The wheels in ``folder`` unpacked into ``site``, a folder for PYTHONPATH (nothing is
+    installed): DIR/wheels, the privacy extra's packages (Opacus, cryptography), on the path of
+    every step (the DP step needs them, and a test of step 1 checks a refusal that names
+    privacy.enabled, which needs Opacus to get that far); DIR/pfl-wheels on pfl's alone (step 6)."""
+    wheels = sorted(folder.glob("*.whl"))
     if not wheels:
         return False
     if not site.exists():
@@ -608,12 +611,41 @@ def packing(suite: Suite, ends: float) -> list[str]:
     return lines
 
 
+def step_pfl(suite: Suite, cap_s: float) -> None:
+    """Issue 45 item 8 on the device: pfl-research beside ours and the bare loop on pfl's CIFAR-10
+    workload (bench/pfl_side_by_side.py --lockstep --device cuda), pfl from DIR/pfl-wheels on a
+    PYTHONPATH of its own with this machine's torch."""
+    title = "6. pfl-research beside ours on its CIFAR-10 workload, same device (issue 45 item 8)"
+    if not unpack_wheels(suite.prepared / "pfl-wheels", suite.work / "site-pfl"):
+        suite.add_section(title, ["Not prepared: DIR has no pfl-wheels/ (bench/gpu_prepare.sh writes it, "
+                                  "not with --no-wheels)."])
+        return
+    sizes = ["--clients", "100", "--per-round", "5", "--samples", "20", "--rounds", "2", "--warmup", "1"] \
+        if suite.args.tiny else ["--rounds", "8", "--warmup", "2"]
+    report = suite.work / "pfl" / "report.json"
+    report.unlink(missing_ok=True)
+    launched = suite.launch("6_pfl_side_by_side", [
+        suite.python, str(BENCH / "pfl_side_by_side.py"), "--lockstep", "--sides", "pfl,bare,ours", "--device",
+        suite.args.device, "--pfl-python", suite.python, "--pfl-path", str(suite.work / "site-pfl"),
+        "--work", str(suite.work / "pfl"), "--out", str(report), *sizes], cap_s=cap_s)
+    log = (suite.out / "logs" / "6_pfl_side_by_side.log").read_text().splitlines()
+    shown = [line for line in log if line.startswith(("pfl's CIFAR-10", "side ", "pfl ", "bare ", "ours ", "ratios",
+                                                      "  ", "paired", "check "))]
+    if report.exists():
+        suite.results["pfl"] = json.loads(report.read_text())
+    suite.add_section(title, [
+        f"`bench/pfl_side_by_side.py --lockstep --sides pfl,bare,ours --device {suite.args.device} "
+        f"{' '.join(sizes)}` (rc {launched.rc}; pfl 0.6.0 with this machine's torch; peak RSS is host memory):",
+        "", "```", *shown, "```"])
+
+
 STEPS: list[tuple[str, float, Callable[[Suite, float], None]]] = [
     ("side by side", 0.50, step_side_by_side),
     ("determinism", 0.0, step_determinism),
     ("paper-size models", 0.24, step_paper_size),
     ("FedTGP server", 0.06, step_server),
     ("DP-SGD and packing", 0.20, step_dp_and_packing),
+    ("pfl beside ours", 0.10, step_pfl),
 ]
 """Steps in order of value, each with its share of the budget as its cap."""
 DP_SHARE = 0.55
@@ -659,7 +691,7 @@ def main(argv: list[str] | None = None) -> int:
     suite.work.mkdir(parents=True, exist_ok=True)
     print(f"gpu_suite: {machine_line(suite.args.device)}", flush=True)
     suite.write_summary()
-    if unpack_wheels(suite.prepared, suite.work / "site"):
+    if unpack_wheels(suite.prepared / "wheels", suite.work / "site"):
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO), str(suite.work / "site"),
                                                     os.environ.get("PYTHONPATH", "")])
     prepare_data(suite)

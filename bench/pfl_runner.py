@@ -95,6 +95,8 @@ class RoundClock(TrainingProcessCallback):
         return Metrics()
 
     def after_central_iteration(self, aggregate_metrics, model, *, central_iteration):
+        if torch.cuda.is_available():  # the iteration's kernels finished, not just queued
+            torch.cuda.synchronize()
         now, steps = time.perf_counter(), pfl_probe.steps()
         self.seconds.append(now - self.last)
         self.steps.append(steps - self.steps_before)

@@ -52,6 +52,9 @@ taken out of the rotation and fails; the rest go on.
     python bench/pfl_side_by_side.py --sides bare,ours --rounds 2 --warmup 1 --clients 100
     python bench/pfl_side_by_side.py --lockstep --sides pfl,bare,ours --out pfl-lockstep.json
     python bench/pfl_side_by_side.py --lockstep --sides pfl2,ours2h --out pfl-lockstep2.json
+    # on a GPU machine without network (the GPU suite's step 6): pfl from unpacked wheels
+    python bench/pfl_side_by_side.py --lockstep --sides pfl,bare,ours --device cuda \
+        --pfl-python python3 --pfl-path SITE
 """
 from __future__ import annotations
 
@@ -412,7 +415,7 @@ def workload(args: argparse.Namespace) -> dict[str, Any]:
         "model": {"group": "pfl_cnn", "feature_dim": 128},
         "train": {"batch_size": args.batch, "lr": args.lr, "local_epochs": 1, "optimizer": "sgd",
                   "batch_order": "fixed"},  # pfl walks a user's data in its stored order
-        "runtime": {"threads": 1, "device": "cpu"},
+        "runtime": {"threads": 1, "device": args.device},
     }
 
 
@@ -435,8 +438,8 @@ def prepare(config: dict[str, Any], config_path: Path, per_class: int) -> None:
 def compare_round_one(work: Path) -> dict[str, Any]:
     import torch
 
-    ours = torch.load(work / "dump" / "ours" / "global-round-1.pt")
-    bare = torch.load(work / "dump" / "bare" / "global-round-1.pt")
+    ours = torch.load(work / "dump" / "ours" / "global-round-1.pt", map_location="cpu")
+    bare = torch.load(work / "dump" / "bare" / "global-round-1.pt", map_location="cpu")
     if ours.shape != bare.shape:
         return {"equal": False, "why": f"shapes differ: ours {list(ours.shape)}, bare {list(bare.shape)}"}
     difference = float((ours.double() - bare.double()).abs().max())
@@ -465,6 +468,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help=f"data, caches, logs (default {DEFAULT_WORK})")
     parser.add_argument("--pfl-venv", type=Path, default=Path(os.environ.get(PFL_VENV_ENV, DEFAULT_PFL_VENV)),
                         help=f"pfl's venv (${PFL_VENV_ENV}, else {DEFAULT_PFL_VENV})")
+    parser.add_argument("--pfl-python", type=Path, default=None,
+                        help="pfl's interpreter, instead of --pfl-venv's (a GPU machine without network: its "
+                             "python3 with --pfl-path)")
+    parser.add_argument("--pfl-path", type=Path, default=None,
+                        help="a folder put on pfl's PYTHONPATH alone: pfl and its packages unpacked from wheels "
+                             "(bench/gpu_prepare.sh)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where every side trains (cuda: pfl on its default device, ours and the bare loop "
+                             "with runtime.device=cuda; each round's time ends after its kernels)")
     parser.add_argument("--pfl-layout", choices=("nchw", "nhwc"), default="nchw",
                         help="nhwc: pfl's pictures NHWC and transposed in its model, as its benchmark does "
                              "(default nchw: every side runs the same kernels)")
@@ -479,6 +491,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     not_gated = [s for s in sides if s not in LOCKSTEP_SIDES]
     if args.lockstep and not_gated:
         raise UsageError(f"--lockstep runs the sides {', '.join(LOCKSTEP_SIDES)} only, not {', '.join(not_gated)}")
+    if args.pfl_python is not None:  # a name on PATH (python3) or a file
+        found = shutil.which(str(args.pfl_python))
+        if found is None:
+            raise UsageError(f"--pfl-python {args.pfl_python}: no such interpreter")
+        args.pfl_python = Path(found)
     args.side_list = sides
     return args
 
@@ -536,7 +553,7 @@ def side_plan(side: str, args: argparse.Namespace, config_path: Path, total_roun
     for old in result_file.parent.glob(f"{side}.json*"):
         old.unlink()
     if side in ("pfl", "pfl2"):
-        pfl_python = args.pfl_venv / "bin" / "python"
+        pfl_python = args.pfl_python or args.pfl_venv / "bin" / "python"
         if not pfl_python.is_file():
             print(f"[{side}] skipped: pfl venv not found: run bench/pfl_setup.sh (looked for {pfl_python})")
             return None
@@ -546,6 +563,10 @@ def side_plan(side: str, args: argparse.Namespace, config_path: Path, total_roun
         launcher = [] if side == "pfl" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH", GATE_ENV)}
+        if args.pfl_path is not None:  # pfl's packages alone: never htfl_dist's
+            env["PYTHONPATH"] = str(args.pfl_path)
+        if args.device == "cpu":  # pfl picks a GPU wherever one is visible
+            env["CUDA_VISIBLE_DEVICES"] = ""
         return [str(pfl_python), *launcher, *pfl_args, "--result", str(result_file)], env
     if side == "bare":
         command = [sys.executable, str(BENCH / "pfl_bare.py"), "--config", str(config_path), "--result",
@@ -625,7 +646,7 @@ def summarise(args: argparse.Namespace, config: dict[str, Any], results: dict[st
                      "rounds_played": config["rounds"], "warmup": args.warmup, "timed_rounds": args.rounds,
                      "expected_steps_per_round": args.per_round * steps_a_client, "pfl_settings_from": PFL_SOURCE,
                      "pfl_layout": args.pfl_layout, "ours_overrides": args.ours_set, "threads": 1,
-                     "lockstep": args.lockstep},
+                     "device": args.device, "lockstep": args.lockstep},
         "sides": results}
     print(f"\npfl's CIFAR-10 workload: {args.clients} clients, {args.per_round} a round, {args.samples} samples, "
           f"batch {args.batch}, 1 epoch ({report['workload']['expected_steps_per_round']} SGD steps a round); "

@@ -117,7 +117,7 @@ def _state(pid: int) -> str:
 
 
 @pytest.mark.parametrize(("steps", "message"), [
-    ("2", "step 2 compares step 1's runs"), ("0,6", "numbers from 1 to 5"), ("three", "separated by commas"),
+    ("2", "step 2 compares step 1's runs"), ("0,7", "numbers from 1 to 6"), ("three", "separated by commas"),
 ])
 def test_steps_that_cannot_run_are_refused(tmp_path, capsys, steps, message):
     (tmp_path / "fmnist").mkdir()
@@ -190,4 +190,5 @@ def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
     assert re.search(r"DP-SGD \(secret noise, ε = 4\) costs [\d.]+× a plain round's client time", private)
     assert re.search(r"4 cells, `--jobs 2 --cores \d+`: [\d.]+ s wall \(rc 0\)", private), private
     assert re.search(r"4 cells, `--jobs 1`: [\d.]+ s wall \(rc 0\)", private), private
+    assert "Not prepared: DIR has no pfl-wheels/" in _section(summary, 6)  # prepared --no-wheels
     assert (out / "results.json").exists() and (out / "logs" / "1_ours_1proc.log").exists()
