@@ -48,20 +48,16 @@ PRIVACY_EXTRA = "pip install 'htfl_dist[privacy]' (from a clone: pip install -e 
 """How to install what a private run needs (Opacus, and ``cryptography`` for the secret noise)."""
 
 
-def require_cryptography(use: str) -> None:
-    """One line, at start-up, where ``use`` (a setting and what it does with the package) needs
-    ``cryptography`` and it is not installed: it is the privacy extra's, so a run without that
-    setting must start without it, and one with it must not end in a traceback mid-round."""
+def require_cryptography(use: str, primitives: str) -> None:
+    """One line, at start-up, where ``use`` (a setting and what it does) needs ``cryptography``
+    (for ``primitives``) and it is not installed. It is the privacy extra's, and Opacus does not
+    bring it: a run without such a setting starts without it, and one with it must not end in a
+    traceback at its first step or round."""
     try:
         from cryptography.hazmat.primitives.ciphers import Cipher, algorithms  # noqa: F401
     except ImportError:
-        raise ConfigError(f"{use}, which is not installed; install the privacy extra: {PRIVACY_EXTRA}") from None
-
-
-def require_secure_noise() -> None:
-    """The secret noise's check: Opacus does not bring ``cryptography``, and without this check a
-    private run would start and end in a traceback at its first DP-SGD step."""
-    require_cryptography("privacy.noise=secure draws its noise with the package 'cryptography' (ChaCha20)")
+        raise ConfigError(f"{use} with the package 'cryptography' ({primitives}), which is not installed; install "
+                          f"the privacy extra: {PRIVACY_EXTRA}") from None
 
 
 def secure_bits(count: int) -> torch.Tensor:

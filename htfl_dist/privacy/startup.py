@@ -18,7 +18,7 @@ from htfl_dist.models.registry import input_need, split_architecture
 from htfl_dist.privacy import LEDGER_KEY, WITHHELD_IN_PRIVATE_RUNS
 from htfl_dist.privacy.accounting import PrivacyLedger, PrivacyPlan, calibrate_noise
 from htfl_dist.privacy.distributed import check_clip_range, guaranteed_contributors
-from htfl_dist.privacy.noise import require_secure_noise
+from htfl_dist.privacy.noise import require_cryptography
 
 DURING_TRAINING = "during_training"
 """An option value (FedProto/FedTGP ``proto_from``, FedDistill ``logits_from``) that takes the
@@ -72,7 +72,7 @@ def check_private_config(config: Config) -> None:
                               "off; set privacy.enabled=true (or leave noise_split at local)")
         return
     if config.privacy.noise == "secure":
-        require_secure_noise()
+        require_cryptography("privacy.noise=secure draws its noise", "ChaCha20")
     if config.eval.new_clients:
         raise ConfigError(f"privacy.enabled: eval.new_clients={config.eval.new_clients}: the unseen clients would "
                           f"train and report their accuracy without privacy (they hold no ledger); set "

@@ -60,9 +60,8 @@ def check_secure_aggregation(config: Config) -> None:
     """What ``privacy.secure_aggregation`` cannot run with, in one line each, before anything loads:
     a server that reads each client's upload, the simulated participation (its drop-outs and
     deadlines act on single uploads at rank 0), and a round too small to hide one client or too
-    large for the 32-bit sum."""
-    if not config.privacy.secure_aggregation:
-        return
+    large for the 32-bit sum. Called only where it is on (``session._summing_possible``): this
+    module needs the privacy extra."""
     from htfl_dist.runtime.clock import join_count
 
     require_sums_only(config, "privacy.secure_aggregation")

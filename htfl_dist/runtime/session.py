@@ -124,8 +124,8 @@ def _summing_possible(config: Config, world_size: int | None) -> None:
 
     if config.privacy.secure_aggregation:
         # imported only here and in summing(): the protocol's module needs the privacy extra
-        require_cryptography("privacy.secure_aggregation agrees keys, seals shares and draws masks with the package "
-                             "'cryptography' (X25519, ChaCha20-Poly1305)")
+        require_cryptography("privacy.secure_aggregation agrees keys, seals shares and draws masks",
+                             "X25519, ChaCha20-Poly1305")
         from htfl_dist.runtime.secure_exchange import check_secure_aggregation
 
         check_secure_aggregation(config)
