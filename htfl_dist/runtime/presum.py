@@ -96,10 +96,11 @@ def add_fixed(total: torch.Tensor, values: torch.Tensor, exponent: int, bits: in
     fixed = torch.empty(size, dtype=torch.int64)
     for start in range(0, flat.numel(), _FIXED_CHUNK):
         end = min(start + _FIXED_CHUNK, flat.numel())
-        chunk = scaled[: end - start]
-        chunk.copy_(flat[start:end])  # widened first where float64: mul(out=) computes in the input's dtype
+        chunk, source = scaled[: end - start], flat[start:end]
+        if source.dtype != dtype:  # widened first: mul(out=) computes in its input's dtype
+            source = chunk.copy_(source)
         for factor in scale:  # exact: a power of two, in range at every step
-            chunk.mul_(factor)
+            source = torch.mul(source, factor, out=chunk)
         integers = fixed[: end - start]
         integers.copy_(chunk.round_())  # whole numbers below 2^62: converted exactly
         out[start:end].add_(integers)
