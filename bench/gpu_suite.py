@@ -383,13 +383,12 @@ def step_side_by_side(suite: Suite, cap_s: float) -> None:
 
 
 GRAPH_CHECKS_S = 150.0
-"""At most this of step 1 for the checks of recorded and compiled steps before its runs."""
+"""At most this of step 1 for the tests of recorded steps and clients side by side before its runs."""
 
 
 def step_graphs_equal_eager(suite: Suite, cap_s: float) -> None:
-    """Issue 45 item 7 on the device: recorded steps equal eager bit for bit (the pytest file's
-    GPU test; skipped, saying so, without CUDA), then one step eager against each compile mode
-    with the compile counted (bench/compile_step.py; not in a CPU dry run: Inductor's build)."""
+    """Issue 45 items 4, 5 and 7 on the device: recorded steps and clients side by side equal
+    eager one at a time, bit for bit (the test files' CUDA cases; skipped, saying so, without CUDA)."""
     where = smoke_data_in_place(suite)
     # the cases parametrized on the CPU are CI's: the device's minutes go to what only it can run
     tests = suite.launch("1_graphs_equal_eager", [
@@ -629,8 +628,8 @@ def step_pfl(suite: Suite, cap_s: float) -> None:
         suite.args.device, "--pfl-python", suite.python, "--pfl-path", str(suite.work / "site-pfl"),
         "--work", str(suite.work / "pfl"), "--out", str(report), *sizes], cap_s=cap_s)
     log = (suite.out / "logs" / "6_pfl_side_by_side.log").read_text().splitlines()
-    shown = [line for line in log if line.startswith(("pfl's CIFAR-10", "side ", "pfl ", "bare ", "ours ", "ratios",
-                                                      "  ", "paired", "check "))]
+    report_starts = [i for i, line in enumerate(log) if line.startswith("pfl's CIFAR-10 workload")]
+    shown = log[report_starts[0]:] if report_starts else log[-12:]  # the bench's own report, or how it ended
     if report.exists():
         suite.results["pfl"] = json.loads(report.read_text())
     suite.add_section(title, [
