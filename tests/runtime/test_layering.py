@@ -11,6 +11,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO, SMOKE
 
 PACKAGE = REPO / "htfl_dist"
@@ -141,6 +143,7 @@ def _run_without_cryptography(tmp_path: Path, cache_dir: Path, *overrides: str) 
                            *overrides], capture_output=True, text=True, timeout=300, cwd=REPO)
 
 
+@pytest.mark.launch
 def test_a_run_starts_without_the_privacy_extra_and_secure_aggregation_says_what_it_lacks(tmp_path, cache_dir):
     """``cryptography`` is the privacy extra's: a GPU machine's image lacked it and every run of
     the GPU suite ended in a traceback at start-up, since the session imported the secure
