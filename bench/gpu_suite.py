@@ -360,6 +360,12 @@ def step_side_by_side(suite: Suite, cap_s: float) -> None:
     if not (suite.args.tiny and suite.args.device == "cpu"):  # Inductor's build: minutes on a CPU dry run
         variants.append(("ours_compiled", 1, ["train.compile=reduce-overhead"]))
     variants.append(("ours_vmap", 1, ["train.client_batching=vmap"]))
+    if suite.args.variants:
+        unknown = sorted(suite.args.variants - {name for name, _, _ in variants})
+        if unknown:
+            raise SystemExit(f"gpu_suite: --variants {','.join(unknown)}: step 1 runs "
+                             f"{', '.join(name for name, _, _ in variants)}")
+        variants = [variant for variant in variants if variant[0] in suite.args.variants]
     for name, ranks, extra in variants:
         if ends - time.monotonic() < 5:
             table.append(f"| {name} | skipped: the step's cap was reached | | | | |")
@@ -371,8 +377,11 @@ def step_side_by_side(suite: Suite, cap_s: float) -> None:
         results[name] = {"rc": launched.rc, "s_per_round": s_round, "wall_s": launched.seconds,
                          "gpu_util": util, "acc": [r["test_acc"] for r in rows]}
         accuracy = ", ".join(f"{100 * row['test_acc']:.2f}" for row in rows)
+        eager = "cannot be recorded" in (suite.out / "logs" / f"1_{name}.log").read_text(errors="replace")
+        results[name]["graphs_fell_back"] = eager
         table.append(f"| {name} | {fmt(s_round)} | {launched.seconds:.1f} | {fmt(util, '.0f')} | "
-                     f"{fmt(launched.gpu_mem_mib, '.0f')} | {accuracy} (rc {launched.rc}) |")
+                     f"{fmt(launched.gpu_mem_mib, '.0f')} | {accuracy} (rc {launched.rc}"
+                     f"{'; some steps not recorded: see its log' if eager else ''}) |")
     suite.results["side_by_side"] = results
     suite.add_section("1. FedProto beside HtFLlib's, same split and device", [
         f"{suite.sizes.clients} HtCNN8 clients, PFLlib's FMNIST Dirichlet 0.1 split (seed 1), "
@@ -664,6 +673,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", default=",".join(str(n) for n in range(1, len(STEPS) + 1)),
                         help="which steps to run, by number (e.g. 3,5: a rerun of two steps; "
                              "the budget is shared among them; 2 needs 1)")
+    parser.add_argument("--variants", default="",
+                        help="step 1's runs of ours to make, by name (e.g. ours_1proc,ours_graphs: a lease that "
+                             "rechecks a fix; default all, in order of value)")
     parser.add_argument("--work", type=Path, default=None,
                         help="scratch for data and runs (default $TMPDIR/htfl_gpu_suite; keep it off OUT)")
     args = parser.parse_args(argv)
@@ -673,6 +685,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps {args.steps}: step numbers separated by commas, e.g. 3,5")
     if not args.steps or not args.steps <= set(range(1, len(STEPS) + 1)):
         parser.error(f"--steps: numbers from 1 to {len(STEPS)}")
+    args.variants = {name for name in args.variants.split(",") if name}
     if 2 in args.steps and 1 not in args.steps:
         parser.error("--steps: step 2 compares step 1's runs; name 1 too")
     if not (args.dir / "fmnist").is_dir():

@@ -85,7 +85,13 @@ class CudaGraphs:
       per priority), so a stream asked for per call would in time be another thread's, even the
       one it records on; each thread's side stream is made once and kept (with the training
       threads' own, a handful of the 32);
-    - memory: graphs replayed at the same time must not share a pool, so each thread has one;
+    - memory: graphs replayed at the same time must not share a pool, so each thread has one. The
+      handle (``torch.cuda.graph_pool_handle()``) is only an id: the allocator keeps the pool while
+      a graph recorded into it lives, and a recording into a pool whose graphs are all gone fails
+      an internal assert (``beginAllocateToPool``: ``use_count > 0``, torch 2.11 on an H200, with
+      every client after a thread's first). So each thread keeps its latest graph until its next
+      recording has begun: the pool always has a live graph, and at most one graph that will not
+      be replayed again (a client's round is over before the thread's next client records);
     - recording: ``capture_begin``/``capture_end`` on the side stream, not ``torch.cuda.graph``,
       which synchronises the device and empties the allocator's cache before every recording
       (once per client and round: it would drain every other thread's work); recordings still
@@ -97,7 +103,8 @@ class CudaGraphs:
     freed from those outputs is not reused before they are read."""
 
     _slots = threading.local()
-    """Per thread: its pool handle (``torch.cuda.graph_pool_handle()``), made on first use."""
+    """Per thread: its pool handle (``torch.cuda.graph_pool_handle()``), made on first use, and its
+    latest graph (``latest``), which keeps the pool alive for the next recording."""
     _recording = threading.Lock()
 
     @staticmethod
@@ -128,6 +135,7 @@ class CudaGraphs:
                 outputs = step()
             finally:
                 graph.capture_end()
+        slots.latest = graph  # the one it replaces is released now, its pool held by this one
         torch.cuda.current_stream().wait_stream(side)
 
         def replay() -> StepOutputs:
