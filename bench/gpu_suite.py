@@ -401,7 +401,7 @@ def step_graphs_equal_eager(suite: Suite, cap_s: float) -> None:
     where = smoke_data_in_place(suite)
     # the cases parametrized on the CPU are CI's: the device's minutes go to what only it can run
     tests = suite.launch("1_graphs_equal_eager", [
-        suite.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "-k", "not cpu",
+        suite.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfs", "-k", "not cpu",
         str(REPO / "tests" / "algorithms" / "test_step_graphs.py"),
         str(REPO / "tests" / "algorithms" / "test_compiled_step.py"),
         str(REPO / "tests" / "runtime" / "test_concurrent_clients.py")], cap_s=cap_s, cwd=REPO)
@@ -410,7 +410,14 @@ def step_graphs_equal_eager(suite: Suite, cap_s: float) -> None:
         f"- tests/algorithms/test_step_graphs.py, test_compiled_step.py and "
         f"tests/runtime/test_concurrent_clients.py on {suite.args.device}: rc {tests.rc} "
         f"({'passed' if tests.ok else 'FAILED'} in {tests.seconds:.0f} s; logs/1_graphs_equal_eager.log says which "
-        f"ran and which were skipped); the cases parametrized on the CPU are CI's (`-k 'not cpu'`)", f"- {where}"])
+        f"ran and which were skipped); the cases parametrized on the CPU are CI's (`-k 'not cpu'`)",
+        *failed_tests(suite.out / "logs" / "1_graphs_equal_eager.log"), f"- {where}"])
+
+
+def failed_tests(log: Path) -> list[str]:
+    """pytest's short summary of failures (``-rf``), one line per failed test, as list items."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [f"  - {line.strip()[:300]}" for line in text.splitlines() if line.startswith("FAILED ")]
 
 
 def smoke_data_in_place(suite: Suite) -> str:

@@ -101,19 +101,16 @@ def check(args: argparse.Namespace) -> int:
     return 0
 
 
-def _make_deterministic(torch) -> None:
-    """Bitwise-repeatable runs on GPU too: deterministic cuDNN/cuBLAS kernels (a few percent
-    slower, and the price of comparing world sizes and resumed runs exactly)."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
-
-
 def run(argv: list[str] | None = None) -> int:
     import torch
 
-    from htfl_dist.runtime.bootstrap import agree_to_start, detect_launch, open_transport, pick_device
+    from htfl_dist.runtime.bootstrap import (
+        agree_to_start,
+        detect_launch,
+        make_deterministic,
+        open_transport,
+        pick_device,
+    )
     from htfl_dist.runtime.session import checked_config
 
     args = parse_args(argv)
@@ -124,7 +121,7 @@ def run(argv: list[str] | None = None) -> int:
     config = checked_config(args.config, args.overrides, args.imports, launch.world_size)
     if config.runtime.threads:
         torch.set_num_threads(config.runtime.threads)
-    _make_deterministic(torch)
+    make_deterministic()
     out = out_directory(args.out, config)
     resume_from = resume_source(args.resume, out)
     # the device and what train.cuda_graphs can do on it: refusals come before the run directory

@@ -46,6 +46,18 @@ class LaunchInfo:
     local_world_size: int
 
 
+def make_deterministic() -> None:
+    """Bitwise-repeatable runs on GPU too: deterministic cuDNN/cuBLAS kernels (a few percent
+    slower, and the price of comparing world sizes, resumed runs, recorded and side-by-side
+    steps exactly). Every run takes it: the program before CUDA starts, ``simulate`` as well.
+    cuBLAS reads its workspace setting when it first starts, so a process that used cuBLAS before
+    this keeps what it had (the test suite sets it at its own start)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def software_versions() -> dict[str, str | dict[str, str]]:
     """The installed versions that decide a run's numbers, for summary.json: the engine, Python,
     torch and friends, and every plugin module loaded (with its package's version)."""

@@ -23,12 +23,13 @@ def simulate(config_file: str | os.PathLike | None, overrides: Sequence[str] = (
     writing its outputs under ``out``; return its metrics rows. Raises the program's errors
     (``ConfigError`` for a user mistake) instead of exiting."""
     from htfl_dist.metrics.writer import read_rows
-    from htfl_dist.runtime.bootstrap import software_versions
+    from htfl_dist.runtime.bootstrap import make_deterministic, software_versions
     from htfl_dist.runtime.loop import RunContext, start
     from htfl_dist.runtime.session import checked_config
     from htfl_dist.runtime.transport import LocalTransport
 
     config = checked_config(None if config_file is None else str(config_file), overrides, world_size=1)
+    make_deterministic()  # as the program's ranks run
     run_dir = Path(out).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     threads = torch.get_num_threads()
