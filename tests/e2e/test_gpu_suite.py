@@ -155,7 +155,7 @@ def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
     assert "SKIPPED" in (out / "logs" / "1_graphs_equal_eager.log").read_text()  # the GPU test, saying why
     side = _section(summary, 1)
     for run in ("ours_1proc", "ours_graphs", "ours_graphs_concurrent", "ours_concurrent4", "ours_2ranks", "ours_vmap",
-                "ours_3ranks"):
+                "ours_3ranks", "ours_2ranks_graphs_concurrent"):
         row = re.search(rf"^\| {run} \| ([\d.]+) \| [\d.]+ \| n/a \| n/a \| ([\d., ]+) \(rc 0\) \|$", side, flags=re.M)
         assert row, f"{run} row missing or failed:\n{side}"
         assert len(row[2].split(",")) == 2  # accuracy after each of the 2 rounds
@@ -168,7 +168,8 @@ def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
     else:
         assert "| HtFLlib FedProto | not prepared" in side
     determinism = _section(summary, 2)  # 2 ranks, recorded (eager on a CPU) and side by side (4 threads)
-    for run in ("ours_2ranks", "ours_graphs", "ours_graphs_concurrent", "ours_concurrent4"):
+    for run in ("ours_2ranks", "ours_graphs", "ours_graphs_concurrent", "ours_concurrent4",
+                "ours_2ranks_graphs_concurrent"):
         assert f"- {run}: identical: every round's test_acc, test_acc_head, train_loss equal (2 rounds)" in determinism
 
     paper = _section(summary, 3)
