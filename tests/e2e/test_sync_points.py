@@ -14,7 +14,7 @@ import torch
 from tests.conftest import REPO, _env
 
 sys.path.insert(0, str(REPO / "bench"))
-import sync_points  # noqa: E402
+import sync_points
 
 
 def test_only_copies_between_the_host_and_a_device_count():
