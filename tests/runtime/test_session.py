@@ -19,7 +19,7 @@ import torch
 from conftest import SMOKE, read_metrics
 from htfl_dist import main, testing
 from htfl_dist.errors import ConfigError
-from htfl_dist.runtime import resumption, session
+from htfl_dist.runtime import bootstrap, resumption, session
 from htfl_dist.runtime.loop import Federation, start
 from htfl_dist.runtime.observers import RoundObserver, default_observers
 from htfl_dist.runtime.session import RunContext, Session, checked_config
@@ -52,6 +52,16 @@ def test_simulate_and_the_kit_run_the_start_checks(planted_check, tmp_path, cach
     with pytest.raises(ConfigError, match=PLANTED):
         testing.play_one_round("fedproto", tmp_path / "kit", config_file=SMOKE,
                                overrides=[f"data.cache_dir={cache_dir}"])
+
+
+@pytest.mark.integration
+def test_simulate_runs_with_the_programs_deterministic_kernels(monkeypatch, tmp_path, cache_dir):
+    # the in-process GPU tests compare recorded and side-by-side steps with one at a time bit for
+    # bit: only the deterministic kernels a launched rank sets up make that comparison hold
+    calls = []
+    monkeypatch.setattr(bootstrap, "make_deterministic", lambda: calls.append("deterministic"))
+    simulate(SMOKE, [f"data.cache_dir={cache_dir}", "rounds=1"], out=tmp_path / "simulated")
+    assert calls == ["deterministic"]
 
 
 def test_a_study_validates_its_cells_with_the_start_checks(planted_check):
