@@ -31,11 +31,12 @@ def pytest_configure(config) -> None:
     import torch
 
     torch.set_num_threads(1)
-    # cuBLAS picks its kernels by the workspace it has, and each stream has its own: only a fixed
-    # workspace makes a step on a side stream (a recorded step's) give a main-stream step's bits.
-    # The program sets it before CUDA starts (htfl_dist/main.py); the GPU tests compare in this
-    # process, so it is set here, before any of them creates a cuBLAS handle.
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # The kernels every rank runs with (deterministic cuDNN and cuBLAS), set before any test starts
+    # CUDA: cuBLAS reads its workspace setting once, and the GPU tests compare recorded and side-by-side
+    # steps with one at a time, bit for bit. simulate() sets it too; here it holds from the first test on.
+    from htfl_dist.runtime.bootstrap import make_deterministic
+
+    make_deterministic()
     config.addinivalue_line("markers", "slurm: starts a throw-away SLURM cluster (root, slurm-wlm, munge); "
                                        "deselect with -m 'not slurm'")
     config.addinivalue_line("markers", "launch: starts the program in processes (python -m, torchrun, mpirun)")

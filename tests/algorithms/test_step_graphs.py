@@ -80,6 +80,10 @@ def _train(client: ClientState, context: AlgorithmContext, seen_batches: list | 
                               torch_generator(3, "batches"), before_step=clip, on_batch=on_batch)
 
 
+def _same_client(a: ClientState, b: ClientState) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
+
+
 @pytest.fixture
 def backend(monkeypatch):
     made = PlainGraphs()
@@ -93,8 +97,7 @@ def test_a_recorded_client_trains_bit_for_bit_as_eager(backend):
     recorded, eager = _client(), _client()
     recorded_batches, eager_batches = [], []
     assert _train(recorded, _context(True), recorded_batches) == _train(eager, _context(False), eager_batches)
-    for a, b in zip(recorded.model.parameters(), eager.model.parameters(), strict=True):
-        assert torch.equal(a, b)
+    assert _same_client(recorded, eager)
     for a, b in zip(recorded.optimizer.state.values(), eager.optimizer.state.values(), strict=True):
         assert torch.equal(a["momentum_buffer"], b["momentum_buffer"])
     for a, b in zip(recorded_batches, eager_batches, strict=True):  # what on_batch sees, batch by batch
@@ -116,7 +119,7 @@ def test_a_step_that_cannot_be_recorded_trains_eagerly_and_says_so_once(monkeypa
     monkeypatch.setattr(training, "_SAID_UNRECORDABLE", [])
     fallen, eager = _client(), _client()
     assert _train(fallen, _context(True)) == _train(eager, _context(False))
-    assert all(torch.equal(a, b) for a, b in zip(fallen.model.parameters(), eager.model.parameters(), strict=True))
+    assert _same_client(fallen, eager)
     _train(_client(1), _context(True))
     assert failing.recordings == 2  # one try per client and round, then eager to its end
     lines = capsys.readouterr().err.strip().splitlines()
@@ -163,10 +166,6 @@ def _gpu_client(seed: int = 0) -> ClientState:
     y = (torch.arange(95) % 10).cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     return ClientState(seed, "conv", model, optimizer, x, y, x, y, torch.device("cuda"))
-
-
-def _same_client(a: ClientState, b: ClientState) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -256,7 +256,7 @@ def test_clients_side_by_side_give_the_rows_of_one_at_a_time(algorithm, extra, d
     for bit."""
     overrides = [f"data.cache_dir={cache_dir}", "rounds=3", f"algorithm={algorithm}", *extra]
     if device == "cuda":  # recorded steps too: on (a recording that fails raises) where declared capturable
-        overrides.append("train.cuda_graphs=" + ("auto" if algorithm == "protonorm" else "on"))
+        overrides.append("train.cuda_graphs=" + ("on" if get_algorithm(algorithm).client.capturable_step else "auto"))
     alone = simulate(SMOKE, overrides, out=tmp_path / "alone", device=device)
     groups = []
     together_one = ConcurrentTraining._together
