@@ -380,11 +380,11 @@ def step_side_by_side(suite: Suite, cap_s: float) -> None:
         results[name] = {"rc": launched.rc, "s_per_round": s_round, "wall_s": launched.seconds,
                          "gpu_util": util, "acc": [r["test_acc"] for r in rows]}
         accuracy = ", ".join(f"{100 * row['test_acc']:.2f}" for row in rows)
-        eager = "cannot be recorded" in (suite.out / "logs" / f"1_{name}.log").read_text(errors="replace")
-        results[name]["graphs_fell_back"] = eager
+        fell_back = "cannot be recorded" in (suite.out / "logs" / f"1_{name}.log").read_text(errors="replace")
+        results[name]["graphs_fell_back"] = fell_back
         table.append(f"| {name} | {fmt(s_round)} | {launched.seconds:.1f} | {fmt(util, '.0f')} | "
                      f"{fmt(launched.gpu_mem_mib, '.0f')} | {accuracy} (rc {launched.rc}"
-                     f"{'; some steps not recorded: see its log' if eager else ''}) |")
+                     f"{'; some steps not recorded: see its log' if fell_back else ''}) |")
     suite.results["side_by_side"] = results
     suite.add_section("1. FedProto beside HtFLlib's, same split and device", [
         f"{suite.sizes.clients} HtCNN8 clients, PFLlib's FMNIST Dirichlet 0.1 split (seed 1), "

@@ -127,6 +127,17 @@ def test_steps_that_cannot_run_are_refused(tmp_path, capsys, steps, message):
     assert message in capsys.readouterr().err
 
 
+def test_step_1a_lists_the_failed_tests_from_pytests_summary(tmp_path):
+    log = tmp_path / "1_graphs_equal_eager.log"
+    log.write_text("...FF.\n_ test_a[cuda] _\nE  RuntimeError: capture FAILED, mid-line\n"
+                   "=== short test summary info ===\n"
+                   "FAILED tests/x.py::test_a[cuda] - assert 1 == 2\nFAILED tests/x.py::test_b[cuda]\n"
+                   "SKIPPED [1] tests/y.py:3: no GPU\n2 failed, 4 passed\n")
+    assert gpu_suite.failed_tests(log) == ["  - FAILED tests/x.py::test_a[cuda] - assert 1 == 2",
+                                           "  - FAILED tests/x.py::test_b[cuda]"]
+    assert gpu_suite.failed_tests(tmp_path / "missing.log") == []  # the step was cut before its log
+
+
 @pytest.mark.launch
 def test_dry_run_of_the_whole_suite_on_the_cpu(tmp_path):
     env = _env()
